@@ -1,0 +1,107 @@
+"""The ``sloweave`` command line.
+
+Each sub-command lives next to the code it drives; this module only assembles them.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import click
+
+from sloweave.cost import AnalyticCost, ConstantMargin, NoisyCost, RelativeMargin, ZeroMargin
+from sloweave.policy import DEFAULT_MAX_CHUNK_TOKENS, SLOWeave, make_policy
+from sloweave.workloads import WORKLOADS, WorkloadError, get_workload_spec
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="sloweave")
+def main() -> None:
+    """sloweave: deadline-aware adaptive chunked prefill for LLM serving."""
+
+
+def _positive(ctx: click.Context, param: click.Parameter, value: float | None) -> float | None:
+    if value is not None and not (value > 0 and math.isfinite(value)):
+        raise click.BadParameter(f"must be a finite number > 0, got {value!r}")
+    return value
+
+
+def _margin(kind: str, value: float, cost):
+    if kind == "none":
+        return ZeroMargin()
+    if kind == "constant":
+        return ConstantMargin(value)
+    return RelativeMargin(cost, value)
+
+
+@main.command()
+@click.option("--decodes", "n_decodes", type=click.IntRange(min=0), required=True, help="running requests n")
+@click.option("--waiting-tokens", type=click.IntRange(min=0), required=True, help="remaining prompt L of the oldest waiting request")
+@click.option("--budget-ms", type=float, default=math.inf, show_default=True, help="time to the earliest next-token deadline")
+@click.option("--max-chunk", type=click.IntRange(min=1), default=DEFAULT_MAX_CHUNK_TOKENS, show_default=True)
+def decide(n_decodes: int, waiting_tokens: int, budget_ms: float, max_chunk: int) -> None:
+    """One SLOWeave decision on the paper's analytic cost model (e.g. --decodes 4 --budget-ms 10)."""
+    if budget_ms < 0 or math.isnan(budget_ms):
+        raise click.BadParameter(f"must be >= 0, got {budget_ms!r}", param_hint="--budget-ms")
+    policy = SLOWeave(max_chunk_tokens=max_chunk)
+    decision = policy.decide(n_decodes, waiting_tokens, budget_ms)
+    click.echo(
+        json.dumps(
+            {
+                "chunk_tokens": decision.chunk_tokens,
+                "infeasible": decision.infeasible,
+                "predicted_ms": policy.predicted_ms(n_decodes, decision.chunk_tokens),
+                "budget_ms": budget_ms,
+            }
+        )
+    )
+
+
+@main.command()
+@click.option("--workload", type=click.Choice(list(WORKLOADS)), default="mixed", show_default=True)
+@click.option("--policy", "policy_name", default="sloweave", show_default=True, help="sloweave, full, fixed-C or budget-B")
+@click.option("--tpot-ms", type=float, default=25.0, show_default=True, callback=_positive)
+@click.option("--ttft-ms", type=float, default=None, callback=_positive, help="default: the workload's target")
+@click.option("--requests", "num_requests", type=click.IntRange(min=1), default=2000, show_default=True)
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--rate-scale", type=float, default=1.0, show_default=True, callback=_positive, help="multiplies the arrival rate")
+@click.option("--max-chunk", type=click.IntRange(min=1), default=DEFAULT_MAX_CHUNK_TOKENS, show_default=True)
+@click.option("--noise-sigma", type=click.FloatRange(min=0), default=0.0, show_default=True, help="actual time = predicted x lognormal(0, sigma)")
+@click.option("--margin", "margin_kind", type=click.Choice(["none", "constant", "relative"]), default="none", show_default=True)
+@click.option("--margin-value", type=click.FloatRange(min=0), default=0.0, show_default=True, help="ms (constant) or fraction of T (relative)")
+@click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), default=None, help="write requests.csv, iterations.csv, metrics.json")
+def simulate(workload, policy_name, tpot_ms, ttft_ms, num_requests, seed, rate_scale, max_chunk, noise_sigma, margin_kind, margin_value, out_dir) -> None:
+    """Simulate one workload under one policy and print its metrics."""
+    from sloweave.experiments import write_single_run
+    from sloweave.metrics import evaluate, per_request_frame
+    from sloweave.simulator import simulate as run_simulation
+
+    spec = get_workload_spec(workload)
+    cost = AnalyticCost()
+    try:
+        policy = make_policy(policy_name, cost, _margin(margin_kind, margin_value, cost), max_chunk)
+    except ValueError as err:
+        raise click.BadParameter(str(err), param_hint="--policy") from None
+    actual = NoisyCost(cost, noise_sigma, seed=seed + 1_000_003) if noise_sigma > 0 else cost
+    try:
+        wl = spec.generate(num_requests, seed, rate_scale)
+    except WorkloadError as err:
+        raise click.UsageError(str(err)) from None
+    result = run_simulation(wl, policy, tpot_ms=tpot_ms, actual_cost=actual)
+    metrics = evaluate(result, ttft_ms or spec.ttft_ms, tpot_ms)
+    click.echo(json.dumps({"workload": workload, "policy": policy.name, "tpot_ms": tpot_ms, **metrics.as_dict()}, indent=2))
+    if out_dir is not None:
+        write_single_run(result, per_request_frame(result), metrics, out_dir)
+        click.echo(f"wrote {out_dir}/requests.csv, iterations.csv, metrics.json")
+
+
+def _register_optional_commands() -> None:
+    """Commands of the other bodies register here (each module owns its command)."""
+    from sloweave.experiments import reproduce
+
+    main.add_command(reproduce)
+
+
+_register_optional_commands()

@@ -1,0 +1,138 @@
+"""Metrics exactly as SPEC.md defines them.
+
+Per request: TTFT (first token time minus arrival) and the P99 of its own inter-token
+gaps. A request meets its SLO when TTFT <= the TTFT target AND its P99 gap <= the TPOT
+target (a request with a single output token has no gap and is judged on TTFT alone).
+A request that did not finish (still pending at the horizon) does not meet its SLO.
+Goodput = SLO-meeting requests per second of the run (first arrival to last iteration
+end); attainment = their fraction. Aggregation is per request first; a study then takes
+the mean of per-seed results, never pooling gaps across requests.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import numpy as np
+import pandas as pd
+
+from sloweave.simulator import NOT_STARTED, SimResult
+
+# The simulated clock is a float sum of iteration times, so a gap that exactly meets its
+# target can come out a few ulps above it; judge targets with this tolerance.
+TIME_TOLERANCE_MS = 1e-6
+
+
+def per_request_frame(result: SimResult) -> pd.DataFrame:
+    """One row per request: arrival, TTFT, P99 inter-token gap, finish time, status."""
+    wl = result.workload
+    ends = result.iter_end_ms
+    first = result.first_token_iter
+    out = wl.output_tokens
+    arrival_ms = wl.arrival_s * 1000.0
+    started = first != NOT_STARTED
+    ttft = np.full(len(wl), np.nan)
+    ttft[started] = ends[first[started]] - arrival_ms[started]
+    p99_gap = np.full(len(wl), np.nan)
+    max_gap = np.full(len(wl), np.nan)
+    finish = np.full(len(wl), np.nan)
+    # Gaps of request i are the consecutive differences of iteration ends over its range.
+    iteration_gaps = np.diff(ends)
+    for i in np.flatnonzero(result.finished):
+        f, k = int(first[i]), int(out[i])
+        finish[i] = ends[f + k - 1]
+        if k > 1:
+            gaps = iteration_gaps[f : f + k - 1]
+            p99_gap[i] = np.percentile(gaps, 99)
+            max_gap[i] = gaps.max()
+        else:
+            p99_gap[i] = 0.0
+            max_gap[i] = 0.0
+    return pd.DataFrame(
+        {
+            "request": np.arange(len(wl)),
+            "arrival_ms": arrival_ms,
+            "prompt_tokens": wl.prompt_tokens,
+            "output_tokens": out,
+            "ttft_ms": ttft,
+            "p99_tpot_ms": p99_gap,
+            "max_tpot_ms": max_gap,
+            "finish_ms": finish,
+            "status": result.status(),
+        }
+    )
+
+
+@dataclass(frozen=True)
+class RunMetrics:
+    num_requests: int
+    num_finished: int
+    num_pending: int
+    slo_met: int
+    attainment: float
+    goodput_rps: float
+    throughput_rps: float
+    p50_ttft_ms: float
+    p99_ttft_ms: float
+    p50_tpot_ms: float
+    p99_tpot_ms: float
+    duration_s: float
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def slo_met(requests: pd.DataFrame, ttft_ms: float, tpot_ms: float | np.ndarray) -> np.ndarray:
+    """Boolean per request: finished, TTFT within target and P99 gap within the TPOT target."""
+    if not np.all(np.asarray(ttft_ms) > 0) or not np.all(np.asarray(tpot_ms) > 0):
+        raise ValueError(f"SLO targets must be > 0 ms (ttft_ms={ttft_ms!r}, tpot_ms={tpot_ms!r})")
+    finished = (requests["status"] == "finished").to_numpy()
+    with np.errstate(invalid="ignore"):
+        ok = (requests["ttft_ms"].to_numpy() <= ttft_ms + TIME_TOLERANCE_MS) & (
+            requests["p99_tpot_ms"].to_numpy() <= np.asarray(tpot_ms) + TIME_TOLERANCE_MS
+        )
+    return finished & ok
+
+
+def summarize(requests: pd.DataFrame, duration_ms: float, ttft_ms: float, tpot_ms: float | np.ndarray) -> RunMetrics:
+    """Aggregate per-request rows of one run into the study's numbers."""
+    met = slo_met(requests, ttft_ms, tpot_ms)
+    finished = (requests["status"] == "finished").to_numpy()
+    duration_s = max(duration_ms, 1e-9) / 1000.0
+    done = requests[finished]
+
+    def pct(column: str, q: float) -> float:
+        values = done[column].to_numpy()
+        return float(np.percentile(values, q)) if values.size else float("nan")
+
+    return RunMetrics(
+        num_requests=len(requests),
+        num_finished=int(finished.sum()),
+        num_pending=int((~finished).sum()),
+        slo_met=int(met.sum()),
+        attainment=float(met.mean()),
+        goodput_rps=float(met.sum()) / duration_s,
+        throughput_rps=float(finished.sum()) / duration_s,
+        p50_ttft_ms=pct("ttft_ms", 50),
+        p99_ttft_ms=pct("ttft_ms", 99),
+        p50_tpot_ms=pct("p99_tpot_ms", 50),
+        p99_tpot_ms=pct("p99_tpot_ms", 99),
+        duration_s=duration_s,
+    )
+
+
+def run_duration_ms(result: SimResult) -> float:
+    """First arrival to the end of the last iteration (or to the horizon)."""
+    start = float(result.workload.arrival_s[0]) * 1000.0
+    end = min(result.makespan_ms, result.horizon_ms)
+    return end - start
+
+
+def evaluate(result: SimResult, ttft_ms: float, tpot_ms: float | None = None) -> RunMetrics:
+    """Metrics of one run against a TTFT target and a TPOT target (default: the run's own).
+
+    A workload with per-request TPOT targets is judged against each request's own target.
+    """
+    if tpot_ms is None:
+        tpot_ms = result.tpot_ms if result.workload.tpot_ms is None else result.workload.tpot_ms
+    return summarize(per_request_frame(result), run_duration_ms(result), ttft_ms, tpot_ms)

@@ -1,0 +1,165 @@
+"""Chunk-size policies: SLOWeave and the static baselines, behind one interface.
+
+Every iteration the engine asks a policy how many prompt tokens of the oldest waiting
+request to prefill next to the decode batch. The answer depends on three numbers only:
+the decode batch size n, the remaining prompt length L of the oldest waiting request
+(0 when none waits) and the time budget B until the earliest next-token deadline
+(+inf when nothing is decoding). Keeping the interface this narrow is what lets the same
+policy object decide in the simulator, the CPU runtime and the vLLM plug-in.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import NamedTuple, Protocol
+
+from sloweave.cost import AnalyticCost, CostModel, Margin, MonotoneRepair, ZeroMargin, check_monotone_in_chunk
+
+DEFAULT_MAX_CHUNK_TOKENS = 4096
+
+
+class Decision(NamedTuple):
+    chunk_tokens: int
+    # True when even a decode-only iteration is predicted to miss the earliest deadline
+    # (T(n, 0) + delta(n, 0) > B): the overload case of SPEC.md.
+    infeasible: bool = False
+
+
+class Policy(Protocol):
+    name: str
+    # Static policies ignore the budget, so one simulation serves every TPOT target.
+    uses_deadlines: bool
+
+    def decide(self, n_decodes: int, waiting_tokens: int, budget_ms: float) -> Decision: ...
+
+
+def _check_chunk(value: int, what: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{what} must be a positive whole number of tokens, got {value!r}")
+    return value
+
+
+@dataclass(frozen=True)
+class SLOWeave:
+    """The largest prefill chunk whose predicted iteration time meets the earliest deadline.
+
+    c* = max { c in [0, min(C_max, L)] : T(n, c) + delta(n, c) <= B }, found by binary
+    search because T is monotone in c. Decode-only when no prompt waits or nothing fits;
+    the largest chunk when nothing is decoding (no deadline to protect).
+    """
+
+    cost: CostModel = field(default_factory=AnalyticCost)
+    margin: Margin = field(default_factory=ZeroMargin)
+    max_chunk_tokens: int = DEFAULT_MAX_CHUNK_TOKENS
+    repair_non_monotone: bool = False
+    name: str = "sloweave"
+    uses_deadlines: bool = True
+
+    def __post_init__(self) -> None:
+        _check_chunk(self.max_chunk_tokens, "max_chunk_tokens")
+        if self.repair_non_monotone:
+            object.__setattr__(self, "cost", MonotoneRepair(self.cost, self.max_chunk_tokens))
+        check_monotone_in_chunk(self.cost, self.max_chunk_tokens)
+        # delta is added to T, so T + delta must be monotone too or the search is wrong.
+        check_monotone_in_chunk(lambda n, c: self.cost(n, c) + self.margin(n, c), self.max_chunk_tokens)
+
+    def predicted_ms(self, n_decodes: int, chunk_tokens: int) -> float:
+        return self.cost(n_decodes, chunk_tokens) + self.margin(n_decodes, chunk_tokens)
+
+    def decide(self, n_decodes: int, waiting_tokens: int, budget_ms: float) -> Decision:
+        upper = min(self.max_chunk_tokens, waiting_tokens)
+        if n_decodes == 0:
+            return Decision(upper)
+        cost, margin = self.cost, self.margin
+        if cost(n_decodes, 0) + margin(n_decodes, 0) > budget_ms:
+            return Decision(0, True)
+        if upper <= 0 or cost(n_decodes, upper) + margin(n_decodes, upper) <= budget_ms:
+            return Decision(max(upper, 0))
+        lo, hi = 0, upper  # invariant: lo fits the budget, hi does not
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if cost(n_decodes, mid) + margin(n_decodes, mid) <= budget_ms:
+                lo = mid
+            else:
+                hi = mid
+        return Decision(lo)
+
+
+@dataclass(frozen=True)
+class FullPrefill:
+    """No chunking: the whole remaining prompt goes into one iteration (Orca / vLLM V0)."""
+
+    name: str = "full"
+    uses_deadlines: bool = False
+
+    def decide(self, n_decodes: int, waiting_tokens: int, budget_ms: float) -> Decision:
+        return Decision(waiting_tokens)
+
+
+@dataclass(frozen=True)
+class FixedChunk:
+    """Sarathi-style chunked prefill: one chunk of at most C prompt tokens next to all decodes."""
+
+    chunk_tokens: int
+
+    def __post_init__(self) -> None:
+        _check_chunk(self.chunk_tokens, "Fixed-C chunk size")
+
+    @property
+    def name(self) -> str:
+        return f"fixed-{self.chunk_tokens}"
+
+    uses_deadlines: bool = False
+
+    def decide(self, n_decodes: int, waiting_tokens: int, budget_ms: float) -> Decision:
+        return Decision(min(self.chunk_tokens, waiting_tokens))
+
+
+@dataclass(frozen=True)
+class TokenBudget:
+    """vLLM's ``max_num_batched_tokens`` form: B tokens shared by the decodes and one chunk.
+
+    Decodes are served first (one token each), the prefill chunk gets what is left:
+    c = max(0, B - n). With n >= B no prefill runs that iteration.
+    """
+
+    budget_tokens: int
+
+    def __post_init__(self) -> None:
+        _check_chunk(self.budget_tokens, "token budget")
+
+    @property
+    def name(self) -> str:
+        return f"budget-{self.budget_tokens}"
+
+    uses_deadlines: bool = False
+
+    def decide(self, n_decodes: int, waiting_tokens: int, budget_ms: float) -> Decision:
+        return Decision(min(waiting_tokens, max(0, self.budget_tokens - n_decodes)))
+
+
+_SPEC_RE = re.compile(r"^(fixed|budget)-(\d+)$")
+
+
+def make_policy(
+    spec: str,
+    cost: CostModel | None = None,
+    margin: Margin | None = None,
+    max_chunk_tokens: int = DEFAULT_MAX_CHUNK_TOKENS,
+) -> Policy:
+    """Build a policy from its name: ``sloweave``, ``full``, ``fixed-C`` or ``budget-B``."""
+    spec = spec.strip().lower()
+    if spec == "sloweave":
+        return SLOWeave(cost=cost or AnalyticCost(), margin=margin or ZeroMargin(), max_chunk_tokens=max_chunk_tokens)
+    if spec in ("full", "full-prefill"):
+        return FullPrefill()
+    match = _SPEC_RE.match(spec)
+    if match:
+        kind, size = match.group(1), int(match.group(2))
+        return FixedChunk(size) if kind == "fixed" else TokenBudget(size)
+    raise ValueError(
+        f"unknown policy {spec!r}: expected 'sloweave', 'full', 'fixed-<tokens>' or 'budget-<tokens>' "
+        "(e.g. fixed-1024, budget-2048) with a positive whole number of tokens"
+    )
+

@@ -1,0 +1,61 @@
+import math
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from sloweave.deadlines import DeadlineTracker
+
+
+def test_earliest_deadline_and_budget():
+    tracker = DeadlineTracker(default_tpot_ms=25.0)
+    assert tracker.budget_ms(0.0) == math.inf
+    tracker.add("a", last_token_ms=100.0)
+    tracker.add("b", last_token_ms=90.0, tpot_ms=50.0)
+    assert tracker.earliest_deadline_ms() == 125.0
+    assert tracker.budget_ms(110.0) == 15.0
+    tracker.on_token("a", 130.0)
+    assert tracker.earliest_deadline_ms() == 140.0  # b: 90 + 50
+    tracker.remove("b")
+    assert tracker.earliest_deadline_ms() == 155.0
+    assert tracker.budget_ms(200.0) == 0.0  # already late: budget clamps at zero
+    tracker.remove("a")
+    assert tracker.earliest_deadline_ms() == math.inf and len(tracker) == 0
+
+
+def test_bad_targets_and_ids():
+    with pytest.raises(ValueError, match="default_tpot_ms"):
+        DeadlineTracker(0)
+    tracker = DeadlineTracker(25.0)
+    with pytest.raises(ValueError, match="tpot_ms"):
+        tracker.add("x", 0.0, tpot_ms=-3)
+    tracker.add("x", 0.0)
+    with pytest.raises(ValueError, match="already tracked"):
+        tracker.add("x", 0.0)
+    with pytest.raises(KeyError):
+        tracker.on_token("missing", 1.0)
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    st.lists(
+        st.tuples(st.sampled_from(["add", "token", "remove"]), st.integers(0, 9), st.floats(0, 1e4), st.floats(1, 100)),
+        max_size=300,
+    )
+)
+def test_heap_matches_brute_force_minimum(operations):
+    tracker = DeadlineTracker(25.0)
+    reference: dict[int, tuple[float, float]] = {}  # id -> (last token, target)
+    for op, rid, t, target in operations:
+        if op == "add" and rid not in reference:
+            tracker.add(rid, t, target)
+            reference[rid] = (t, target)
+        elif op == "token" and rid in reference:
+            tracker.on_token(rid, t)
+            reference[rid] = (t, reference[rid][1])
+        elif op == "remove":
+            tracker.remove(rid)
+            reference.pop(rid, None)
+        expected = min((last + d for last, d in reference.values()), default=math.inf)
+        assert tracker.earliest_deadline_ms() == expected
+        assert len(tracker._heap) <= 4 * len(reference) + 65  # lazy deletion stays bounded

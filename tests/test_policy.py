@@ -1,0 +1,215 @@
+"""The decision core: SLOWeave's chunk choice, the baselines and Proposition 1."""
+
+import math
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from sloweave.cost import (
+    AnalyticCost,
+    ConstantMargin,
+    CostModelError,
+    MonotoneRepair,
+    RelativeMargin,
+    check_monotone_in_chunk,
+)
+from sloweave.policy import FixedChunk, FullPrefill, SLOWeave, TokenBudget, make_policy
+
+
+def test_analytic_cost_matches_spec():
+    cost = AnalyticCost()
+    assert cost(40, 0) == pytest.approx(3.45)
+    assert cost(0, 0) == pytest.approx(0.35)
+    assert cost(0, 100) == pytest.approx(0.35 + 0.40 + 0.6)
+    assert cost(4, 1024) == pytest.approx(0.35 + 0.90 + 0.22 + 0.40 + 6.144)
+
+
+def test_worked_example_of_spec():
+    """n = 4, B = 10 ms gives c* of about 1355; Fixed-1024 leaves slack, Fixed-2048 misses."""
+    cost = AnalyticCost()
+    policy = SLOWeave(cost=cost)
+    decision = policy.decide(4, 4096, 10.0)
+    assert abs(decision.chunk_tokens - 1355) <= 1
+    assert not decision.infeasible
+    assert cost(4, decision.chunk_tokens) <= 10.0 < cost(4, decision.chunk_tokens + 1)
+    assert cost(4, 1024) < 10.0 < cost(4, 2048)
+
+
+def test_no_decodes_takes_the_largest_chunk():
+    policy = SLOWeave(max_chunk_tokens=4096)
+    assert policy.decide(0, 10_000, math.inf).chunk_tokens == 4096
+    assert policy.decide(0, 300, math.inf).chunk_tokens == 300
+
+
+def test_decode_only_when_nothing_waits_or_nothing_fits():
+    policy = SLOWeave()
+    assert policy.decide(8, 0, 25.0) == (0, False)
+    # T(8, 0) = 1.69 fits 2 ms but the smallest chunk (0.40 + 0.006) does not.
+    assert policy.decide(8, 500, 2.0) == (0, False)
+    # Overload: even decode-only misses the budget; record it as infeasible.
+    assert policy.decide(1000, 500, 25.0) == (0, True)
+    assert policy.decide(1000, 0, 25.0) == (0, True)
+    assert policy.decide(8, 500, 0.0) == (0, True)
+
+
+def test_margin_shrinks_the_chunk():
+    cost = AnalyticCost()
+    plain = SLOWeave(cost=cost).decide(4, 4096, 10.0).chunk_tokens
+    guarded = SLOWeave(cost=cost, margin=ConstantMargin(1.0)).decide(4, 4096, 10.0).chunk_tokens
+    assert guarded < plain
+    assert cost(4, guarded) + 1.0 <= 10.0 < cost(4, guarded + 1) + 1.0
+
+
+def test_static_baselines():
+    assert FullPrefill().decide(100, 9000, 1.0).chunk_tokens == 9000
+    assert FixedChunk(256).decide(100, 9000, 1.0).chunk_tokens == 256
+    assert FixedChunk(256).decide(100, 100, 1.0).chunk_tokens == 100
+    assert TokenBudget(512).decide(100, 9000, 1.0).chunk_tokens == 412
+    assert TokenBudget(512).decide(600, 9000, 1.0).chunk_tokens == 0
+    assert TokenBudget(512).decide(10, 50, 1.0).chunk_tokens == 50
+    for size in (64, 256, 512, 1024, 2048):
+        assert make_policy(f"fixed-{size}").name == f"fixed-{size}"
+        assert make_policy(f"budget-{size}").name == f"budget-{size}"
+    assert make_policy("full").name == "full"
+    assert make_policy("sloweave").uses_deadlines and not make_policy("fixed-64").uses_deadlines
+
+
+@pytest.mark.parametrize("bad", ["fixed-0", "fixed--5", "fixed-abc", "budget-0", "chunky", "", "fixed-1.5"])
+def test_bad_policy_names_are_rejected(bad):
+    with pytest.raises(ValueError, match="policy|tokens"):
+        make_policy(bad)
+
+
+@pytest.mark.parametrize("bad", [0, -1, 1.5, True])
+def test_bad_chunk_sizes_are_rejected(bad):
+    with pytest.raises(ValueError, match="positive whole number"):
+        FixedChunk(bad)
+    with pytest.raises(ValueError, match="positive whole number"):
+        SLOWeave(max_chunk_tokens=bad)
+
+
+def test_non_monotone_cost_is_rejected_or_repaired_on_request():
+    def bumpy(n, c):  # a kernel boundary making 2048 cheaper than 2000
+        return 1.0 + 0.01 * c - (5.0 if c >= 2048 else 0.0)
+
+    with pytest.raises(CostModelError, match="not monotone"):
+        SLOWeave(cost=bumpy)
+    repaired = SLOWeave(cost=bumpy, repair_non_monotone=True)
+    values = [repaired.cost(4, c) for c in range(0, 4097, 7)]
+    assert all(b >= a for a, b in zip(values, values[1:]))
+    assert all(repaired.cost(4, c) >= bumpy(4, c) for c in range(0, 4097, 13))
+    # The repaired model is never cheaper than the real one, so the choice stays safe.
+    decision = repaired.decide(4, 4096, 20.0)
+    assert bumpy(4, decision.chunk_tokens) <= 20.0
+
+
+def test_bad_cost_values_are_rejected():
+    with pytest.raises(CostModelError, match="negative"):
+        check_monotone_in_chunk(lambda n, c: -1.0, 100)
+    with pytest.raises(CostModelError, match="non-finite"):
+        check_monotone_in_chunk(lambda n, c: math.nan, 100)
+    with pytest.raises(CostModelError, match="prefill_per_token_ms"):
+        AnalyticCost(prefill_per_token_ms=-0.1)
+    with pytest.raises(CostModelError, match="margin_ms"):
+        ConstantMargin(-1.0)
+
+
+# --- Proposition 1, by brute force over random monotone cost models -------------------
+
+MAX_CHUNK = 200
+
+
+@st.composite
+def monotone_tables(draw):
+    """A random cost table T[n][c], monotone non-decreasing in c (any shape in n).
+
+    Increments are drawn by numpy from a hypothesis-chosen seed: a mix of flat plateaus
+    (ties are where a binary search goes wrong), small slopes and occasional jumps.
+    """
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    flat_share = draw(st.floats(0.0, 0.95))
+    jump_share = draw(st.floats(0.0, 0.1))
+    rows = []
+    for _ in range(6):
+        steps = rng.uniform(0.0, 0.5, MAX_CHUNK)
+        steps[rng.random(MAX_CHUNK) < flat_share] = 0.0
+        steps[rng.random(MAX_CHUNK) < jump_share] += rng.uniform(1.0, 20.0)
+        base = rng.uniform(0.0, 20.0)
+        rows.append(np.concatenate([[base], base + np.cumsum(steps)]))
+    return np.array(rows)
+
+
+def table_cost(table):
+    return lambda n, c: float(table[n % len(table)][c])
+
+
+def brute_force_best(cost, n, waiting, budget, max_chunk):
+    safe = [c for c in range(0, min(max_chunk, waiting) + 1) if cost(n, c) <= budget]
+    return max(safe) if safe else None
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    table=monotone_tables(),
+    n=st.integers(1, 5),
+    waiting=st.integers(0, 400),
+    budget=st.floats(0.0, 200.0),
+    max_chunk=st.integers(1, MAX_CHUNK),
+)
+def test_proposition_1_chunk_is_safe_and_maximal(table, n, waiting, budget, max_chunk):
+    cost = table_cost(table)
+    decision = SLOWeave(cost=cost, max_chunk_tokens=max_chunk).decide(n, waiting, budget)
+    best = brute_force_best(cost, n, waiting, budget, max_chunk)
+    if best is None:  # even decode-only misses: overload
+        assert decision == (0, True)
+    else:
+        assert not decision.infeasible
+        assert decision.chunk_tokens == best
+        assert cost(n, decision.chunk_tokens) <= budget
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    table=monotone_tables(),
+    n=st.integers(1, 5),
+    waiting=st.integers(0, 400),
+    budget=st.floats(0.0, 200.0),
+    margin_ms=st.floats(0.0, 10.0),
+    error_seed=st.integers(0, 2**32 - 1),
+)
+def test_proposition_1_with_margin_under_bounded_one_sided_error(table, n, waiting, budget, margin_ms, error_seed):
+    """Actual time may exceed the prediction by at most delta: the chosen chunk still meets B."""
+    predicted = table_cost(table)
+    rng = np.random.default_rng(error_seed)
+    # actual = predicted + an error in [-5, delta]: bounded above by delta, anything below.
+    error = rng.uniform(-5.0, margin_ms, size=table.shape)
+
+    def actual(n_, c_):
+        return predicted(n_, c_) + float(error[n_ % len(table)][c_])
+
+    policy = SLOWeave(cost=predicted, margin=ConstantMargin(margin_ms), max_chunk_tokens=MAX_CHUNK)
+    decision = policy.decide(n, waiting, budget)
+    if not decision.infeasible:
+        assert actual(n, decision.chunk_tokens) <= budget + 1e-9
+        # and it is the largest chunk the guarded prediction allows
+        guarded = lambda n_, c_: predicted(n_, c_) + margin_ms  # noqa: E731
+        assert decision.chunk_tokens == brute_force_best(guarded, n, waiting, budget, MAX_CHUNK)
+
+
+def test_relative_margin_covers_a_bounded_multiplicative_error():
+    cost = AnalyticCost()
+    policy = SLOWeave(cost=cost, margin=RelativeMargin(cost, 0.2))
+    for n in (1, 8, 64, 200):
+        for budget in (5.0, 10.0, 25.0, 50.0):
+            decision = policy.decide(n, 8192, budget)
+            if not decision.infeasible:
+                assert 1.2 * cost(n, decision.chunk_tokens) <= budget + 1e-9
+
+
+def test_monotone_repair_is_exact_on_monotone_models():
+    cost = AnalyticCost()
+    repaired = MonotoneRepair(cost, 4096)
+    for c in (0, 1, 15, 16, 17, 1000, 4096, 5000):
+        assert repaired(8, c) == cost(8, c)
