@@ -73,10 +73,16 @@ def test_static_baselines():
         assert make_policy(f"fixed-{size}").name == f"fixed-{size}"
         assert make_policy(f"budget-{size}").name == f"budget-{size}"
     assert make_policy("full").name == "full"
+    assert make_policy("orca").name == "orca" and make_policy("orca").max_prefills is None
+    assert make_policy("sarathi-512").name == "sarathi-512" and make_policy("sarathi-512").max_prefills is None
+    assert make_policy("sloweave-multi").name == "sloweave-multi"
+    assert make_policy("sarathi-512").decide(100, 9000, 1.0).chunk_tokens == 412
+    with pytest.raises(ValueError, match="max_prefills"):
+        TokenBudget(512, max_prefills=2)
     assert make_policy("sloweave").uses_deadlines and not make_policy("fixed-64").uses_deadlines
 
 
-@pytest.mark.parametrize("bad", ["fixed-0", "fixed--5", "fixed-abc", "budget-0", "chunky", "", "fixed-1.5"])
+@pytest.mark.parametrize("bad", ["fixed-0", "fixed--5", "fixed-abc", "budget-0", "sarathi-0", "chunky", "", "fixed-1.5"])
 def test_bad_policy_names_are_rejected(bad):
     with pytest.raises(ValueError, match="policy|tokens"):
         make_policy(bad)

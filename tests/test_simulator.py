@@ -9,7 +9,7 @@ from sloweave.policy import FixedChunk, SLOWeave, make_policy
 from sloweave.simulator import simulate
 from sloweave.workloads import WORKLOADS, Workload
 
-POLICIES = ["sloweave", "full", "fixed-64", "fixed-1024", "budget-256", "budget-2048"]
+POLICIES = ["sloweave", "sloweave-multi", "full", "orca", "fixed-64", "fixed-1024", "budget-256", "budget-2048", "sarathi-512"]
 
 
 @pytest.fixture(scope="module")
@@ -17,19 +17,24 @@ def mixed_workload():
     return WORKLOADS["mixed"].generate(300, seed=3)
 
 
+@pytest.mark.parametrize("max_batch_size", [None, 32])
 @pytest.mark.parametrize("policy_name", POLICIES)
-def test_every_token_is_accounted_for(mixed_workload, policy_name):
+def test_every_token_is_accounted_for(mixed_workload, policy_name, max_batch_size):
     wl = mixed_workload
-    result = simulate(wl, make_policy(policy_name), tpot_ms=25.0)
+    policy = make_policy(policy_name)
+    result = simulate(wl, policy, tpot_ms=25.0, max_batch_size=max_batch_size)
     assert result.finished.all()
-    # every prompt token is prefilled exactly once, by its own request's chunks
-    prefilled = np.bincount(
-        result.iter_prefill_request[result.iter_prefill_request >= 0],
-        weights=result.iter_chunk_tokens[result.iter_prefill_request >= 0],
-        minlength=len(wl),
-    )
+    # every prompt token is prefilled exactly once, by its own request's pieces
+    prefilled = np.bincount(result.prefill_request, weights=result.prefill_tokens, minlength=len(wl))
     assert np.array_equal(prefilled.astype(np.int64), wl.prompt_tokens)
-    assert result.iter_chunk_tokens.sum() == wl.prompt_tokens.sum()
+    per_iteration = np.bincount(result.prefill_iter, weights=result.prefill_tokens, minlength=result.num_iterations)
+    assert np.array_equal(per_iteration.astype(np.int64), result.iter_chunk_tokens)
+    prompts_per_iteration = np.bincount(result.prefill_iter, minlength=result.num_iterations)
+    if policy.max_prefills == 1:
+        assert prompts_per_iteration.max() == 1
+    # the batch cap holds: decodes + prompts prefilled in an iteration
+    if max_batch_size is not None:
+        assert (result.iter_decodes + prompts_per_iteration).max() <= max_batch_size
     # every request emits exactly its output length, one token per iteration after its prefill
     for i in range(len(wl)):
         times = result.token_times_ms(i)
@@ -118,6 +123,54 @@ def test_hand_computed_run():
     metrics = evaluate(result, ttft_ms=25.0, tpot_ms=10.0)
     assert metrics.slo_met == 1 and metrics.attainment == 0.5  # r1's TTFT of 30 ms misses 25
     assert metrics.goodput_rps == pytest.approx(1 / 0.040)
+
+
+def _three_prompts():
+    return Workload(
+        "three", arrival_s=np.zeros(3), prompt_tokens=np.array([300, 300, 100]), output_tokens=np.array([2, 2, 2])
+    )
+
+
+def test_sarathi_spreads_the_budget_over_several_prompts():
+    """Worked by hand: budget 512, constant 10 ms iterations, no batch cap."""
+    result = simulate(_three_prompts(), make_policy("sarathi-512"), actual_cost=lambda n, c: 10.0)
+    # it0: r0 300 (done) + r1 212; it1: 1 decode, r1 88 (done) + r2 100 (done); it2: 2 decodes
+    assert list(zip(result.prefill_iter, result.prefill_request, result.prefill_tokens)) == [
+        (0, 0, 300), (0, 1, 212), (1, 1, 88), (1, 2, 100)
+    ]
+    assert result.iter_decodes.tolist() == [0, 1, 2]
+    assert [result.token_times_ms(i).tolist() for i in range(3)] == [[10.0, 20.0], [20.0, 30.0], [20.0, 30.0]]
+    # the one-prompt form of the same budget leaves the rest of the budget unused
+    single = simulate(_three_prompts(), make_policy("budget-512"), actual_cost=lambda n, c: 10.0)
+    assert np.bincount(single.prefill_iter).max() == 1 and single.num_iterations > result.num_iterations
+
+
+def test_batch_cap_holds_new_prompts_back():
+    """With a cap of 2 started requests, r2 waits until r0 has finished."""
+    result = simulate(_three_prompts(), make_policy("sarathi-512"), actual_cost=lambda n, c: 10.0, max_batch_size=2)
+    assert list(zip(result.prefill_iter, result.prefill_request, result.prefill_tokens)) == [
+        (0, 0, 300), (0, 1, 212), (1, 1, 88), (2, 2, 100)
+    ]
+    assert [result.token_times_ms(i).tolist() for i in range(3)] == [[10.0, 20.0], [20.0, 30.0], [30.0, 40.0]]
+    with pytest.raises(ValueError, match="max_batch_size"):
+        simulate(_three_prompts(), make_policy("sarathi-512"), max_batch_size=0)
+
+
+def test_orca_prefills_every_admitted_prompt_whole():
+    result = simulate(_three_prompts(), make_policy("orca"), actual_cost=lambda n, c: 10.0)
+    assert result.iter_chunk_tokens.tolist()[0] == 700
+    assert result.first_token_iter.tolist() == [0, 0, 0]
+
+
+def test_sloweave_multi_fills_the_budget_with_further_prompts(mixed_workload):
+    single = simulate(mixed_workload, make_policy("sloweave"), tpot_ms=25.0)
+    multi = simulate(mixed_workload, make_policy("sloweave-multi"), tpot_ms=25.0)
+    assert np.bincount(multi.prefill_iter).max() > 1
+    durations = multi.iter_end_ms - multi.iter_start_ms
+    decoding = multi.iter_decodes > 0
+    assert np.all(durations[decoding] <= multi.iter_budget_ms[decoding] + 1e-9)
+    # filling the budget never leaves prompt tokens unprefilled that the single form took
+    assert multi.iter_chunk_tokens.max() >= single.iter_chunk_tokens.max()
 
 
 def test_horizon_leaves_requests_pending_and_counted():

@@ -61,7 +61,8 @@ def decide(n_decodes: int, waiting_tokens: int, budget_ms: float, max_chunk: int
 
 @main.command()
 @click.option("--workload", type=click.Choice(list(WORKLOADS)), default="mixed", show_default=True)
-@click.option("--policy", "policy_name", default="sloweave", show_default=True, help="sloweave, full, fixed-C or budget-B")
+@click.option("--policy", "policy_name", default="sloweave", show_default=True, help="sloweave, sloweave-multi, full, orca, fixed-C, budget-B or sarathi-B")
+@click.option("--max-batch", "max_batch_size", type=click.IntRange(min=1), default=None, help="cap on started requests (decoding or part-prefilled)")
 @click.option("--tpot-ms", type=float, default=25.0, show_default=True, callback=_positive)
 @click.option("--ttft-ms", type=float, default=None, callback=_positive, help="default: the workload's target")
 @click.option("--requests", "num_requests", type=click.IntRange(min=1), default=2000, show_default=True)
@@ -71,8 +72,8 @@ def decide(n_decodes: int, waiting_tokens: int, budget_ms: float, max_chunk: int
 @click.option("--noise-sigma", type=click.FloatRange(min=0), default=0.0, show_default=True, help="actual time = predicted x lognormal(0, sigma)")
 @click.option("--margin", "margin_kind", type=click.Choice(["none", "constant", "relative"]), default="none", show_default=True)
 @click.option("--margin-value", type=click.FloatRange(min=0), default=0.0, show_default=True, help="ms (constant) or fraction of T (relative)")
-@click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), default=None, help="write requests.csv, iterations.csv, metrics.json")
-def simulate(workload, policy_name, tpot_ms, ttft_ms, num_requests, seed, rate_scale, max_chunk, noise_sigma, margin_kind, margin_value, out_dir) -> None:
+@click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), default=None, help="write requests.csv, iterations.csv, prefills.csv, metrics.json")
+def simulate(workload, policy_name, max_batch_size, tpot_ms, ttft_ms, num_requests, seed, rate_scale, max_chunk, noise_sigma, margin_kind, margin_value, out_dir) -> None:
     """Simulate one workload under one policy and print its metrics."""
     from sloweave.experiments import write_single_run
     from sloweave.metrics import evaluate, per_request_frame
@@ -89,12 +90,12 @@ def simulate(workload, policy_name, tpot_ms, ttft_ms, num_requests, seed, rate_s
         wl = spec.generate(num_requests, seed, rate_scale)
     except WorkloadError as err:
         raise click.UsageError(str(err)) from None
-    result = run_simulation(wl, policy, tpot_ms=tpot_ms, actual_cost=actual)
+    result = run_simulation(wl, policy, tpot_ms=tpot_ms, actual_cost=actual, max_batch_size=max_batch_size)
     metrics = evaluate(result, ttft_ms or spec.ttft_ms, tpot_ms)
     click.echo(json.dumps({"workload": workload, "policy": policy.name, "tpot_ms": tpot_ms, **metrics.as_dict()}, indent=2))
     if out_dir is not None:
         write_single_run(result, per_request_frame(result), metrics, out_dir)
-        click.echo(f"wrote {out_dir}/requests.csv, iterations.csv, metrics.json")
+        click.echo(f"wrote {out_dir}/requests.csv, iterations.csv, prefills.csv, metrics.json")
 
 
 def _register_optional_commands() -> None:

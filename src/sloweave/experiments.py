@@ -311,9 +311,11 @@ def write_single_run(result: SimResult, requests: pd.DataFrame, metrics: RunMetr
             "chunk_tokens": result.iter_chunk_tokens,
             "budget_ms": result.iter_budget_ms,
             "infeasible": result.iter_infeasible,
-            "prefill_request": result.iter_prefill_request,
         }
     ).to_csv(out_dir / "iterations.csv", index=False)
+    pd.DataFrame(
+        {"iteration": result.prefill_iter, "request": result.prefill_request, "tokens": result.prefill_tokens}
+    ).to_csv(out_dir / "prefills.csv", index=False)
     (out_dir / "metrics.json").write_text(json.dumps(metrics.as_dict(), indent=2))
 
 

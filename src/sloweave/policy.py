@@ -10,6 +10,7 @@ policy object decide in the simulator, the CPU runtime and the vLLM plug-in.
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass, field
 from typing import NamedTuple, Protocol
@@ -30,8 +31,20 @@ class Policy(Protocol):
     name: str
     # Static policies ignore the budget, so one simulation serves every TPOT target.
     uses_deadlines: bool
+    # 1: one prompt per iteration (the paper's setting); None: the chunk is spread over the
+    # waiting prompts in FCFS order, several per iteration (Sarathi-Serve, vLLM).
+    max_prefills: int | None
 
     def decide(self, n_decodes: int, waiting_tokens: int, budget_ms: float) -> Decision: ...
+
+    def max_prefill_tokens(self, n_decodes: int) -> float:
+        """The most prompt tokens the policy could take with n decodes (bounds the queue scan)."""
+        ...
+
+
+def _check_max_prefills(value: int | None) -> None:
+    if value not in (1, None):
+        raise ValueError(f"max_prefills must be 1 (one prompt per iteration) or None (several), got {value!r}")
 
 
 def _check_chunk(value: int, what: str) -> int:
@@ -53,11 +66,19 @@ class SLOWeave:
     margin: Margin = field(default_factory=ZeroMargin)
     max_chunk_tokens: int = DEFAULT_MAX_CHUNK_TOKENS
     repair_non_monotone: bool = False
-    name: str = "sloweave"
+    max_prefills: int | None = 1
     uses_deadlines: bool = True
+
+    @property
+    def name(self) -> str:
+        return "sloweave" if self.max_prefills == 1 else "sloweave-multi"
+
+    def max_prefill_tokens(self, n_decodes: int) -> float:
+        return self.max_chunk_tokens
 
     def __post_init__(self) -> None:
         _check_chunk(self.max_chunk_tokens, "max_chunk_tokens")
+        _check_max_prefills(self.max_prefills)
         if self.repair_non_monotone:
             object.__setattr__(self, "cost", MonotoneRepair(self.cost, self.max_chunk_tokens))
         check_monotone_in_chunk(self.cost, self.max_chunk_tokens)
@@ -88,10 +109,24 @@ class SLOWeave:
 
 @dataclass(frozen=True)
 class FullPrefill:
-    """No chunking: the whole remaining prompt goes into one iteration (Orca / vLLM V0)."""
+    """No chunking: the whole remaining prompt goes into one iteration.
 
-    name: str = "full"
+    With ``max_prefills=None`` every waiting prompt the batch cap admits is prefilled whole
+    in the same iteration, as Orca (and Vidur's ``orca`` scheduler) does.
+    """
+
+    max_prefills: int | None = 1
     uses_deadlines: bool = False
+
+    def __post_init__(self) -> None:
+        _check_max_prefills(self.max_prefills)
+
+    @property
+    def name(self) -> str:
+        return "full" if self.max_prefills == 1 else "orca"
+
+    def max_prefill_tokens(self, n_decodes: int) -> float:
+        return math.inf
 
     def decide(self, n_decodes: int, waiting_tokens: int, budget_ms: float) -> Decision:
         return Decision(waiting_tokens)
@@ -111,6 +146,10 @@ class FixedChunk:
         return f"fixed-{self.chunk_tokens}"
 
     uses_deadlines: bool = False
+    max_prefills: int | None = 1
+
+    def max_prefill_tokens(self, n_decodes: int) -> float:
+        return self.chunk_tokens
 
     def decide(self, n_decodes: int, waiting_tokens: int, budget_ms: float) -> Decision:
         return Decision(min(self.chunk_tokens, waiting_tokens))
@@ -118,28 +157,36 @@ class FixedChunk:
 
 @dataclass(frozen=True)
 class TokenBudget:
-    """vLLM's ``max_num_batched_tokens`` form: B tokens shared by the decodes and one chunk.
+    """vLLM's ``max_num_batched_tokens`` form: B tokens shared by the decodes and the prefill.
 
-    Decodes are served first (one token each), the prefill chunk gets what is left:
-    c = max(0, B - n). With n >= B no prefill runs that iteration.
+    Decodes are served first (one token each), the prefill gets what is left:
+    c = max(0, B - n). With n >= B no prefill runs that iteration. ``budget-B`` gives the
+    rest to one prompt (the paper's setting); ``sarathi-B`` (``max_prefills=None``) is
+    Sarathi-Serve as its authors schedule: the in-progress prefill first, then new prompts,
+    each taking what is left of the budget, so several prompts can share an iteration.
     """
 
     budget_tokens: int
+    max_prefills: int | None = 1
 
     def __post_init__(self) -> None:
         _check_chunk(self.budget_tokens, "token budget")
+        _check_max_prefills(self.max_prefills)
 
     @property
     def name(self) -> str:
-        return f"budget-{self.budget_tokens}"
+        return f"{'budget' if self.max_prefills == 1 else 'sarathi'}-{self.budget_tokens}"
 
     uses_deadlines: bool = False
+
+    def max_prefill_tokens(self, n_decodes: int) -> float:
+        return max(0, self.budget_tokens - n_decodes)
 
     def decide(self, n_decodes: int, waiting_tokens: int, budget_ms: float) -> Decision:
         return Decision(min(waiting_tokens, max(0, self.budget_tokens - n_decodes)))
 
 
-_SPEC_RE = re.compile(r"^(fixed|budget)-(\d+)$")
+_SPEC_RE = re.compile(r"^(fixed|budget|sarathi)-(\d+)$")
 
 
 def make_policy(
@@ -148,18 +195,29 @@ def make_policy(
     margin: Margin | None = None,
     max_chunk_tokens: int = DEFAULT_MAX_CHUNK_TOKENS,
 ) -> Policy:
-    """Build a policy from its name: ``sloweave``, ``full``, ``fixed-C`` or ``budget-B``."""
+    """Build a policy from its name.
+
+    ``sloweave`` / ``sloweave-multi``, ``full`` / ``orca``, ``fixed-C``, ``budget-B`` (one
+    prompt per iteration) or ``sarathi-B`` (several prompts per iteration).
+    """
     spec = spec.strip().lower()
-    if spec == "sloweave":
-        return SLOWeave(cost=cost or AnalyticCost(), margin=margin or ZeroMargin(), max_chunk_tokens=max_chunk_tokens)
-    if spec in ("full", "full-prefill"):
-        return FullPrefill()
+    if spec in ("sloweave", "sloweave-multi"):
+        return SLOWeave(
+            cost=cost or AnalyticCost(),
+            margin=margin or ZeroMargin(),
+            max_chunk_tokens=max_chunk_tokens,
+            max_prefills=1 if spec == "sloweave" else None,
+        )
+    if spec in ("full", "orca"):
+        return FullPrefill(max_prefills=1 if spec == "full" else None)
     match = _SPEC_RE.match(spec)
     if match:
         kind, size = match.group(1), int(match.group(2))
-        return FixedChunk(size) if kind == "fixed" else TokenBudget(size)
+        if kind == "fixed":
+            return FixedChunk(size)
+        return TokenBudget(size, max_prefills=1 if kind == "budget" else None)
     raise ValueError(
-        f"unknown policy {spec!r}: expected 'sloweave', 'full', 'fixed-<tokens>' or 'budget-<tokens>' "
-        "(e.g. fixed-1024, budget-2048) with a positive whole number of tokens"
+        f"unknown policy {spec!r}: expected 'sloweave', 'sloweave-multi', 'full', 'orca', 'fixed-<tokens>', "
+        "'budget-<tokens>' or 'sarathi-<tokens>' (e.g. fixed-1024, budget-2048) with a positive whole number of tokens"
     )
 

@@ -2,8 +2,10 @@
 
 The model (the paper's setting):
 - requests arrive over time and wait in an FCFS prefill queue; the oldest is prefilled first;
-- each iteration decodes every running request (one token each) and prefills one chunk
-  of the oldest waiting prompt, of the size the policy chooses;
+- each iteration decodes every running request (one token each) and prefills the number
+  of prompt tokens the policy chooses: from the oldest waiting prompt only (the paper's
+  setting), or spread over the waiting prompts in FCFS order for multi-prefill policies
+  (Sarathi-Serve's rule), optionally under a cap on started requests;
 - a request's first token is emitted at the end of the iteration that completes its
   prefill; it then emits one token per iteration until it has ``output_tokens`` tokens;
 - an iteration lasts ``actual_cost(n, c)`` ms (the policy's cost model unless a separate
@@ -27,6 +29,7 @@ from __future__ import annotations
 import heapq
 import math
 from collections import deque
+from itertools import islice
 from dataclasses import dataclass
 
 import numpy as np
@@ -53,7 +56,10 @@ class SimResult:
     iter_chunk_tokens: np.ndarray
     iter_budget_ms: np.ndarray  # +inf when nothing was decoding
     iter_infeasible: np.ndarray
-    iter_prefill_request: np.ndarray  # request whose prompt the chunk belongs to, -1 if none
+    # prefill pieces: in iteration prefill_iter[k], request prefill_request[k] got prefill_tokens[k]
+    prefill_iter: np.ndarray
+    prefill_request: np.ndarray
+    prefill_tokens: np.ndarray
     # per request
     first_token_iter: np.ndarray  # iteration that completed the prefill, -1 if never
     finished: np.ndarray  # bool: emitted all its output tokens
@@ -86,6 +92,7 @@ def simulate(
     tpot_ms: float = 25.0,
     actual_cost: CostModel | None = None,
     horizon_s: float | None = None,
+    max_batch_size: int | None = None,
     check_deadlines: bool = False,
 ) -> SimResult:
     """Run ``workload`` under ``policy`` until every request finished (or ``horizon_s``).
@@ -93,11 +100,19 @@ def simulate(
     ``tpot_ms`` is the shared TPOT target that defines deadlines for requests without
     their own (``workload.tpot_ms``). ``actual_cost`` gives iteration durations; by default
     the policy's own cost model (exact prediction) or the paper's analytic model.
+    ``max_batch_size`` caps the requests that have started (decoding or part-prefilled):
+    a new prompt is admitted to prefill only below the cap (Sarathi-Serve's and vLLM's
+    ``max_num_seqs``); None means no cap.
     """
     if not (isinstance(tpot_ms, (int, float)) and math.isfinite(tpot_ms) and tpot_ms > 0):
         raise ValueError(f"tpot_ms must be a finite number of milliseconds > 0, got {tpot_ms!r}")
     if horizon_s is not None and not horizon_s > 0:
         raise ValueError(f"horizon_s must be > 0, got {horizon_s!r}")
+    if max_batch_size is not None and (isinstance(max_batch_size, bool) or not isinstance(max_batch_size, int) or max_batch_size < 1):
+        raise ValueError(f"max_batch_size must be a whole number >= 1, got {max_batch_size!r}")
+    batch_cap = math.inf if max_batch_size is None else max_batch_size
+    # One prefill per iteration (the paper) or several, first-fit in FCFS order (Sarathi-Serve).
+    single_prefill = getattr(policy, "max_prefills", 1) == 1
     duration = actual_cost or getattr(policy, "cost", None) or AnalyticCost()
     horizon_ms = math.inf if horizon_s is None else horizon_s * 1000.0
 
@@ -123,7 +138,10 @@ def simulate(
     chunks: list[int] = []
     budgets: list[float] = []
     infeasible: list[bool] = []
-    prefill_of: list[int] = []
+    # one row per (iteration, request) prefill piece: several prompts can share an iteration
+    piece_iter: list[int] = []
+    piece_request: list[int] = []
+    piece_tokens: list[int] = []
 
     decide = policy.decide
     now = arrival_ms[0]
@@ -157,8 +175,24 @@ def simulate(
                 f"iteration {it}: tracker budget {reference} != simulator budget {budget}"
             )
 
-        head = waiting[0] if waiting else -1
-        waiting_tokens = remaining_prompt[head] if waiting else 0
+        # Prompt tokens the policy may take: the head's remainder (a part-prefilled head has
+        # already been admitted), then, for multi-prefill policies, further prompts in FCFS
+        # order while the batch cap admits new requests and the policy could still use more.
+        waiting_tokens = 0
+        if waiting:
+            head = waiting[0]
+            head_started = remaining_prompt[head] < prompt[head]
+            free_slots = batch_cap - n_running - head_started
+            if head_started or free_slots > 0:
+                waiting_tokens = remaining_prompt[head]
+                if not single_prefill:
+                    limit = policy.max_prefill_tokens(n_running)
+                    free_slots -= not head_started
+                    for request in islice(waiting, 1, None):
+                        if free_slots <= 0 or waiting_tokens >= limit:
+                            break
+                        waiting_tokens += remaining_prompt[request]
+                        free_slots -= 1
         chunk, is_infeasible = decide(n_running, waiting_tokens, budget)
         if chunk < 0 or chunk > waiting_tokens:
             raise RuntimeError(
@@ -172,7 +206,6 @@ def simulate(
         chunks.append(chunk)
         budgets.append(budget)
         infeasible.append(is_infeasible)
-        prefill_of.append(head if chunk else -1)
 
         done_now = finishing_at.pop(it, 0)
         n_running -= done_now
@@ -185,22 +218,30 @@ def simulate(
                 else:
                     tracker.on_token(request, end)
 
-        if chunk:
-            remaining_prompt[head] -= chunk
-            if remaining_prompt[head] == 0:
-                waiting.popleft()
-                first_token_iter[head] = it
-                last_iter = it + output[head] - 1
-                if last_iter == it:
-                    finished += 1
-                else:
-                    finishing_at[last_iter] = finishing_at.get(last_iter, 0) + 1
-                    n_running += 1
-                    if per_request_tpot is not None:
-                        heapq.heappush(targets, (per_request_tpot[head], last_iter))
-                    if tracker is not None:
-                        tracker.add(head, end, None if per_request_tpot is None else per_request_tpot[head])
-                        running[head] = last_iter
+        left = chunk
+        while left:
+            head = waiting[0]
+            take = min(left, remaining_prompt[head])
+            left -= take
+            remaining_prompt[head] -= take
+            piece_iter.append(it)
+            piece_request.append(head)
+            piece_tokens.append(take)
+            if remaining_prompt[head]:
+                break
+            waiting.popleft()  # prefill complete: its first token comes out of this iteration
+            first_token_iter[head] = it
+            last_iter = it + output[head] - 1
+            if last_iter == it:
+                finished += 1
+                continue
+            finishing_at[last_iter] = finishing_at.get(last_iter, 0) + 1
+            n_running += 1
+            if per_request_tpot is not None:
+                heapq.heappush(targets, (per_request_tpot[head], last_iter))
+            if tracker is not None:
+                tracker.add(head, end, None if per_request_tpot is None else per_request_tpot[head])
+                running[head] = last_iter
         now = end
         it += 1
 
@@ -217,7 +258,9 @@ def simulate(
         iter_chunk_tokens=np.asarray(chunks, dtype=np.int64),
         iter_budget_ms=np.asarray(budgets, dtype=np.float64),
         iter_infeasible=np.asarray(infeasible, dtype=bool),
-        iter_prefill_request=np.asarray(prefill_of, dtype=np.int64),
+        prefill_iter=np.asarray(piece_iter, dtype=np.int64),
+        prefill_request=np.asarray(piece_request, dtype=np.int64),
+        prefill_tokens=np.asarray(piece_tokens, dtype=np.int64),
         first_token_iter=first,
         finished=is_finished,
         horizon_ms=horizon_ms,
