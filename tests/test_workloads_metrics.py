@@ -2,7 +2,9 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from sloweave.metrics import slo_met, summarize
+from sloweave.metrics import per_request_frame, slo_met, summarize
+from sloweave.policy import make_policy
+from sloweave.simulator import NOT_STARTED, simulate
 from sloweave.workloads import WORKLOADS, Workload, WorkloadError, WorkloadSpec, get_workload_spec
 
 
@@ -77,3 +79,23 @@ def test_slo_judgement_and_summary():
         slo_met(frame, ttft_ms=0.0, tpot_ms=25.0)
     with pytest.raises(ValueError, match="targets"):
         slo_met(frame, ttft_ms=100.0, tpot_ms=-2.0)
+
+
+def reference_p99_gaps(result):
+    """The plain definition, one request at a time: P99 of its own inter-token gaps."""
+    p99 = np.full(len(result.workload), np.nan)
+    for i in np.flatnonzero(result.finished):
+        times = result.token_times_ms(i)
+        p99[i] = np.percentile(np.diff(times), 99) if len(times) > 1 else 0.0
+    return p99
+
+
+def test_grouped_per_request_frame_equals_the_plain_definition_bit_for_bit():
+    wl = WORKLOADS["mixed"].generate(300, seed=3, rate_scale=1.5)
+    for name, horizon_s in (("sloweave", None), ("fixed-256", None), ("full", 2.0)):
+        result = simulate(wl, make_policy(name), tpot_ms=25.0, horizon_s=horizon_s)
+        frame = per_request_frame(result)
+        assert np.array_equal(frame["p99_tpot_ms"].to_numpy(), reference_p99_gaps(result), equal_nan=True)
+        started = result.first_token_iter != NOT_STARTED
+        assert np.array_equal(frame["ttft_ms"].to_numpy()[started], result.iter_end_ms[result.first_token_iter[started]] - wl.arrival_s[started] * 1000.0)
+    assert (frame["status"] == "pending").any()  # the horizon case has unfinished requests

@@ -104,5 +104,11 @@ def _register_optional_commands() -> None:
 
     main.add_command(reproduce)
 
+    from sloweave.capacity import capacity
+    from sloweave.replay import replay
+
+    main.add_command(replay)
+    main.add_command(capacity)
+
 
 _register_optional_commands()

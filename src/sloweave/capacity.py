@@ -1,0 +1,697 @@
+"""Capacity: the highest load at which a policy keeps SLO attainment at or above a target.
+
+Load is an arrival-rate scale s: every seed's base workload is replayed with its arrival
+times divided by s (same requests, same burst structure, s times the rate). Scales live on
+a geometric lattice s_k = 2 ** (k / steps_per_doubling); a search visits lattice points
+only, so simulations are cached and shared (a static policy ignores the TPOT target, so
+one simulation at (policy, seed, k) serves every target).
+
+Per seed, the capacity is found by a galloping search (from s = 1, or from the capacity
+the previous search of the same policy found, with growing steps until the attainment
+flips) followed by a bisection on the lattice, so it is exact to one lattice step: the
+true crossing lies in [s_k, s_(k+1)). This assumes
+attainment falls as load rises; where noise breaks that, the search returns one crossing
+(the curves show the whole picture). The reported capacity is the mean over seeds of the
+per-seed capacities, with their standard deviation, minimum and maximum as the
+uncertainty (SPEC.md: aggregate per request first, then average over seeds).
+
+What a "seed" is depends on the source:
+- a synthetic workload: the generator seed (new arrivals and lengths);
+- a timed trace: a disjoint time window of the trace. Different windows are different
+  samples of the real arrival process (its rate and burstiness drift over the hour), so
+  their spread is the uncertainty a user of the trace actually faces; jittering arrivals
+  of one window would keep the same requests and understate it;
+- a length-only file with generated arrivals: a random subsample of the lengths and a
+  Poisson arrival stream, both drawn from the seed.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Protocol
+
+import click
+import numpy as np
+import pandas as pd
+
+from sloweave.cost import AnalyticCost, CostModel
+from sloweave.metrics import RunMetrics, summarize
+from sloweave.policy import DEFAULT_MAX_CHUNK_TOKENS
+from sloweave.replay import DEFAULT_TRACE_TTFT_MS, _pyplot, build_policy, plot_cdfs, policy_style, run_policy
+from sloweave.traces import FORMATS, ReplayOptions, Trace, TraceError, load_trace, replay_workload, split_windows
+from sloweave.workloads import WORKLOADS, Workload, WorkloadError, WorkloadSpec
+
+# Fixed chunks from 256 to C_max = 4096 bracket the best static chunk on every target we
+# measured (Fixed-64 is never close and is the slowest to simulate; pass --policy fixed-64 to add it).
+DEFAULT_POLICIES = ("sloweave", "full", "fixed-256", "fixed-512", "fixed-1024", "fixed-2048", "fixed-4096")
+DEFAULT_WINDOW_S = 300.0
+DEFAULT_TPOT_TARGETS_MS = (10.0, 25.0, 50.0)
+DEFAULT_ATTAINMENT = 0.90
+# Attainment is a fraction of whole requests (e.g. 9/10); compare with a hair of slack so
+# that exactly meeting the target is never lost to float rounding.
+ATTAINMENT_TOLERANCE = 1e-12
+CAPACITY_COLUMNS = ["source", "policy", "tpot_ms", "ttft_ms", "attainment_target", "capacity_scale", "capacity_rps"]
+
+
+# --------------------------------------------------------------------------- load sources
+
+
+class LoadSource(Protocol):
+    """Something that yields a workload per (seed, load scale)."""
+
+    name: str
+
+    @property
+    def num_seeds(self) -> int: ...
+
+    def workload(self, seed: int, rate_scale: float) -> Workload: ...
+
+    def base_rate_rps(self, seed: int) -> float: ...
+
+    def describe(self) -> dict: ...
+
+
+@dataclass(frozen=True)
+class ScaledWorkloads:
+    """One base workload per seed; load scale s divides its arrival times by s."""
+
+    name: str
+    base: tuple[Workload, ...]
+    base_rates_rps: tuple[float, ...]  # request rate of each base workload at scale 1
+    seed_labels: tuple[str, ...] = ()
+    info: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not self.base:
+            raise WorkloadError(f"{self.name}: need at least one seed workload")
+        if len(self.base_rates_rps) != len(self.base):
+            raise WorkloadError(f"{self.name}: one base rate per seed workload")
+
+    @property
+    def num_seeds(self) -> int:
+        return len(self.base)
+
+    def workload(self, seed: int, rate_scale: float) -> Workload:
+        wl = self.base[seed]
+        return Workload(
+            name=wl.name,
+            arrival_s=wl.arrival_s / rate_scale,
+            prompt_tokens=wl.prompt_tokens,
+            output_tokens=wl.output_tokens,
+            tpot_ms=wl.tpot_ms,
+            params={**wl.params, "rate_scale": rate_scale},
+        )
+
+    def base_rate_rps(self, seed: int) -> float:
+        return self.base_rates_rps[seed]
+
+    def describe(self) -> dict:
+        seeds = [
+            {"seed": i, "label": self.seed_labels[i] if self.seed_labels else str(i), "requests": len(wl), "base_rate_rps": rate}
+            for i, (wl, rate) in enumerate(zip(self.base, self.base_rates_rps))
+        ]
+        return {"name": self.name, **self.info, "seeds": seeds}
+
+
+@dataclass(frozen=True)
+class SpecSource:
+    """A synthetic workload family; seed i is generator seed ``seeds[i]``, load scales its rate."""
+
+    spec: WorkloadSpec
+    num_requests: int
+    seeds: tuple[int, ...]
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    @property
+    def num_seeds(self) -> int:
+        return len(self.seeds)
+
+    def workload(self, seed: int, rate_scale: float) -> Workload:
+        return self.spec.generate(self.num_requests, self.seeds[seed], rate_scale)
+
+    def base_rate_rps(self, seed: int) -> float:
+        return self.spec.rate_rps
+
+    def describe(self) -> dict:
+        return {
+            "name": self.name,
+            "kind": "synthetic workload",
+            "requests_per_seed": self.num_requests,
+            "generator_seeds": list(self.seeds),
+            "base_rate_rps": self.spec.rate_rps,
+        }
+
+
+def trace_source(
+    trace: Trace,
+    num_seeds: int,
+    window_s: float | None = None,
+    max_prompt_tokens: int | None = None,
+    arrivals: str = "trace",
+    rate_rps: float | None = None,
+    requests_per_seed: int | None = None,
+) -> ScaledWorkloads:
+    """Seeds of a trace: disjoint time windows, or (length-only files) subsamples with Poisson arrivals."""
+    base, rates, labels = [], [], []
+    capped = 0
+    if arrivals == "trace":
+        if not trace.has_arrivals:
+            # Same refusal as replay_workload, raised before any window is cut.
+            replay_workload(trace, ReplayOptions())
+        for start_s, end_s in split_windows(trace, num_seeds, window_s):
+            options = ReplayOptions(start_s=start_s, end_s=end_s, max_prompt_tokens=max_prompt_tokens, max_requests=requests_per_seed)
+            wl, report = replay_workload(trace, options)
+            base.append(wl)
+            rates.append(report.base_rate_rps)
+            capped += report.num_prompts_capped
+            labels.append(f"window [{report.window_start_s:.1f}, {report.window_end_s:.1f}) s")
+        info = {"kind": "trace, seeds are disjoint time windows", "path": trace.path, "format": trace.fmt}
+    else:
+        n = min(requests_per_seed or 2000, len(trace))
+        for seed in range(num_seeds):
+            rng = np.random.default_rng(seed)
+            rows = np.sort(rng.choice(len(trace), size=n, replace=False))
+            sub = Trace(trace.name, trace.path, trace.fmt, None, trace.prompt_tokens[rows], trace.output_tokens[rows])
+            options = ReplayOptions(arrivals="poisson", poisson_rate_rps=rate_rps, seed=seed, max_prompt_tokens=max_prompt_tokens)
+            wl, report = replay_workload(sub, options)
+            base.append(wl)
+            rates.append(report.base_rate_rps)
+            capped += report.num_prompts_capped
+            labels.append(f"subsample seed {seed}: {report.arrivals}")
+        info = {
+            "kind": "GENERATED Poisson arrivals on the file's lengths (it has none, or they were replaced); seeds are random subsamples",
+            "path": trace.path,
+            "format": trace.fmt,
+        }
+    info["max_prompt_tokens"] = max_prompt_tokens
+    info["num_prompts_capped"] = capped
+    return ScaledWorkloads(trace.name, tuple(base), tuple(rates), tuple(labels), info)
+
+
+# --------------------------------------------------------------------------- search
+
+
+@dataclass(frozen=True)
+class SeedCapacity:
+    seed: int
+    k: int | None  # highest passing lattice index (None: fails even at the lowest scale)
+    scale: float  # capacity scale (0 when below the lowest scale searched)
+    rps: float
+    censored: str  # "", "below-min" or "above-max"
+
+
+@dataclass(frozen=True)
+class Capacity:
+    source: str
+    policy: str
+    tpot_ms: float
+    ttft_ms: float
+    attainment_target: float
+    seeds: tuple[SeedCapacity, ...]
+    step_ratio: float  # s_(k+1) / s_k: each per-seed capacity is exact to this factor
+
+    @property
+    def capacity_scale(self) -> float:
+        return float(np.mean([s.scale for s in self.seeds]))
+
+    @property
+    def capacity_rps(self) -> float:
+        return float(np.mean([s.rps for s in self.seeds]))
+
+    def _spread(self, values: list[float]) -> float:
+        return float(np.std(values, ddof=1)) if len(values) > 1 else 0.0
+
+    def row(self) -> dict:
+        scales = [s.scale for s in self.seeds]
+        rps = [s.rps for s in self.seeds]
+        censored = sorted({s.censored for s in self.seeds if s.censored})
+        return {
+            "source": self.source,
+            "policy": self.policy,
+            "tpot_ms": self.tpot_ms,
+            "ttft_ms": self.ttft_ms,
+            "attainment_target": self.attainment_target,
+            "capacity_scale": self.capacity_scale,
+            "capacity_rps": self.capacity_rps,
+            "capacity_scale_std": self._spread(scales),
+            "capacity_scale_min": float(np.min(scales)),
+            "capacity_scale_max": float(np.max(scales)),
+            "capacity_rps_std": self._spread(rps),
+            "capacity_rps_min": float(np.min(rps)),
+            "capacity_rps_max": float(np.max(rps)),
+            "seeds": len(self.seeds),
+            "step_pct": 100.0 * (self.step_ratio - 1.0),
+            "censored": ";".join(censored),
+        }
+
+
+@dataclass
+class _Run:
+    """Per-request outcome of one simulation: enough to judge it against any SLO target."""
+
+    requests: pd.DataFrame
+    duration_ms: float
+
+
+class CapacityStudy:
+    """Simulations on the load lattice, cached; capacity searches and load curves on top."""
+
+    def __init__(
+        self,
+        source: LoadSource,
+        policies: list[str] | tuple[str, ...],
+        tpot_targets_ms: list[float] | tuple[float, ...],
+        ttft_ms: float,
+        attainment_target: float = DEFAULT_ATTAINMENT,
+        steps_per_doubling: int = 16,
+        min_scale: float = 1.0 / 16.0,
+        max_scale: float = 256.0,
+        cost: CostModel | None = None,
+        max_chunk_tokens: int = DEFAULT_MAX_CHUNK_TOKENS,
+        curve_points_per_doubling: int = 4,
+        progress: bool = False,
+    ) -> None:
+        if not 0.0 < attainment_target <= 1.0:
+            raise ValueError(f"attainment target must be in (0, 1], got {attainment_target!r}")
+        if steps_per_doubling < 1:
+            raise ValueError(f"steps_per_doubling must be >= 1, got {steps_per_doubling!r}")
+        if not (0 < min_scale <= 1.0 <= max_scale and math.isfinite(max_scale)):
+            raise ValueError(f"need 0 < min_scale <= 1 <= max_scale (got {min_scale!r}, {max_scale!r})")
+        if not (math.isfinite(ttft_ms) and ttft_ms > 0) or not all(math.isfinite(t) and t > 0 for t in tpot_targets_ms):
+            raise ValueError("SLO targets must be finite numbers of milliseconds > 0")
+        if not policies or not tpot_targets_ms:
+            raise ValueError("need at least one policy and one TPOT target")
+        self.source = source
+        self.cost = cost or AnalyticCost()
+        self.policies = {p.name: p for p in (build_policy(name, self.cost, max_chunk_tokens) for name in policies)}
+        self.tpot_targets_ms = tuple(float(t) for t in tpot_targets_ms)
+        self.ttft_ms = float(ttft_ms)
+        self.attainment_target = float(attainment_target)
+        self.steps = int(steps_per_doubling)
+        # Lattice bounds, rounded outwards to whole lattice steps.
+        self.min_k = math.floor(math.log2(min_scale) * self.steps + 1e-9)
+        self.max_k = math.ceil(math.log2(max_scale) * self.steps - 1e-9)
+        self.curve_points_per_doubling = curve_points_per_doubling
+        self.progress = progress
+        self._runs: dict[tuple, _Run] = {}
+
+    # ---- lattice and cached simulations
+
+    def scale(self, k: int) -> float:
+        return 2.0 ** (k / self.steps)
+
+    def run(self, policy: str, seed: int, k: int, tpot_ms: float) -> _Run:
+        pol = self.policies[policy]
+        # A static policy's schedule does not depend on the TPOT target: one run serves all.
+        sim_tpot = tpot_ms if pol.uses_deadlines else None
+        key = (policy, seed, k, sim_tpot)
+        if key not in self._runs:
+            workload = self.source.workload(seed, self.scale(k))
+            frame, duration_ms = run_policy(workload, pol, tpot_ms if sim_tpot is None else sim_tpot, self.cost)
+            self._runs[key] = _Run(frame[["request", "ttft_ms", "p99_tpot_ms", "status"]], duration_ms)
+        return self._runs[key]
+
+    @property
+    def simulations(self) -> int:
+        return len(self._runs)
+
+    def metrics(self, policy: str, seed: int, k: int, tpot_ms: float) -> RunMetrics:
+        run = self.run(policy, seed, k, tpot_ms)
+        return summarize(run.requests, run.duration_ms, self.ttft_ms, tpot_ms)
+
+    def passes(self, policy: str, seed: int, k: int, tpot_ms: float) -> bool:
+        attained = self.metrics(policy, seed, k, tpot_ms).attainment
+        return attained >= self.attainment_target - ATTAINMENT_TOLERANCE
+
+    # ---- search
+
+    def search_seed(self, policy: str, tpot_ms: float, seed: int, start_k: int | None = None) -> SeedCapacity:
+        """Highest lattice scale where this seed attains the target.
+
+        Galloping search from ``start_k`` (steps of 1, 2, 4, ... lattice points until the
+        attainment flips), then bisection. Without a start it begins at scale 1 with a
+        step of one doubling; a start near the answer (the capacity just found for another
+        seed or target) needs only a few simulations.
+        """
+
+        def ok(k: int) -> bool:
+            return self.passes(policy, seed, k, tpot_ms)
+
+        if start_k is None:
+            k, step = min(max(0, self.min_k), self.max_k), self.steps
+        else:
+            k, step = min(max(start_k, self.min_k), self.max_k), 1
+        lo = hi = None  # invariant once both are set: lo passes, hi fails, lo < hi
+        if ok(k):
+            lo = k
+            while lo < self.max_k:
+                k = min(lo + step, self.max_k)
+                if ok(k):
+                    lo, step = k, step * 2
+                else:
+                    hi = k
+                    break
+        else:
+            hi = k
+            while hi > self.min_k:
+                k = max(hi - step, self.min_k)
+                if ok(k):
+                    lo = k
+                    break
+                hi, step = k, step * 2
+        base_rate = self.source.base_rate_rps(seed)
+        if lo is None:
+            return SeedCapacity(seed, None, 0.0, 0.0, "below-min")
+        if hi is None:
+            scale = self.scale(lo)
+            return SeedCapacity(seed, lo, scale, scale * base_rate, "above-max")
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if ok(mid):
+                lo = mid
+            else:
+                hi = mid
+        scale = self.scale(lo)
+        return SeedCapacity(seed, lo, scale, scale * base_rate, "")
+
+    def capacities(self) -> list[Capacity]:
+        from tqdm import tqdm
+
+        # Policy by policy, seed by seed, loosest target first: each search starts where the
+        # previous one of the same policy ended (capacities of one policy are close), and a
+        # static policy's runs are shared by all its targets. The order is fixed, so results
+        # are deterministic.
+        targets = sorted(self.tpot_targets_ms, reverse=True)
+        tasks = [(p, s, t) for p in self.policies for s in range(self.source.num_seeds) for t in targets]
+        found: dict[tuple[str, float], list[SeedCapacity]] = {(p, t): [] for t in self.tpot_targets_ms for p in self.policies}
+        last_k: dict[str, int] = {}
+        bar = tqdm(tasks, desc="capacity search", unit="search", disable=not self.progress, file=sys.stderr)
+        for policy, seed, tpot in bar:
+            result = self.search_seed(policy, tpot, seed, last_k.get(policy))
+            found[(policy, tpot)].append(result)
+            if result.k is not None:
+                last_k[policy] = result.k
+            bar.set_postfix(sims=self.simulations)
+        return [
+            Capacity(self.source.name, p, t, self.ttft_ms, self.attainment_target, tuple(seeds), 2.0 ** (1.0 / self.steps))
+            for (p, t), seeds in found.items()
+        ]
+
+    # ---- curves
+
+    def curve_lattice(self, capacities: list[Capacity], max_doublings: float = 3.0) -> list[int]:
+        """Lattice points for the load curves: around the capacities found, at most ``max_doublings`` wide."""
+        stride = max(1, self.steps // self.curve_points_per_doubling)
+        ks = [s.k for c in capacities for s in c.seeds if s.k is not None]
+        if not ks:
+            return [self.min_k]
+        hi = min(max(ks) + self.steps // 2, self.max_k)
+        lo = max(min(ks) - self.steps // 2, hi - int(max_doublings * self.steps), self.min_k)
+        first = lo - lo % stride  # align to the stride so points are shared with other runs
+        return [k for k in range(first, hi + stride, stride) if self.min_k <= k <= self.max_k]
+
+    def curves(self, lattice: list[int]) -> pd.DataFrame:
+        """Attainment and goodput against load, every policy and TPOT target, mean and std over seeds."""
+        from tqdm import tqdm
+
+        rows = []
+        seeds = range(self.source.num_seeds)
+        base_rates = [self.source.base_rate_rps(s) for s in seeds]
+        tasks = [(k, p, t) for k in lattice for p in self.policies for t in self.tpot_targets_ms]
+        for k, policy, tpot in tqdm(tasks, desc="load curves", unit="point", disable=not self.progress, file=sys.stderr):
+            per_seed = [self.metrics(policy, s, k, tpot) for s in seeds]
+            attain = [m.attainment for m in per_seed]
+            goodput = [m.goodput_rps for m in per_seed]
+            rows.append(
+                {
+                    "source": self.source.name,
+                    "policy": policy,
+                    "tpot_ms": tpot,
+                    "ttft_ms": self.ttft_ms,
+                    "rate_scale": self.scale(k),
+                    "rate_rps": float(np.mean([self.scale(k) * r for r in base_rates])),
+                    "attainment": float(np.mean(attain)),
+                    "attainment_std": float(np.std(attain, ddof=1)) if len(attain) > 1 else 0.0,
+                    "goodput_rps": float(np.mean(goodput)),
+                    "goodput_rps_std": float(np.std(goodput, ddof=1)) if len(goodput) > 1 else 0.0,
+                    "p99_ttft_ms": float(np.mean([m.p99_ttft_ms for m in per_seed])),
+                    "p99_tpot_ms": float(np.mean([m.p99_tpot_ms for m in per_seed])),
+                    "seeds": len(per_seed),
+                }
+            )
+        return pd.DataFrame(rows)
+
+    def requests_at(self, policy: str, k: int, tpot_ms: float) -> pd.DataFrame:
+        """Per-request TTFT and P99 gap of every seed at lattice point k (for the CDFs)."""
+        frames = []
+        for seed in range(self.source.num_seeds):
+            frame = self.run(policy, seed, k, tpot_ms).requests.copy()
+            frame.insert(0, "seed", seed)
+            frames.append(frame)
+        return pd.concat(frames, ignore_index=True)
+
+
+def capacity_frame(capacities: list[Capacity]) -> pd.DataFrame:
+    return pd.DataFrame([c.row() for c in capacities])
+
+
+def seeds_frame(capacities: list[Capacity]) -> pd.DataFrame:
+    rows = []
+    for c in capacities:
+        for s in c.seeds:
+            rows.append({"source": c.source, "policy": c.policy, "tpot_ms": c.tpot_ms, **asdict(s)})
+    return pd.DataFrame(rows)
+
+
+def relative_to_best_fixed(capacities: list[Capacity]) -> pd.DataFrame:
+    """SLOWeave's capacity over the best fixed chunk's, per TPOT target.
+
+    The best fixed chunk is chosen per target by mean capacity in req/s (the comparison a
+    user who tunes the chunk offline would make); ``ratio`` is the ratio of the two means.
+    Its spread uses the per-seed ratios (same seeds, so paired), skipping seeds where the
+    fixed chunk's capacity is 0; with one lattice step of resolution per seed, a per-seed
+    ratio is only known to about one step (``step_pct``).
+    """
+    rows = []
+    for tpot in sorted({c.tpot_ms for c in capacities}):
+        at = {c.policy: c for c in capacities if c.tpot_ms == tpot}
+        fixed = [c for name, c in at.items() if name.startswith("fixed-")]
+        static = [c for name, c in at.items() if name != "sloweave"]
+        if "sloweave" not in at or not fixed:
+            continue
+        ours = at["sloweave"]
+        best = max(fixed, key=lambda c: c.capacity_rps)
+        best_static = max(static, key=lambda c: c.capacity_rps)
+        paired = [a.scale / b.scale for a, b in zip(ours.seeds, best.seeds) if b.scale > 0]
+        rows.append(
+            {
+                "source": ours.source,
+                "tpot_ms": tpot,
+                "ttft_ms": ours.ttft_ms,
+                "sloweave_capacity_rps": ours.capacity_rps,
+                "best_fixed": best.policy,
+                "best_fixed_capacity_rps": best.capacity_rps,
+                "ratio": ours.capacity_rps / best.capacity_rps if best.capacity_rps > 0 else float("inf"),
+                "ratio_seed_mean": float(np.mean(paired)) if paired else float("nan"),
+                "ratio_seed_min": float(np.min(paired)) if paired else float("nan"),
+                "ratio_seed_max": float(np.max(paired)) if paired else float("nan"),
+                "best_static": best_static.policy,
+                "ratio_vs_best_static": (
+                    ours.capacity_rps / best_static.capacity_rps if best_static.capacity_rps > 0 else float("inf")
+                ),
+            }
+        )
+    return pd.DataFrame(rows)
+
+
+# --------------------------------------------------------------------------- plots
+
+
+def plot_curves(
+    curves: pd.DataFrame, column: str, ylabel: str, path: Path, target: float | None = None, upper_bound: float | None = None
+) -> None:
+    plt = _pyplot()
+    targets = sorted(curves["tpot_ms"].unique())
+    fig, axes = plt.subplots(1, len(targets), figsize=(4.6 * len(targets), 3.8), squeeze=False)
+    for ax, tpot in zip(axes[0], targets):
+        at = curves[curves["tpot_ms"] == tpot]
+        for index, (policy, rows) in enumerate(at.groupby("policy", sort=False)):
+            mean, std = rows[column].to_numpy(), rows[f"{column}_std"].to_numpy()
+            # +-1 std over seeds, clipped to the range the quantity can take.
+            upper = np.minimum(std, upper_bound - mean) if upper_bound is not None else std
+            lower = np.minimum(std, mean)
+            ax.errorbar(rows["rate_rps"], mean, yerr=[lower, upper], marker="o", markersize=3, capsize=2, label=policy, **policy_style(policy, index))
+        if target is not None:
+            ax.axhline(target, color="grey", linestyle="--", linewidth=1)
+        ax.set_xscale("log")
+        ax.set_xlabel("offered load (req/s)")
+        ax.set_ylabel(ylabel)
+        ax.set_title(f"TPOT {tpot:g} ms, TTFT {at['ttft_ms'].iloc[0]:g} ms", fontsize=10)
+        ax.grid(alpha=0.3, which="both")
+    axes[0][0].legend(fontsize=7)
+    fig.suptitle(str(curves["source"].iloc[0]), fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+# --------------------------------------------------------------------------- command
+
+
+def _check_positive(label: str, value: float | None) -> None:
+    if value is not None and not (math.isfinite(value) and value > 0):
+        raise click.BadParameter(f"must be a finite number > 0, got {value!r}", param_hint=label)
+
+
+def run_capacity(study: CapacityStudy, out_dir: Path, meta: dict) -> dict:
+    """Search, curves, CDFs; write every output file under ``out_dir``; return the JSON payload."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    capacities = study.capacities()
+    table = capacity_frame(capacities)
+    table[CAPACITY_COLUMNS].to_csv(out_dir / "capacity.csv", index=False)
+    table.to_csv(out_dir / "capacity_detail.csv", index=False)
+    seeds_frame(capacities).to_csv(out_dir / "capacity_seeds.csv", index=False)
+    relative = relative_to_best_fixed(capacities)
+    relative.to_csv(out_dir / "relative.csv", index=False)
+
+    curves = study.curves(study.curve_lattice(capacities))
+    curves.to_csv(out_dir / "curves.csv", index=False)
+    plot_curves(curves, "attainment", "SLO attainment", out_dir / "attainment_vs_load.png", study.attainment_target, upper_bound=1.0)
+    plot_curves(curves, "goodput_rps", "goodput (req/s)", out_dir / "goodput_vs_load.png")
+
+    # CDFs at SLOWeave's capacity for each target (or the middle of the curve without it):
+    # the load where the comparison matters. Requests of all seeds are pooled for the plot.
+    cdf_frames, cdf_loads = [], {}
+    for tpot in study.tpot_targets_ms:
+        ours = [c for c in capacities if c.tpot_ms == tpot and c.policy == "sloweave"]
+        ks = [s.k for s in ours[0].seeds if s.k is not None] if ours else []
+        k = int(np.median(ks)) if ks else int(np.median(study.curve_lattice(capacities)))
+        cdf_loads[tpot] = study.scale(k)
+        for policy in study.policies:
+            frame = study.requests_at(policy, k, tpot)
+            frame.insert(0, "policy", policy)
+            frame.insert(1, "tpot_ms", tpot)
+            frame.insert(2, "rate_scale", study.scale(k))
+            cdf_frames.append(frame)
+        per_policy = {p: f for p, f in pd.concat(cdf_frames).query("tpot_ms == @tpot").groupby("policy", sort=False)}
+        title = f"{study.source.name}, load x{study.scale(k):.3g}, TPOT {tpot:g} ms"
+        plot_cdfs({p: f["ttft_ms"].to_numpy() for p, f in per_policy.items()}, out_dir / f"cdf_ttft_tpot{tpot:g}.png", "TTFT (ms)", title, study.ttft_ms, log_x=True)
+        plot_cdfs(
+            {p: f["p99_tpot_ms"].to_numpy() for p, f in per_policy.items()},
+            out_dir / f"cdf_p99_tpot_tpot{tpot:g}.png",
+            "per-request P99 inter-token gap (ms)",
+            title,
+            tpot,
+        )
+    pd.concat(cdf_frames, ignore_index=True).to_csv(out_dir / "cdf_requests.csv", index=False)
+
+    payload = {
+        **meta,
+        "source": study.source.describe(),
+        "ttft_ms": study.ttft_ms,
+        "tpot_targets_ms": list(study.tpot_targets_ms),
+        "attainment_target": study.attainment_target,
+        "lattice": {"steps_per_doubling": study.steps, "min_scale": study.scale(study.min_k), "max_scale": study.scale(study.max_k)},
+        "simulations": study.simulations,
+        "cdf_rate_scale": {f"{t:g}": s for t, s in cdf_loads.items()},
+        "capacity": table.to_dict(orient="records"),
+        "relative_to_best_fixed": relative.to_dict(orient="records"),
+    }
+    (out_dir / "capacity.json").write_text(json.dumps(payload, indent=2, default=float) + "\n")
+    return payload
+
+
+@click.command()
+@click.option("--trace", "trace_path", type=click.Path(dir_okay=False, path_type=Path), default=None, help="request trace file")
+@click.option("--workload", type=click.Choice(list(WORKLOADS)), default=None, help="synthetic workload instead of a trace")
+@click.option("--format", "fmt", type=click.Choice(FORMATS), default="auto", show_default=True)
+@click.option("--policy", "policies", multiple=True, help=f"repeat for several [default: {', '.join(DEFAULT_POLICIES)}]")
+@click.option("--tpot-ms", "tpot_targets", type=float, multiple=True, help="repeat for several [default: 10, 25, 50]")
+@click.option("--ttft-ms", type=float, default=None, help=f"TTFT target [default: the workload's; {DEFAULT_TRACE_TTFT_MS:g} for a trace]")
+@click.option("--attainment", type=click.FloatRange(min=0, max=1, min_open=True), default=DEFAULT_ATTAINMENT, show_default=True)
+@click.option("--seeds", type=click.IntRange(min=1), default=None, help="seeds / trace windows [default: 5; --quick 3]")
+@click.option("--window-s", type=float, default=DEFAULT_WINDOW_S, show_default=True, help="trace window length; windows are spread evenly over the trace")
+@click.option("--whole-trace", is_flag=True, help="cut the whole trace into --seeds equal consecutive windows instead")
+@click.option("--requests", "num_requests", type=click.IntRange(min=1), default=None, help="requests per seed for workloads and length-only files [default: 2000; --quick 800]")
+@click.option("--max-prompt-tokens", type=click.IntRange(min=1), default=None, help="cap prompts (the count is reported)")
+@click.option("--arrivals", type=click.Choice(["trace", "poisson"]), default="trace", show_default=True, help="poisson: generate arrivals (length-only files)")
+@click.option("--rate-rps", type=float, default=None, help="base rate of generated arrivals (load scale 1)")
+@click.option("--steps-per-doubling", type=click.IntRange(min=1), default=None, help="load lattice resolution [default: 16 (4.4%); --quick 8 (9%)]")
+@click.option("--min-scale", type=float, default=1.0 / 16.0, show_default=True)
+@click.option("--max-scale", type=float, default=256.0, show_default=True)
+@click.option("--max-chunk", type=click.IntRange(min=1), default=DEFAULT_MAX_CHUNK_TOKENS, show_default=True)
+@click.option("--quick", is_flag=True, help="3 seeds instead of 5, a lattice of 8 instead of 16 steps per doubling, fewer curve points")
+@click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), default=Path("results/capacity"), show_default=True)
+def capacity(trace_path, workload, fmt, policies, tpot_targets, ttft_ms, attainment, seeds, window_s, whole_trace, num_requests, max_prompt_tokens, arrivals, rate_rps, steps_per_doubling, min_scale, max_scale, max_chunk, quick, out_dir) -> None:
+    """Highest load (arrival-rate scale) at which each policy keeps SLO attainment >= the target."""
+    if (trace_path is None) == (workload is None):
+        raise click.UsageError("give exactly one of --trace PATH or --workload NAME")
+    for label, value in (("--ttft-ms", ttft_ms), ("--window-s", window_s), ("--rate-rps", rate_rps), ("--min-scale", min_scale), ("--max-scale", max_scale)):
+        _check_positive(label, value)
+    for value in tpot_targets:
+        _check_positive("--tpot-ms", value)
+    policies = list(policies) or list(DEFAULT_POLICIES)
+    tpot_targets = list(tpot_targets) or list(DEFAULT_TPOT_TARGETS_MS)
+    seeds = seeds or (3 if quick else 5)
+    steps_per_doubling = steps_per_doubling or (8 if quick else 16)
+    try:
+        if trace_path is not None:
+            if arrivals == "trace" and rate_rps is not None:
+                raise click.UsageError("--rate-rps only applies with --arrivals poisson")
+            trace = load_trace(trace_path, fmt)
+            if whole_trace:
+                window_s = None
+            elif trace.has_arrivals and arrivals == "trace" and window_s * seeds > trace.span_s:
+                raise click.UsageError(
+                    f"{seeds} windows of {window_s:g} s do not fit in the trace's {trace.span_s:.1f} s: "
+                    "lower --window-s or --seeds, or use --whole-trace"
+                )
+            # Generated arrivals subsample the lengths; trace windows keep every request unless told.
+            requests_per_seed = num_requests
+            if arrivals == "poisson" and num_requests is None:
+                requests_per_seed = 800 if quick else 2000
+            source = trace_source(trace, seeds, window_s, max_prompt_tokens, arrivals, rate_rps, requests_per_seed)
+            ttft_ms = ttft_ms or DEFAULT_TRACE_TTFT_MS
+        else:
+            if whole_trace or max_prompt_tokens is not None or arrivals != "trace" or rate_rps is not None:
+                raise click.UsageError("--whole-trace, --max-prompt-tokens, --arrivals and --rate-rps apply to --trace only")
+            spec = WORKLOADS[workload]
+            source = SpecSource(spec, num_requests or (800 if quick else 2000), tuple(range(seeds)))
+            ttft_ms = ttft_ms or spec.ttft_ms
+        study = CapacityStudy(
+            source,
+            policies,
+            tpot_targets,
+            ttft_ms,
+            attainment_target=attainment,
+            steps_per_doubling=steps_per_doubling,
+            min_scale=min_scale,
+            max_scale=max_scale,
+            max_chunk_tokens=max_chunk,
+            curve_points_per_doubling=2 if quick else 4,
+            progress=True,
+        )
+    except (TraceError, WorkloadError, ValueError) as err:
+        raise click.UsageError(str(err)) from None
+    description = source.describe()
+    if "GENERATED" in str(description.get("kind", "")):
+        click.echo(f"NOTE: arrivals are GENERATED (Poisson, {rate_rps:g} req/s at scale 1), not read from {trace_path}", err=True)
+    if description.get("num_prompts_capped"):
+        click.echo(f"NOTE: {description['num_prompts_capped']} prompt(s) capped at {max_prompt_tokens} tokens", err=True)
+    options = {k: str(v) if isinstance(v, Path) else v for k, v in click.get_current_context().params.items()}
+    meta = {"command": "capacity", "options": options, "policies": policies, "max_chunk_tokens": max_chunk}
+    payload = run_capacity(study, out_dir, meta)
+    table = pd.DataFrame(payload["capacity"])
+    show = table[["policy", "tpot_ms", "capacity_scale", "capacity_scale_std", "capacity_rps", "capacity_rps_std", "censored"]]
+    click.echo(show.to_string(index=False, float_format=lambda v: f"{v:.3f}"))
+    relative = pd.DataFrame(payload["relative_to_best_fixed"])
+    if not relative.empty:
+        click.echo(relative[["tpot_ms", "sloweave_capacity_rps", "best_fixed", "best_fixed_capacity_rps", "ratio", "ratio_seed_min", "ratio_seed_max"]].to_string(index=False, float_format=lambda v: f"{v:.3f}"))
+    click.echo(f"wrote {out_dir}/capacity.csv (+ capacity_detail.csv, capacity_seeds.csv, relative.csv, curves.csv, cdf_requests.csv, capacity.json, PNG plots) from {study.simulations} simulations")

@@ -1,0 +1,210 @@
+"""Replay a trace under several policies: per-request outcomes, metrics and CDF plots.
+
+Also holds what the capacity search shares with it: running one policy and the plots.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import click
+import numpy as np
+import pandas as pd
+
+from sloweave.cost import AnalyticCost, CostModel
+from sloweave.metrics import RunMetrics, per_request_frame, run_duration_ms, slo_met, summarize
+from sloweave.policy import DEFAULT_MAX_CHUNK_TOKENS, Policy, make_policy
+from sloweave.simulator import simulate
+from sloweave.traces import FORMATS, ReplayOptions, ReplayReport, TraceError, load_trace, replay_workload
+from sloweave.workloads import Workload
+
+DEFAULT_REPLAY_POLICIES = ("sloweave", "full", "fixed-256", "fixed-1024", "fixed-2048")
+# The conversation trace is an interactive chat service: SPEC.md's chat TTFT target (see docs/capacity.md).
+DEFAULT_TRACE_TTFT_MS = 1000.0
+
+
+def build_policy(name: str, cost: CostModel, max_chunk_tokens: int = DEFAULT_MAX_CHUNK_TOKENS) -> Policy:
+    return make_policy(name, cost=cost, max_chunk_tokens=max_chunk_tokens)
+
+
+def run_policy(
+    workload: Workload, policy: Policy, tpot_ms: float, cost: CostModel
+) -> tuple[pd.DataFrame, float]:
+    """Simulate and return (per-request frame, run duration in ms).
+
+    ``cost`` is also the actual iteration time for every policy, so static and deadline
+    policies run on the same machine model.
+    """
+    result = simulate(workload, policy, tpot_ms=tpot_ms, actual_cost=cost)
+    return per_request_frame(result), run_duration_ms(result)
+
+
+# --------------------------------------------------------------------------- plots
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only, no display
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def policy_style(policy: str, index: int) -> dict:
+    """SLOWeave thick, black and on top; the other policies in the default colour cycle, by list order."""
+    if policy == "sloweave":
+        return {"color": "black", "linewidth": 2.4, "zorder": 10}
+    return {"color": f"C{index % 10}", "linewidth": 1.3, "zorder": 2}
+
+
+def plot_cdfs(
+    series: dict[str, np.ndarray], path: Path, xlabel: str, title: str, target: float | None = None, log_x: bool = False
+) -> None:
+    """Empirical CDFs, one line per label. Unfinished requests (nan) are left out of the
+    curve but counted in the denominator, so a curve that stops below 1 shows them."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    for index, (label, values) in enumerate(series.items()):
+        values = np.asarray(values, dtype=float)
+        finite = np.sort(values[np.isfinite(values)])
+        if values.size == 0 or finite.size == 0:
+            continue
+        ax.step(finite, np.arange(1, finite.size + 1) / values.size, where="post", label=label, **policy_style(label, index))
+    if target is not None:
+        ax.axvline(target, color="grey", linestyle=":", linewidth=1, label=f"target {target:g}", zorder=1)
+    if log_x:
+        ax.set_xscale("log")
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel("fraction of requests")
+    ax.set_ylim(0, 1.01)
+    ax.set_title(title, fontsize=10)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+# --------------------------------------------------------------------------- replay command
+
+
+def replay_policies(
+    workload: Workload,
+    policies: list[str],
+    tpot_ms: float,
+    ttft_ms: float,
+    cost: CostModel | None = None,
+    max_chunk_tokens: int = DEFAULT_MAX_CHUNK_TOKENS,
+    progress: bool = False,
+) -> tuple[pd.DataFrame, dict[str, RunMetrics]]:
+    """Run every policy on one workload; return all per-request rows and metrics by policy."""
+    from tqdm import tqdm
+
+    cost = cost or AnalyticCost()
+    frames, metrics = [], {}
+    for name in tqdm(policies, desc="replay", unit="policy", disable=not progress):
+        policy = build_policy(name, cost, max_chunk_tokens)
+        frame, duration_ms = run_policy(workload, policy, tpot_ms, cost)
+        metrics[policy.name] = summarize(frame, duration_ms, ttft_ms, tpot_ms)
+        frame.insert(0, "policy", policy.name)
+        frame["slo_met"] = slo_met(frame, ttft_ms, tpot_ms)
+        frames.append(frame)
+    return pd.concat(frames, ignore_index=True), metrics
+
+
+def _options_from_cli(start_s, end_s, duration_s, rate_scale, max_prompt_tokens, max_requests, arrivals, rate_rps, seed):
+    if end_s is not None and duration_s is not None:
+        raise click.UsageError("give --end-s or --duration-s, not both")
+    if duration_s is not None:
+        end_s = start_s + duration_s
+    if arrivals == "trace" and rate_rps is not None:
+        raise click.UsageError("--rate-rps only applies with --arrivals poisson")
+    return ReplayOptions(
+        start_s=start_s,
+        end_s=end_s,
+        rate_scale=rate_scale,
+        max_prompt_tokens=max_prompt_tokens,
+        max_requests=max_requests,
+        arrivals=arrivals,
+        poisson_rate_rps=rate_rps,
+        seed=seed,
+    )
+
+
+def describe_report(report: ReplayReport) -> str:
+    lines = [f"trace {report.source} ({report.fmt}): {report.num_requests} of {report.num_requests_in_file} requests"]
+    if report.arrivals_generated:
+        lines.append(f"ARRIVALS {report.arrivals}")
+    else:
+        lines.append(
+            f"window [{report.window_start_s:g}, {report.window_end_s:g}) s of the trace, "
+            f"replayed x{report.rate_scale:g}: {report.base_rate_rps:.3f} -> {report.offered_rate_rps:.3f} req/s"
+        )
+    if report.max_prompt_tokens is not None:
+        lines.append(f"prompt cap {report.max_prompt_tokens} tokens: {report.num_prompts_capped} prompt(s) capped")
+    return "\n".join(lines)
+
+
+@click.command()
+@click.argument("trace_path", metavar="TRACE", type=click.Path(dir_okay=False, path_type=Path))
+@click.option("--format", "fmt", type=click.Choice(FORMATS), default="auto", show_default=True)
+@click.option("--start-s", type=float, default=0.0, show_default=True, help="window start, seconds after the first request")
+@click.option("--end-s", type=float, default=None, help="window end (exclusive), seconds; default: end of the trace")
+@click.option("--duration-s", type=float, default=None, help="window length instead of --end-s")
+@click.option("--rate-scale", type=float, default=1.0, show_default=True, help="time-scale factor: arrivals are divided by it (2 = twice as fast)")
+@click.option("--max-prompt-tokens", type=click.IntRange(min=1), default=None, help="cap prompts at this length (the count is reported)")
+@click.option("--max-requests", type=click.IntRange(min=1), default=None, help="keep the first N requests of the window")
+@click.option("--arrivals", type=click.Choice(["trace", "poisson"]), default="trace", show_default=True, help="poisson: generate arrivals (needed for length-only files)")
+@click.option("--rate-rps", type=float, default=None, help="rate of generated Poisson arrivals (before --rate-scale)")
+@click.option("--seed", type=int, default=0, show_default=True, help="seed of generated arrivals")
+@click.option("--policy", "policies", multiple=True, default=DEFAULT_REPLAY_POLICIES, show_default=True, help="repeat for several")
+@click.option("--tpot-ms", type=float, default=25.0, show_default=True)
+@click.option("--ttft-ms", type=float, default=DEFAULT_TRACE_TTFT_MS, show_default=True)
+@click.option("--max-chunk", type=click.IntRange(min=1), default=DEFAULT_MAX_CHUNK_TOKENS, show_default=True)
+@click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), default=Path("results/replay"), show_default=True)
+def replay(trace_path, fmt, start_s, end_s, duration_s, rate_scale, max_prompt_tokens, max_requests, arrivals, rate_rps, seed, policies, tpot_ms, ttft_ms, max_chunk, out_dir) -> None:
+    """Replay a request trace under each policy; write requests.csv, metrics.csv/json and CDF plots."""
+    for label, value in (("--tpot-ms", tpot_ms), ("--ttft-ms", ttft_ms)):
+        if not (math.isfinite(value) and value > 0):
+            raise click.BadParameter(f"must be a finite number > 0, got {value!r}", param_hint=label)
+    try:
+        options = _options_from_cli(start_s, end_s, duration_s, rate_scale, max_prompt_tokens, max_requests, arrivals, rate_rps, seed)
+        trace = load_trace(trace_path, fmt)
+        workload, report = replay_workload(trace, options)
+        for name in policies:
+            build_policy(name, AnalyticCost(), max_chunk)
+    except (TraceError, ValueError) as err:
+        raise click.UsageError(str(err)) from None
+    click.echo(describe_report(report), err=True)
+    requests, metrics = replay_policies(workload, list(policies), tpot_ms, ttft_ms, max_chunk_tokens=max_chunk, progress=True)
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    table = pd.DataFrame([{"policy": name, "tpot_ms": tpot_ms, "ttft_ms": ttft_ms, **m.as_dict()} for name, m in metrics.items()])
+    table.to_csv(out_dir / "metrics.csv", index=False)
+    requests.to_csv(out_dir / "requests.csv", index=False)
+    payload = {
+        "command": "replay",
+        "replay": report.as_dict(),
+        "tpot_ms": tpot_ms,
+        "ttft_ms": ttft_ms,
+        "max_chunk_tokens": max_chunk,
+        "metrics": {name: m.as_dict() for name, m in metrics.items()},
+    }
+    (out_dir / "replay.json").write_text(json.dumps(payload, indent=2) + "\n")
+    by_policy = {name: frame for name, frame in requests.groupby("policy", sort=False)}
+    arrivals_text = "generated arrivals" if report.arrivals_generated else f"x{report.rate_scale:g}"
+    title = f"{Path(report.source).name} ({arrivals_text}, {report.offered_rate_rps:.1f} req/s)"
+    plot_cdfs({k: v["ttft_ms"].to_numpy() for k, v in by_policy.items()}, out_dir / "cdf_ttft.png", "TTFT (ms)", title, ttft_ms, log_x=True)
+    plot_cdfs(
+        {k: v["p99_tpot_ms"].to_numpy() for k, v in by_policy.items()},
+        out_dir / "cdf_p99_tpot.png",
+        "per-request P99 inter-token gap (ms)",
+        title,
+        tpot_ms,
+    )
+    columns = ["policy", "attainment", "goodput_rps", "p99_ttft_ms", "p99_tpot_ms", "num_pending"]
+    click.echo(table[columns].to_string(index=False, float_format=lambda v: f"{v:.3f}"))
+    click.echo(f"wrote {out_dir}/metrics.csv, replay.json, requests.csv, cdf_ttft.png, cdf_p99_tpot.png")
