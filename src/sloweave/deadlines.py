@@ -68,8 +68,12 @@ class DeadlineTracker:
         return math.inf
 
     def budget_ms(self, now_ms: float) -> float:
-        """B_t = max(0, min_i d_i - s_t); +inf when there is no active request."""
-        return max(0.0, self.earliest_deadline_ms() - now_ms)
+        """B_t = max(0, min_i d_i - s_t); +inf when there is no active request.
+
+        Rounded to the nanosecond: (l + D) - l differs from D in the last bits of a float,
+        which would make a chunk whose cost ties the budget flip by a token.
+        """
+        return max(0.0, round(self.earliest_deadline_ms() - now_ms, 6))
 
     def _push(self, request_id: Hashable, deadline_ms: float) -> None:
         self._version += 1

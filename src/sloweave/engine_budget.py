@@ -1,0 +1,193 @@
+"""Per-step token budgets for a real engine, from the decision core (no engine imports).
+
+An engine such as vLLM hands each step a token budget shared by the decodes and the
+prefill. `BudgetController` turns the SLOWeave decision into that budget:
+
+    budget_tokens = decode tokens of the running requests + SLOWeave chunk c*
+
+so decodes are never starved (the budget always covers them) and the prefill gets exactly
+the deadline-safe chunk. It owns the deadline tracker, fed with real token times, and
+knows when the step being scheduled will start: with asynchronous scheduling the engine
+schedules step N+1 while step N is still running, so step N+1 starts when step N is
+predicted to end, and the requests in step N will have emitted their token by then.
+
+Aging: when the policy keeps choosing decode-only while a prompt waits, the oldest prompt
+would starve under sustained load. After it has waited ``aging_ms`` without progress it gets
+a chunk of ``aging_chunk_tokens`` anyway; every such step is recorded as an SLO exception
+naming the requests whose deadlines the step is predicted to miss.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Hashable
+from dataclasses import dataclass, field
+
+from sloweave.cost import CostModel, Margin, ZeroMargin
+from sloweave.deadlines import DeadlineTracker
+from sloweave.policy import SLOWeave
+
+
+@dataclass(frozen=True)
+class StepState:
+    """What the engine knows when it schedules a step (plain data, engine-independent)."""
+
+    now_ms: float
+    decode_tokens: int  # tokens the running decodes need this step (one each without drafts)
+    pending_prompt_tokens: int  # prompt tokens that could be prefilled (bounded by C_max)
+    oldest_prompt_id: Hashable | None = None
+    oldest_prompt_waiting_ms: float = 0.0  # since it arrived or last made progress
+    decoding_ids: tuple[Hashable, ...] = ()
+    # KV context, for fitted cost models whose step time grows with the KV read
+    decode_kv_tokens: int = 0
+    prefill_prefix_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    token_budget: int  # what the engine may schedule this step: decodes + chunk
+    chunk_tokens: int
+    start_ms: float  # when the step is expected to start (after any step in flight)
+    budget_ms: float  # time to the earliest deadline from start_ms (+inf: no decodes)
+    predicted_ms: float  # T(n, c) + delta(n, c)
+    infeasible: bool  # even decode-only is predicted to miss the earliest deadline
+    aged: bool  # the chunk was forced by aging (an SLO exception)
+
+
+@dataclass(frozen=True)
+class SLOException:
+    start_ms: float
+    request_id: Hashable  # the starving prompt that got a forced chunk
+    chunk_tokens: int
+    predicted_ms: float
+    budget_ms: float
+    affected_ids: tuple[Hashable, ...]  # running requests predicted to miss their deadline
+
+
+@dataclass
+class ControllerStats:
+    steps: int = 0
+    infeasible_steps: int = 0
+    slo_exceptions: list[SLOException] = field(default_factory=list)
+    # recent (chunk, budget_ms, predicted_ms, measured_ms) per finished step
+    recent: deque = field(default_factory=lambda: deque(maxlen=4096))
+
+
+@dataclass
+class _InFlightStep:
+    start_ms: float
+    end_ms: float  # predicted, re-timed when an earlier step returns
+    plan: StepPlan
+    emitting: dict[Hashable, float | None]  # request -> its TPOT target (None: default)
+
+
+class BudgetController:
+    def __init__(
+        self,
+        policy: SLOWeave,
+        default_tpot_ms: float,
+        max_budget_tokens: int,
+        aging_ms: float | None = None,
+        aging_chunk_tokens: int = 256,
+    ) -> None:
+        if max_budget_tokens < 1:
+            raise ValueError(f"max_budget_tokens must be >= 1, got {max_budget_tokens}")
+        if aging_ms is not None and not aging_ms > 0:
+            raise ValueError(f"aging_ms must be > 0 (or None to disable aging), got {aging_ms!r}")
+        if aging_chunk_tokens < 1:
+            raise ValueError(f"aging_chunk_tokens must be >= 1, got {aging_chunk_tokens}")
+        self.policy = policy
+        self.tracker = DeadlineTracker(default_tpot_ms)
+        self.max_budget_tokens = max_budget_tokens
+        self.aging_ms = aging_ms
+        self.aging_chunk_tokens = aging_chunk_tokens
+        self.stats = ControllerStats()
+        # steps scheduled whose output has not come back yet, oldest first
+        self._in_flight: deque[_InFlightStep] = deque()
+
+    # ---- deadlines, fed with real token times -------------------------------------------
+
+    def on_token(self, request_id: Hashable, emitted_ms: float, tpot_ms: float | None = None) -> None:
+        """A request emitted a token (its first one starts tracking it)."""
+        if request_id in self.tracker:
+            self.tracker.on_token(request_id, emitted_ms)
+        else:
+            self.tracker.add(request_id, emitted_ms, tpot_ms)
+
+    def on_finished(self, request_id: Hashable) -> None:
+        self.tracker.remove(request_id)
+
+    # ---- one step ----------------------------------------------------------------------
+
+    def plan_step(self, state: StepState) -> StepPlan:
+        start_ms = max(state.now_ms, self._in_flight[-1].end_ms) if self._in_flight else state.now_ms
+        budget_ms = self.tracker.budget_ms(start_ms) if state.decode_tokens else math.inf
+        set_context = getattr(self.policy.cost, "set_context", None)
+        if set_context is not None:
+            set_context(state.decode_kv_tokens, state.prefill_prefix_tokens)
+        decision = self.policy.decide(state.decode_tokens, state.pending_prompt_tokens, budget_ms)
+        chunk, aged = decision.chunk_tokens, False
+        if (
+            chunk == 0
+            and state.pending_prompt_tokens > 0
+            and self.aging_ms is not None
+            and state.oldest_prompt_waiting_ms >= self.aging_ms
+        ):
+            chunk, aged = min(self.aging_chunk_tokens, state.pending_prompt_tokens), True
+        # The budget always covers the decodes' demand (up to the engine's own cap): a budget
+        # that starves decodes is a bug, not a choice. The prefill gets the chunk on top.
+        token_budget = min(self.max_budget_tokens, state.decode_tokens + chunk)
+        chunk = max(0, token_budget - state.decode_tokens)
+        predicted_ms = self.policy.predicted_ms(state.decode_tokens, chunk)
+        plan = StepPlan(token_budget, chunk, start_ms, budget_ms, predicted_ms, decision.infeasible, aged)
+        self.stats.steps += 1
+        self.stats.infeasible_steps += decision.infeasible
+        if aged:
+            affected = tuple(rid for rid in state.decoding_ids if self._misses(rid, start_ms + predicted_ms))
+            self.stats.slo_exceptions.append(
+                SLOException(start_ms, state.oldest_prompt_id, chunk, predicted_ms, budget_ms, affected)
+            )
+        return plan
+
+    def on_scheduled(self, plan: StepPlan, emitting: list[tuple[Hashable, float | None]]) -> None:
+        """The engine scheduled the step: until its output returns, assume it ends as predicted.
+
+        ``emitting`` lists (request, its TPOT target or None) for the requests that emit a
+        token at the end of this step. A step scheduled while this one is in flight must meet
+        their next deadline, counted from the predicted end.
+        """
+        step = _InFlightStep(plan.start_ms, plan.start_ms + plan.predicted_ms, plan, dict(emitting))
+        self._in_flight.append(step)
+        for request_id, tpot_ms in emitting:
+            self.on_token(request_id, step.end_ms, tpot_ms)
+
+    def on_step_done(self, now_ms: float, emitted: list[tuple[Hashable, float | None]]) -> None:
+        """The oldest step in flight returned at ``now_ms`` with tokens for ``emitted``.
+
+        Its real end re-times the steps still in flight (each starts when the previous
+        ends). A request that also emits in a later step in flight keeps that later
+        (predicted) time as its last token; the others take the real time.
+        """
+        if not self._in_flight:
+            for request_id, tpot_ms in emitted:
+                self.on_token(request_id, now_ms, tpot_ms)
+            return
+        done = self._in_flight.popleft()
+        self.stats.recent.append((done.plan.chunk_tokens, done.plan.budget_ms, done.plan.predicted_ms, now_ms - done.start_ms))
+        for request_id, tpot_ms in emitted:
+            self.on_token(request_id, now_ms, tpot_ms)
+        previous_end = now_ms
+        for step in self._in_flight:
+            step.start_ms = max(step.start_ms, previous_end)
+            step.end_ms = previous_end = step.start_ms + step.plan.predicted_ms
+            for request_id, tpot_ms in step.emitting.items():
+                self.on_token(request_id, step.end_ms, tpot_ms)
+
+    def _misses(self, request_id: Hashable, end_ms: float) -> bool:
+        return request_id in self.tracker and self.tracker.deadline_of(request_id) < end_ms
+
+
+def make_policy_for_engine(cost: CostModel, margin: Margin | None, max_chunk_tokens: int) -> SLOWeave:
+    """SLOWeave spreading its chunk over several prompts, as engines batch (vLLM, Sarathi)."""
+    return SLOWeave(cost=cost, margin=margin or ZeroMargin(), max_chunk_tokens=max_chunk_tokens, max_prefills=None)

@@ -1,0 +1,188 @@
+"""Drive a real vLLM engine (GPU) with a timed workload, and profile its step times.
+
+Used by ``benchmarks/vllm_gpu_bench.py`` and ``benchmarks/vllm_gpu_profile.py``. The
+engine runs in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) so that one ``step()`` is
+one scheduler step and its wall time is the step time. Weights are random
+(``load_format="dummy"``) from a local ``config.json``: no hub access is needed. Prompts
+are token ids, so no tokenizer is needed either.
+
+Needs a GPU: vLLM's CUDA wheel has no CPU kernels. The scheduler itself is tested on CPU
+with ``sloweave.vllm_plugin.offline`` instead.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import pandas as pd
+
+from sloweave.workloads import Workload
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+
+
+def make_engine(
+    model_dir: str,
+    max_num_batched_tokens: int,
+    scheduler_cls: str | None = None,
+    additional_config: dict | None = None,
+    max_num_seqs: int = 256,
+    max_model_len: int = 16384,
+    enforce_eager: bool = True,
+    async_scheduling: bool | None = None,
+):
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.v1.engine.llm_engine import LLMEngine
+
+    args = EngineArgs(
+        model=model_dir,
+        load_format="dummy",
+        skip_tokenizer_init=True,
+        dtype="bfloat16",
+        max_model_len=max_model_len,
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens,
+        enable_chunked_prefill=True,
+        enable_prefix_caching=False,  # random prompts share nothing; keep step cost honest
+        enforce_eager=enforce_eager,  # minutes of graph capture would not fit the time limit
+        scheduler_cls=scheduler_cls,
+        additional_config=additional_config or {},
+        async_scheduling=async_scheduling,
+        disable_log_stats=True,
+        seed=0,
+    )
+    return LLMEngine.from_engine_args(args)
+
+
+@dataclass
+class MeasuredRun:
+    requests: pd.DataFrame  # per request, the same columns as sloweave.metrics.per_request_frame
+    steps: pd.DataFrame  # per engine step: start_ms, end_ms, requests_out
+    wall_s: float
+
+
+def run_workload(engine, workload: Workload, vocab_size: int, seed: int = 0, tpot_ms: float | None = None, timeout_s: float = 300.0) -> MeasuredRun:
+    """Replay ``workload`` in real time: add each request at its arrival, step until done.
+
+    Token times are taken when ``step()`` returns new tokens for a request (what a
+    streaming client sees, minus the network).
+    """
+    from vllm.inputs import TokensPrompt
+    from vllm.sampling_params import RequestOutputKind, SamplingParams
+
+    rng = np.random.default_rng(seed)
+    n = len(workload)
+    arrival_ms = workload.arrival_s * 1000.0
+    token_ms: list[list[float]] = [[] for _ in range(n)]
+    finished = np.zeros(n, dtype=bool)
+    steps = []
+    next_request = 0
+    extra = {"sloweave_tpot_ms": tpot_ms} if tpot_ms is not None else None
+    t0 = time.perf_counter()
+
+    def now_ms() -> float:
+        return (time.perf_counter() - t0) * 1000.0
+
+    while not finished.all():
+        if now_ms() > timeout_s * 1000.0:
+            break
+        while next_request < n and arrival_ms[next_request] <= now_ms():
+            prompt = rng.integers(10, vocab_size - 10, int(workload.prompt_tokens[next_request])).tolist()
+            params = SamplingParams(
+                max_tokens=int(workload.output_tokens[next_request]),
+                ignore_eos=True,
+                output_kind=RequestOutputKind.DELTA,
+                detokenize=False,
+                extra_args=extra,
+            )
+            engine.add_request(str(next_request), TokensPrompt(prompt_token_ids=prompt), params)
+            next_request += 1
+        if not engine.has_unfinished_requests():
+            if next_request < n:
+                time.sleep(max(0.0, (arrival_ms[next_request] - now_ms()) / 1000.0))
+            continue
+        start = now_ms()
+        outputs = engine.step()
+        end = now_ms()
+        steps.append((start, end, len(outputs)))
+        for out in outputs:
+            i = int(out.request_id)
+            token_ms[i].extend([end] * len(out.outputs[0].token_ids))
+            finished[i] |= out.finished
+    rows = []
+    for i in range(n):
+        times = np.asarray(token_ms[i])
+        gaps = np.diff(times)
+        done = bool(finished[i]) and len(times) == workload.output_tokens[i]
+        rows.append(
+            {
+                "request": i,
+                "arrival_ms": arrival_ms[i],
+                "prompt_tokens": int(workload.prompt_tokens[i]),
+                "output_tokens": int(workload.output_tokens[i]),
+                "ttft_ms": times[0] - arrival_ms[i] if len(times) else np.nan,
+                "p99_tpot_ms": float(np.percentile(gaps, 99)) if gaps.size else (0.0 if done else np.nan),
+                "max_tpot_ms": float(gaps.max()) if gaps.size else (0.0 if done else np.nan),
+                "finish_ms": times[-1] if done else np.nan,
+                "status": "finished" if done else "pending",
+            }
+        )
+    return MeasuredRun(pd.DataFrame(rows), pd.DataFrame(steps, columns=["start_ms", "end_ms", "requests_out"]), time.perf_counter() - t0)
+
+
+def profile_steps(engine, vocab_size: int, decode_counts, chunk_sizes, contexts, repeats: int = 3, seed: int = 0) -> pd.DataFrame:
+    """Measure steps of ``n`` decodes at ``context`` tokens each plus one ``c``-token chunk.
+
+    For each grid point: start ``n`` requests with ``context``-token prompts and let them
+    reach decode, then add one prompt of ``c`` tokens; with ``max_num_batched_tokens``
+    large enough the next step holds exactly n decodes and the c-token chunk. Writes the
+    profile format of ``sloweave.fit`` (``n_decodes, chunk_tokens, decode_kv_tokens,
+    prefill_prefix_tokens, step_ms``).
+    """
+    from vllm.inputs import TokensPrompt
+    from vllm.sampling_params import RequestOutputKind, SamplingParams
+
+    rng = np.random.default_rng(seed)
+    rows = []
+    ids = iter(range(10**9))
+
+    def add(tokens: int, max_tokens: int) -> str:
+        request_id = f"p{next(ids)}"
+        params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, output_kind=RequestOutputKind.DELTA, detokenize=False)
+        engine.add_request(request_id, TokensPrompt(prompt_token_ids=rng.integers(10, vocab_size - 10, tokens).tolist()), params)
+        return request_id
+
+    for context in contexts:
+        for n in decode_counts:
+            for c in chunk_sizes:
+                if n == c == 0:
+                    continue  # an empty step is not a step
+                for repeat in range(repeats):
+                    # n requests decode in the measured step: their prompts first, then their
+                    # first token; max_tokens=3 leaves them decoding in the measured step.
+                    background = {add(context, 3) for _ in range(n)}
+                    started: set[str] = set()
+                    while started != background:
+                        started |= {o.request_id for o in engine.step() if o.outputs and o.outputs[0].token_ids}
+                    if c:
+                        add(c, 1)
+                    start = time.perf_counter()
+                    engine.step()
+                    step_ms = (time.perf_counter() - start) * 1000.0
+                    rows.append(
+                        {
+                            "n_decodes": n,
+                            "chunk_tokens": c,
+                            "decode_kv_tokens": n * (context + 2),
+                            "prefill_prefix_tokens": 0,
+                            "step_ms": step_ms,
+                            "context_tokens": context,
+                            "repeat": repeat,
+                        }
+                    )
+                    while engine.has_unfinished_requests():  # drain before the next point
+                        engine.step()
+    return pd.DataFrame(rows)

@@ -1,0 +1,200 @@
+"""Drive a real vLLM V1 scheduler offline on CPU, without a model: tests and benchmarks.
+
+vLLM's scheduler only needs configs and a KV cache layout to run. Steps are played by
+hand: ``schedule()``, a ``ModelRunnerOutput`` with one sampled token per request that
+finished computing, a simulated step time on a controllable clock, then
+``update_from_output()``. Nothing is downloaded: the model config is a local
+``config.json`` (a tiny Llama shipped with the package) and no tokenizer is loaded.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+
+import torch
+from vllm.config import CacheConfig, DeviceConfig, ModelConfig, SchedulerConfig, VllmConfig
+from vllm.sampling_params import SamplingParams
+from vllm.v1.core.single_type_kv_cache_manager import register_all_kvcache_specs
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+from vllm.v1.outputs import ModelRunnerOutput
+from vllm.v1.request import Request
+from vllm.v1.structured_output import StructuredOutputManager
+
+BLOCK_SIZE = 16
+SAMPLED_TOKEN = 7  # any id: nothing is decoded into text
+
+
+def tiny_model_dir() -> Path:
+    return Path(str(resources.files("sloweave.vllm_plugin").joinpath("models/tiny-llama")))
+
+
+def build_scheduler(
+    scheduler_cls: type,
+    max_num_batched_tokens: int = 4096,
+    max_num_seqs: int = 128,
+    max_model_len: int = 16384,
+    num_blocks: int = 40_000,
+    additional_config: dict | None = None,
+    model_dir: Path | None = None,
+):
+    """A real scheduler of class ``scheduler_cls`` (vLLM's or ours), on CPU, offline."""
+    is_async = getattr(scheduler_cls, "__mro__", ())
+    async_scheduling = any(c.__name__ == "AsyncScheduler" for c in is_async)
+    model_config = ModelConfig(
+        model=str(model_dir or tiny_model_dir()), skip_tokenizer_init=True, dtype="float32", seed=0, max_model_len=max_model_len
+    )
+    scheduler_config = SchedulerConfig(
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens,
+        max_model_len=max_model_len,
+        enable_chunked_prefill=True,
+        long_prefill_token_threshold=0,
+        async_scheduling=async_scheduling,
+        is_encoder_decoder=False,
+    )
+    cache_config = CacheConfig(block_size=BLOCK_SIZE, gpu_memory_utilization=0.9, cache_dtype="auto")
+    vllm_config = VllmConfig(
+        scheduler_config=scheduler_config,
+        model_config=model_config,
+        cache_config=cache_config,
+        device_config=DeviceConfig(device="cpu"),
+        additional_config=additional_config or {},
+    )
+    register_all_kvcache_specs(vllm_config)
+    kv_cache_config = KVCacheConfig(
+        num_blocks=num_blocks,
+        kv_cache_tensors=[],
+        kv_cache_groups=[KVCacheGroupSpec(["layer"], FullAttentionSpec(block_size=BLOCK_SIZE, num_kv_heads=1, head_size=1, dtype=torch.float32))],
+    )
+    cache_config.num_gpu_blocks = num_blocks
+    return scheduler_cls(
+        vllm_config=vllm_config,
+        kv_cache_config=kv_cache_config,
+        structured_output_manager=StructuredOutputManager(vllm_config),
+        block_size=BLOCK_SIZE,
+        log_stats=False,
+    )
+
+
+_ids = itertools.count()
+
+
+def make_request(prompt_tokens: int, output_tokens: int, tpot_ms: float | None = None, request_id: str | None = None) -> Request:
+    extra = {"sloweave_tpot_ms": tpot_ms} if tpot_ms is not None else None
+    params = SamplingParams(max_tokens=output_tokens, ignore_eos=True, extra_args=extra)
+    return Request(
+        request_id=request_id or f"req-{next(_ids)}",
+        prompt_token_ids=[SAMPLED_TOKEN] * prompt_tokens,
+        sampling_params=params,
+        pooling_params=None,
+    )
+
+
+@dataclass
+class ManualClock:
+    """The plug-in's clock under test control (milliseconds)."""
+
+    now_ms: float = 0.0
+
+    def __call__(self) -> float:
+        return self.now_ms
+
+
+@dataclass
+class StepRecord:
+    start_ms: float
+    end_ms: float
+    num_scheduled_tokens: dict[str, int]
+    token_budget: int | None  # the plug-in's budget (None for vLLM's own scheduler)
+    prefill_tokens: int
+    decode_tokens: int
+
+
+@dataclass
+class _InFlight:
+    output: object
+    runner_output: ModelRunnerOutput
+    record: StepRecord
+
+
+@dataclass
+class OfflineEngine:
+    """Plays steps of a scheduler against a step-time function on a manual clock.
+
+    ``overlap=False``: schedule, run, process the output, repeat (vLLM's synchronous
+    loop). ``overlap=True``: step N+1 is scheduled while step N runs and starts when it
+    ends, and step N's output is processed after that (vLLM's async scheduling).
+    """
+
+    scheduler: object
+    step_ms: Callable[[int, int], float]  # (decode tokens, prefill tokens) -> ms
+    clock: ManualClock = field(default_factory=ManualClock)
+    overlap: bool = False
+    steps: list[StepRecord] = field(default_factory=list)
+    token_times_ms: dict[str, list[float]] = field(default_factory=dict)
+    finished: set[str] = field(default_factory=set)
+    _in_flight: list[_InFlight] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if hasattr(self.scheduler, "sloweave_clock_ms"):
+            self.scheduler.sloweave_clock_ms = self.clock
+
+    def add(self, request: Request) -> None:
+        self.scheduler.add_request(request)
+
+    def _schedule(self) -> _InFlight | None:
+        scheduler = self.scheduler
+        was_decoding = {r.request_id for r in scheduler.running if r.num_output_tokens > 0 or r.num_computed_tokens >= r.num_prompt_tokens}
+        output = scheduler.schedule()
+        if not output.total_num_scheduled_tokens:
+            return None
+        decode_tokens = sum(n for rid, n in output.num_scheduled_tokens.items() if rid in was_decoding)
+        prefill_tokens = output.total_num_scheduled_tokens - decode_tokens
+        # A step starts when the one in flight ends.
+        start = self._in_flight[-1].record.end_ms if self._in_flight else self.clock.now_ms
+        end = start + self.step_ms(decode_tokens, prefill_tokens)
+        req_ids = list(output.num_scheduled_tokens)
+        # vLLM advanced num_computed_tokens in schedule(): a request not left mid-prompt samples.
+        sampled = [[] if scheduler.requests[rid].is_prefill_chunk else [SAMPLED_TOKEN] for rid in req_ids]
+        runner_output = ModelRunnerOutput(req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)}, sampled_token_ids=sampled)
+        plan = getattr(scheduler, "last_plan", None)
+        record = StepRecord(start, end, dict(output.num_scheduled_tokens), plan.token_budget if plan else None, prefill_tokens, decode_tokens)
+        self.steps.append(record)
+        return _InFlight(output, runner_output, record)
+
+    def _finish(self, step: _InFlight) -> None:
+        self.clock.now_ms = max(self.clock.now_ms, step.record.end_ms)
+        engine_outputs = self.scheduler.update_from_output(step.output, step.runner_output)
+        for outputs in engine_outputs.values():
+            for out in outputs.outputs:
+                if out.new_token_ids:
+                    self.token_times_ms.setdefault(out.request_id, []).extend([self.clock.now_ms] * len(out.new_token_ids))
+                if out.finish_reason is not None:
+                    self.finished.add(out.request_id)
+
+    def step(self) -> StepRecord | None:
+        """Schedule one step; returns its record (None when nothing could be scheduled)."""
+        scheduled = self._schedule()
+        if scheduled is not None:
+            self._in_flight.append(scheduled)
+        # Synchronous: finish it now. Overlapped: keep one step in flight, finish the older.
+        while self._in_flight and (not self.overlap or len(self._in_flight) > 1 or scheduled is None):
+            self._finish(self._in_flight.pop(0))
+        return None if scheduled is None else scheduled.record
+
+    def advance_to(self, now_ms: float) -> None:
+        """Let time pass with no step running (e.g. until the next arrival)."""
+        while self._in_flight:
+            self._finish(self._in_flight.pop(0))
+        self.clock.now_ms = max(self.clock.now_ms, now_ms)
+
+    def run(self, max_steps: int = 100_000) -> None:
+        for _ in range(max_steps):
+            if not self.scheduler.has_requests() and not self._in_flight:
+                return
+            self.step()
+        raise RuntimeError(f"requests still unfinished after {max_steps} steps")

@@ -1,0 +1,190 @@
+"""SLOWeave as a vLLM V1 scheduler (``--scheduler-cls``).
+
+    vllm serve MODEL --scheduler-cls sloweave.vllm_plugin.SLOWeaveAsyncScheduler \\
+        --additional-config '{"sloweave": {"tpot_ms": 25}}'
+
+The plug-in changes one number per step: the token budget vLLM's own scheduler hands
+out (``max_num_batched_tokens`` becomes an upper bound). Before each ``schedule()`` it
+computes ``decode tokens + SLOWeave chunk`` with the decision core, lowers
+``self.max_num_scheduled_tokens`` to that for this one call, and restores it. vLLM then
+schedules exactly as usual (KV cache manager, preemption, prefix caching untouched).
+Running decodes are moved ahead of partial prefills so the chunk never displaces them.
+Token times come from ``update_from_output`` (when the step's new tokens come back).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+from vllm.v1.core.sched.output import SchedulerOutput
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.request import Request, RequestStatus
+
+from sloweave.engine_budget import BudgetController, StepPlan, StepState, make_policy_for_engine
+from sloweave.vllm_plugin.config import REQUEST_TPOT_KEY, PluginConfig, PluginConfigError
+
+
+def _is_prefilling(request: Request) -> bool:
+    """Prompt tokens (or, after preemption, prompt and output tokens) still to compute.
+
+    A decode has exactly one known token not yet computed (the one it just sampled), or
+    none while its step is in flight under async scheduling.
+    """
+    return request.num_computed_tokens + 1 < request.num_tokens or (
+        request.num_output_tokens == 0 and request.num_computed_tokens < request.num_prompt_tokens
+    )
+
+
+def _uncomputed_prompt_tokens(request: Request) -> int:
+    return max(0, request.num_tokens - request.num_computed_tokens)
+
+
+def _decode_demand(request: Request) -> int:
+    """Tokens a running decode asks for this step (1, plus drafts with speculative decoding)."""
+    return max(1, request.num_tokens_with_spec + request.num_output_placeholders - request.num_computed_tokens)
+
+
+def request_tpot_ms(request: Request) -> float | None:
+    params = request.sampling_params
+    extra = getattr(params, "extra_args", None) if params is not None else None
+    if not extra or REQUEST_TPOT_KEY not in extra:
+        return None
+    value = extra[REQUEST_TPOT_KEY]
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ValueError(f"request {request.request_id}: extra_args['{REQUEST_TPOT_KEY}'] must be a number > 0, got {value!r}")
+    return float(value)
+
+
+class SLOWeaveSchedulerMixin:
+    """The SLOWeave budget on top of vLLM's scheduler; mixed into Scheduler and AsyncScheduler."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        try:
+            config = PluginConfig.from_sources(getattr(self.vllm_config, "additional_config", None))
+            cost, margin = config.build_cost_and_margin()
+        except PluginConfigError as err:
+            raise PluginConfigError(f"sloweave vLLM plug-in: {err}") from None
+        self.sloweave_config = config
+        self._configured_budget = self.max_num_scheduled_tokens
+        max_chunk = min(config.max_chunk_tokens, self._configured_budget)
+        self.sloweave = BudgetController(
+            make_policy_for_engine(cost, margin, max_chunk),
+            default_tpot_ms=config.tpot_ms,
+            max_budget_tokens=self._configured_budget,
+            aging_ms=config.aging_ms or None,
+            aging_chunk_tokens=config.aging_chunk_tokens,
+        )
+        # request id -> clock time its prompt last made progress (arrival or a chunk)
+        self._prompt_progress_ms: dict[str, float] = {}
+        self.last_plan: StepPlan | None = None
+
+    # A test can replace the clock; vLLM's own timestamps are not used.
+    def sloweave_clock_ms(self) -> float:
+        return time.monotonic() * 1000.0
+
+    def add_request(self, request: Request) -> None:
+        request_tpot_ms(request)  # reject a bad per-request target before it is queued
+        super().add_request(request)
+        self._prompt_progress_ms[request.request_id] = self.sloweave_clock_ms()
+
+    def schedule(self, *args, **kwargs) -> SchedulerOutput:
+        now_ms = self.sloweave_clock_ms()
+        # Decodes first, then partial prefills: vLLM serves `running` in order from one budget.
+        decodes = [r for r in self.running if not _is_prefilling(r)]
+        partial = [r for r in self.running if _is_prefilling(r)]
+        if partial and self.running[: len(decodes)] != decodes:
+            self.running[:] = decodes + partial
+        plan = self.sloweave.plan_step(self._step_state(now_ms, decodes, partial))
+        self.last_plan = plan
+        self.max_num_scheduled_tokens = plan.token_budget
+        try:
+            output = super().schedule(*args, **kwargs)
+        finally:
+            self.max_num_scheduled_tokens = self._configured_budget
+        if output.total_num_scheduled_tokens:
+            # Requests done computing after this step emit a token at its end: decodes and
+            # prompts whose last chunk is in it (vLLM advanced num_computed_tokens already).
+            emitting = []
+            for request_id in output.num_scheduled_tokens:
+                request = self.requests[request_id]
+                if _is_prefilling(request):
+                    self._prompt_progress_ms[request_id] = now_ms
+                else:
+                    emitting.append((request_id, request_tpot_ms(request)))
+            self.sloweave.on_scheduled(plan, emitting)
+        return output
+
+    def update_from_output(self, scheduler_output, model_runner_output):
+        outputs = super().update_from_output(scheduler_output, model_runner_output)
+        now_ms = self.sloweave_clock_ms()
+        emitted, finished = [], []
+        for engine_outputs in outputs.values():
+            for out in engine_outputs.outputs:
+                if out.new_token_ids:
+                    request = self.requests.get(out.request_id)
+                    emitted.append((out.request_id, request_tpot_ms(request) if request is not None else None))
+                    self._prompt_progress_ms.pop(out.request_id, None)  # its prefill is done
+                if out.finish_reason is not None:
+                    finished.append(out.request_id)
+        if scheduler_output.total_num_scheduled_tokens:
+            self.sloweave.on_step_done(now_ms, emitted)
+        else:
+            for request_id, tpot_ms in emitted:
+                self.sloweave.on_token(request_id, now_ms, tpot_ms)
+        for request_id in finished:
+            self._forget(request_id)
+        return outputs
+
+    def _preempt_request(self, request: Request, *args, **kwargs) -> None:
+        super()._preempt_request(request, *args, **kwargs)
+        # Its next token waits for a recompute: drop its deadline (it would pin the budget at
+        # zero) and let aging count from now.
+        self.sloweave.on_finished(request.request_id)
+        self._prompt_progress_ms[request.request_id] = self.sloweave_clock_ms()
+
+    def finish_requests(self, request_ids: str | Iterable[str] | None, finished_status: RequestStatus):
+        finished = super().finish_requests(request_ids, finished_status)
+        for request in finished:
+            self._forget(request.request_id)
+        return finished
+
+    def _forget(self, request_id: str) -> None:
+        self.sloweave.on_finished(request_id)
+        self._prompt_progress_ms.pop(request_id, None)
+
+    def _step_state(self, now_ms: float, decodes: list[Request], partial: list[Request]) -> StepState:
+        limit = self.sloweave.policy.max_chunk_tokens
+        pending, oldest = 0, None
+        # Prompts in the order vLLM will prefill them: partial chunks, then the waiting queue.
+        for request in [*partial, *self.waiting]:
+            if pending >= limit:
+                break
+            remaining = _uncomputed_prompt_tokens(request)
+            if remaining <= 0:
+                continue
+            pending += remaining
+            if oldest is None:
+                oldest = request
+        prefix_tokens = oldest.num_computed_tokens if oldest is not None else 0
+        waited_ms = now_ms - self._prompt_progress_ms.get(oldest.request_id, now_ms) if oldest is not None else 0.0
+        return StepState(
+            now_ms=now_ms,
+            decode_tokens=sum(_decode_demand(r) for r in decodes),
+            pending_prompt_tokens=pending,
+            oldest_prompt_id=None if oldest is None else oldest.request_id,
+            oldest_prompt_waiting_ms=waited_ms,
+            decoding_ids=tuple(r.request_id for r in decodes),
+            decode_kv_tokens=sum(r.num_computed_tokens + 1 for r in decodes),
+            prefill_prefix_tokens=prefix_tokens,
+        )
+
+
+class SLOWeaveScheduler(SLOWeaveSchedulerMixin, Scheduler):
+    """For synchronous scheduling (``--no-async-scheduling``)."""
+
+
+class SLOWeaveAsyncScheduler(SLOWeaveSchedulerMixin, AsyncScheduler):
+    """For asynchronous scheduling (vLLM's default on GPU)."""

@@ -1,0 +1,117 @@
+"""The engine-facing budget controller and the plug-in configuration (no engine needed)."""
+
+import math
+
+import pytest
+
+from sloweave.cost import AnalyticCost, ConstantMargin
+from sloweave.engine_budget import BudgetController, StepState, make_policy_for_engine
+from sloweave.vllm_plugin.config import PluginConfig, PluginConfigError
+
+
+def controller(**kwargs):
+    policy = make_policy_for_engine(AnalyticCost(), None, kwargs.pop("max_chunk_tokens", 4096))
+    return BudgetController(policy, default_tpot_ms=kwargs.pop("tpot_ms", 10.0), max_budget_tokens=kwargs.pop("max_budget_tokens", 8192), **kwargs)
+
+
+def test_budget_is_decodes_plus_the_deadline_safe_chunk():
+    c = controller()
+    # nothing decoding: the largest chunk
+    plan = c.plan_step(StepState(now_ms=0.0, decode_tokens=0, pending_prompt_tokens=10_000))
+    assert plan.token_budget == 4096 and math.isinf(plan.budget_ms)
+    for i in range(4):
+        c.on_token(f"r{i}", 100.0)
+    plan = c.plan_step(StepState(now_ms=100.0, decode_tokens=4, pending_prompt_tokens=10_000))
+    assert abs(plan.chunk_tokens - 1355) <= 1 and plan.token_budget == 4 + plan.chunk_tokens
+    # slack shrinks as time passes since the last token: a smaller chunk
+    later = c.plan_step(StepState(now_ms=104.0, decode_tokens=4, pending_prompt_tokens=10_000))
+    assert later.budget_ms == pytest.approx(6.0) and later.chunk_tokens < plan.chunk_tokens
+    # nothing fits: decode-only, never below the decodes' demand
+    late = c.plan_step(StepState(now_ms=109.9, decode_tokens=4, pending_prompt_tokens=10_000))
+    assert late.chunk_tokens == 0 and late.token_budget == 4 and late.infeasible
+    assert c.stats.infeasible_steps == 1
+
+
+def test_in_flight_step_moves_the_start_and_the_deadlines():
+    c = controller()
+    c.on_token("a", 0.0)
+    first = c.plan_step(StepState(now_ms=0.0, decode_tokens=1, pending_prompt_tokens=500))
+    c.on_scheduled(first, [("a", None)])
+    # scheduled while the first is in flight: starts at its predicted end, and "a" will have
+    # emitted a token by then, so its next deadline counts from there
+    second = c.plan_step(StepState(now_ms=0.5, decode_tokens=1, pending_prompt_tokens=500))
+    assert second.start_ms == pytest.approx(first.predicted_ms)
+    assert second.budget_ms == pytest.approx(10.0)
+    c.on_scheduled(second, [("a", None)])
+    # the first step returns 0.2 ms late: "a"'s last token is the second step's re-timed end,
+    # not the first step's real end (which is older)
+    c.on_step_done(first.predicted_ms + 0.2, [("a", None)])
+    assert c.stats.recent[-1][3] == pytest.approx(first.predicted_ms + 0.2)
+    assert c.tracker.deadline_of("a") == pytest.approx(first.predicted_ms + 0.2 + second.predicted_ms + 10.0)
+    c.on_step_done(first.predicted_ms + second.predicted_ms + 0.5, [("a", None)])
+    assert c.tracker.deadline_of("a") == pytest.approx(first.predicted_ms + second.predicted_ms + 10.5)
+
+
+def test_per_request_target_tightens_the_budget():
+    c = controller(tpot_ms=50.0)
+    c.on_token("batch", 0.0)
+    c.on_token("interactive", 0.0, tpot_ms=10.0)
+    plan = c.plan_step(StepState(now_ms=0.0, decode_tokens=2, pending_prompt_tokens=8000))
+    assert plan.budget_ms == 10.0
+    c.on_finished("interactive")
+    assert c.plan_step(StepState(now_ms=0.0, decode_tokens=1, pending_prompt_tokens=8000)).budget_ms == 50.0
+
+
+def test_aging_forces_a_chunk_and_records_the_exception():
+    c = controller(tpot_ms=1.0, aging_ms=500.0, aging_chunk_tokens=128)
+    c.on_token("d1", 0.0)
+    young = c.plan_step(StepState(0.0, 1, 5000, "p", oldest_prompt_waiting_ms=100.0, decoding_ids=("d1",)))
+    assert young.chunk_tokens == 0 and not young.aged
+    old = c.plan_step(StepState(0.0, 1, 5000, "p", oldest_prompt_waiting_ms=600.0, decoding_ids=("d1",)))
+    assert old.aged and old.chunk_tokens == 128 and old.token_budget == 129
+    [exception] = c.stats.slo_exceptions
+    assert exception.request_id == "p" and exception.affected_ids == ("d1",) and exception.chunk_tokens == 128
+
+
+def test_margin_and_engine_cap():
+    policy = make_policy_for_engine(AnalyticCost(), ConstantMargin(2.0), 4096)
+    c = BudgetController(policy, default_tpot_ms=10.0, max_budget_tokens=512)
+    c.on_token("a", 0.0)
+    plan = c.plan_step(StepState(now_ms=0.0, decode_tokens=1, pending_prompt_tokens=9000))
+    assert plan.token_budget == 512  # the engine's own max_num_batched_tokens stays the upper bound
+
+
+def test_bad_controller_arguments():
+    with pytest.raises(ValueError, match="aging_ms"):
+        controller(aging_ms=0)
+    with pytest.raises(ValueError, match="max_budget_tokens"):
+        controller(max_budget_tokens=0)
+
+
+def test_plugin_config_sources_and_errors(tmp_path):
+    assert PluginConfig.from_sources({}, environ={}) == PluginConfig()
+    config = PluginConfig.from_sources({"sloweave": {"tpot_ms": 50, "aging_ms": 0}}, environ={"SLOWEAVE_TPOT_MS": "10", "SLOWEAVE_MARGIN_MS": "1.5"})
+    assert config.tpot_ms == 50 and config.margin_ms == 1.5 and config.aging_ms == 0
+    cost, margin = config.build_cost_and_margin()
+    assert cost(4, 0) == AnalyticCost()(4, 0) and margin(4, 100) == 1.5
+    bad = [
+        ({"sloweave": {"tpot_ms": -1}}, {}, "tpot_ms must be a finite number > 0"),
+        ({"sloweave": {"tpot_ms": "fast"}}, {}, "tpot_ms"),
+        ({"sloweave": {"max_chunk_tokens": 0}}, {}, "max_chunk_tokens"),
+        ({"sloweave": {"chunk": 5}}, {}, "unknown key"),
+        ({"sloweave": {"cost": str(tmp_path / "missing.csv")}}, {}, "existing profile file"),
+        ({"sloweave": {"profile_margin": True}}, {}, "profile_margin needs"),
+        ({"sloweave": {"cost_kind": "magic"}}, {}, "cost_kind"),
+        ({"sloweave": []}, {}, "must be an object"),
+        ({}, {"SLOWEAVE_TPOT_MS": "abc"}, "SLOWEAVE_TPOT_MS"),
+        ({}, {"SLOWEAVE_PROFILE_MARGIN": "maybe"}, "SLOWEAVE_PROFILE_MARGIN"),
+    ]
+    for additional, env, message in bad:
+        with pytest.raises(PluginConfigError, match=message):
+            PluginConfig.from_sources(additional, environ=env)
+    with pytest.raises(PluginConfigError, match="analytic"):
+        PluginConfig(analytic={"bogus_ms": 1.0}).build_cost_and_margin()
+    corrupt = tmp_path / "profile.csv"
+    corrupt.write_text("n_decodes,chunk_tokens\n1,2\n")
+    with pytest.raises(PluginConfigError, match="cost profile"):
+        PluginConfig(cost=str(corrupt)).build_cost_and_margin()

@@ -1,0 +1,224 @@
+"""The SLOWeave plug-in inside real vLLM V1 schedulers, offline on CPU, on a manual clock."""
+
+import numpy as np
+import pytest
+from vllm.config import SchedulerConfig
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.request import RequestStatus
+
+from sloweave.cost import AnalyticCost
+from sloweave.policy import SLOWeave
+from sloweave.simulator import simulate
+from sloweave.vllm_plugin import SLOWeaveAsyncScheduler, SLOWeaveScheduler
+from sloweave.vllm_plugin.config import PluginConfigError
+from sloweave.vllm_plugin.offline import OfflineEngine, build_scheduler, make_request
+from sloweave.workloads import Workload
+
+COST = AnalyticCost()
+
+
+def engine(cls=SLOWeaveScheduler, overlap=False, max_num_batched_tokens=8192, **config):
+    scheduler = build_scheduler(cls, max_num_batched_tokens=max_num_batched_tokens, additional_config={"sloweave": config})
+    return OfflineEngine(scheduler, step_ms=lambda d, p: COST(d, p), overlap=overlap)
+
+
+def test_scheduler_cls_resolves_from_a_dotted_path():
+    for cls in (SLOWeaveScheduler, SLOWeaveAsyncScheduler):
+        config = SchedulerConfig(max_model_len=4096, is_encoder_decoder=False, scheduler_cls=f"sloweave.vllm_plugin.{cls.__name__}")
+        assert config.get_scheduler_cls() is cls
+
+
+def test_budget_follows_the_deadline():
+    eng = engine(tpot_ms=10.0)
+    # no decodes: the largest chunk (C_max = 4096)
+    eng.add(make_request(6000, 20))
+    first = eng.step()
+    assert first.token_budget == 4096 and first.prefill_tokens == 4096 and first.decode_tokens == 0
+    eng.step()  # the rest of the prompt; its first token comes out
+    for _ in range(3):
+        eng.add(make_request(40, 30))
+    eng.step()  # prefills the three short prompts next to one decode
+    eng.add(make_request(8000, 5))
+    plan_steps = [eng.step() for _ in range(2)]
+    # 4 decodes, 10 ms: the SPEC's worked example, about 1355 prompt tokens next to them
+    assert all(s.decode_tokens == 4 for s in plan_steps)
+    assert all(abs(s.prefill_tokens - 1355) <= 1 for s in plan_steps)
+    assert all(s.end_ms - s.start_ms <= 10.0 + 1e-9 for s in plan_steps)
+    # slack tightens: 6 ms have passed since the last tokens when the next step is scheduled
+    eng.clock.now_ms += 6.0
+    tight = eng.step()
+    assert tight.decode_tokens == 4 and 0 < tight.prefill_tokens < 1355
+    assert eng.scheduler.last_plan.budget_ms == pytest.approx(4.0)
+    # nothing fits: decode-only, every decode still served
+    eng.clock.now_ms += 9.5
+    starved = eng.step()
+    assert starved.prefill_tokens == 0 and starved.decode_tokens == 4 and starved.token_budget == 4
+    assert eng.scheduler.last_plan.infeasible
+    eng.run()
+    assert len(eng.finished) == 5
+
+
+@pytest.mark.parametrize("cls, overlap", [(SLOWeaveScheduler, False), (SLOWeaveAsyncScheduler, True), (SLOWeaveAsyncScheduler, False)])
+def test_every_request_completes_with_its_tokens(cls, overlap):
+    rng = np.random.default_rng(0)
+    eng = engine(cls, overlap=overlap, tpot_ms=15.0)
+    prompts, outputs = rng.integers(10, 5000, 30), rng.integers(1, 60, 30)
+    requests = [make_request(int(p), int(o)) for p, o in zip(prompts, outputs)]
+    for i, request in enumerate(requests):
+        if i % 5 == 0:
+            eng.advance_to(eng.clock.now_ms + 20.0)  # arrivals spread over time
+        eng.add(request)
+        eng.step()
+    eng.run()
+    assert eng.finished == {r.request_id for r in requests}
+    for request, out in zip(requests, outputs):
+        assert len(eng.token_times_ms[request.request_id]) == out
+    for step in eng.steps:  # decodes were never starved by the budget
+        assert step.token_budget is None or step.token_budget >= step.decode_tokens
+    if overlap:  # steps really overlapped: the next was scheduled before the previous finished
+        assert any(s.start_ms > 0 for s in eng.steps[1:])
+
+
+def test_async_scheduling_accounts_for_the_step_in_flight():
+    eng = engine(SLOWeaveAsyncScheduler, overlap=True, tpot_ms=10.0)
+    for _ in range(4):
+        eng.add(make_request(50, 40))
+    for _ in range(4):
+        eng.step()
+    eng.add(make_request(9000, 2))
+    steps = [eng.step() for _ in range(4)]
+    for step in steps:
+        # scheduled while the previous step ran, it still ends within 10 ms of the previous tokens
+        assert step.end_ms - step.start_ms <= 10.0 + 1e-9
+    gaps = np.diff(eng.token_times_ms[next(iter(eng.token_times_ms))])
+    assert gaps.max() <= 10.0 + 1e-9
+    assert sum(s.prefill_tokens for s in steps) > 3000
+
+
+def test_decisions_match_the_simulator():
+    """Same requests, same cost: vLLM with the plug-in and the simulator take the same steps."""
+    prompts = [3000, 500, 2000, 100, 4000, 800, 6000, 300]
+    outputs = [20, 40, 10, 30, 25, 5, 12, 50]
+    eng = engine(tpot_ms=10.0, aging_ms=0)
+    for p, o in zip(prompts, outputs):
+        eng.add(make_request(p, o))
+    eng.run()
+    workload = Workload("same", np.zeros(len(prompts)), np.array(prompts), np.array(outputs))
+    sim = simulate(workload, SLOWeave(cost=COST, max_prefills=None), tpot_ms=10.0, max_batch_size=128)
+    assert len(eng.steps) == sim.num_iterations
+    assert [s.decode_tokens for s in eng.steps] == sim.iter_decodes.tolist()
+    assert [s.prefill_tokens for s in eng.steps] == sim.iter_chunk_tokens.tolist()
+    for i, request_id in enumerate(sorted(eng.token_times_ms, key=lambda r: int(r.split("-")[1]))):
+        assert eng.token_times_ms[request_id] == pytest.approx(sim.token_times_ms(i).tolist())
+
+
+def test_per_request_target_from_extra_args():
+    eng = engine(tpot_ms=50.0)
+    eng.add(make_request(20, 30, tpot_ms=10.0))
+    eng.add(make_request(20, 30))
+    eng.step()
+    eng.add(make_request(9000, 2))
+    eng.step()
+    assert eng.scheduler.last_plan.budget_ms == pytest.approx(10.0)
+    with pytest.raises(ValueError, match="sloweave_tpot_ms"):
+        eng.add(make_request(10, 2, tpot_ms=-5.0))
+
+
+def test_decodes_stay_ahead_of_a_partial_prefill():
+    eng = engine(tpot_ms=10.0)
+    for _ in range(3):
+        eng.add(make_request(30, 50))
+    eng.step()
+    eng.add(make_request(9000, 3))
+    eng.step()  # the long prompt is now a partial prefill in `running`
+    scheduler = eng.scheduler
+    partial = [r for r in scheduler.running if r.num_computed_tokens < r.num_prompt_tokens]
+    assert partial
+    scheduler.running[:] = partial + [r for r in scheduler.running if r not in partial]  # put it first
+    step = eng.step()
+    assert step.decode_tokens == 3 and step.prefill_tokens > 0
+
+
+def test_aging_gives_a_starving_prompt_a_chunk():
+    eng = engine(tpot_ms=1.0, aging_ms=100.0, aging_chunk_tokens=64)  # 1 ms: nothing ever fits
+    eng.add(make_request(10, 400))
+    eng.step()
+    eng.add(make_request(500, 2))
+    prefill_steps = []
+    while eng.scheduler.has_requests() and len(prefill_steps) < 2:
+        step = eng.step()
+        if step.prefill_tokens:
+            prefill_steps.append(step)
+    assert prefill_steps and all(s.prefill_tokens == 64 for s in prefill_steps)
+    assert prefill_steps[0].start_ms >= 100.0
+    exceptions = eng.scheduler.sloweave.stats.slo_exceptions
+    assert len(exceptions) >= 1 and all(e.chunk_tokens == 64 for e in exceptions)
+
+
+def test_aborted_and_preempted_requests_release_their_deadline():
+    eng = engine(tpot_ms=10.0)
+    a, b = make_request(20, 100), make_request(20, 100)
+    eng.add(a)
+    eng.add(b)
+    eng.step()
+    eng.scheduler.finish_requests(a.request_id, RequestStatus.FINISHED_ABORTED)
+    assert a.request_id not in eng.scheduler.sloweave.tracker
+    assert b.request_id in eng.scheduler.sloweave.tracker
+
+
+@pytest.mark.parametrize(
+    "config, message",
+    [
+        ({"tpot_ms": 0}, "tpot_ms must be a finite number > 0"),
+        ({"unknown": 1}, "unknown key"),
+        ({"cost": "/nonexistent/profile.csv"}, "existing profile file"),
+    ],
+)
+def test_bad_configuration_fails_at_start_up(config, message):
+    with pytest.raises(PluginConfigError, match=message):
+        build_scheduler(SLOWeaveScheduler, additional_config={"sloweave": config})
+
+
+def test_vllm_default_scheduler_runs_in_the_same_harness():
+    """Baseline: vLLM's own scheduler with a fixed budget spends it all on one long prompt."""
+    plain = OfflineEngine(build_scheduler(Scheduler, max_num_batched_tokens=2048), step_ms=lambda d, p: COST(d, p))
+    for _ in range(4):
+        plain.add(make_request(30, 20))
+    plain.step()
+    plain.add(make_request(9000, 2))
+    step = plain.step()
+    assert step.decode_tokens + step.prefill_tokens == 2048
+    assert step.end_ms - step.start_ms > 10.0  # a 10 ms TPOT target is missed by the fixed budget
+
+
+def test_profile_file_as_the_cost_model(tmp_path):
+    """A step-time profile (the format `sloweave profile` and the GPU profiler write) drives the plug-in."""
+    import itertools
+
+    import pandas as pd
+
+    from sloweave.fit import fit_profile_file
+
+    rows = []
+    rng = np.random.default_rng(1)
+    for n, c, context, repeat in itertools.product([0, 2, 4, 8, 16, 32], [0, 128, 512, 1024, 2048, 4096], [64, 512], range(3)):
+        if n == c == 0:
+            continue  # an empty step is not a step
+        kv = n * (context + 1)
+        step = COST(n, c) + 0.0002 * kv
+        rows.append({"n_decodes": n, "chunk_tokens": c, "decode_kv_tokens": kv, "prefill_prefix_tokens": 0, "step_ms": step * rng.uniform(0.97, 1.03), "context_tokens": context})
+    path = tmp_path / "profile.csv"
+    pd.DataFrame(rows).to_csv(path, index=False)
+    fitted = fit_profile_file(path).cost("regression")
+
+    eng = engine(tpot_ms=10.0, cost=str(path))
+    for _ in range(4):
+        eng.add(make_request(500, 30))
+    eng.step()
+    eng.add(make_request(9000, 2))
+    step = eng.step()
+    plan = eng.scheduler.last_plan
+    assert step.decode_tokens == 4 and step.prefill_tokens == plan.chunk_tokens > 0
+    # the fitted model, at this step's KV context, says the chunk fits and one more token would not
+    kv = 4 * 502
+    assert fitted.predict(4, plan.chunk_tokens, kv, 0) <= 10.0 < fitted.predict(4, plan.chunk_tokens + 1, kv, 0)
