@@ -1,21 +1,27 @@
 """Cost of one SLOWeave decision (deadline update + chunk search), in microseconds.
 
 For 16, 64 and 256 active requests: one request emits a token (heap update), then the
-policy reads the budget and searches the chunk. Baselines measured in the same run:
-the same step with a linear scan over every chunk size (what the binary search replaces)
-and a fixed-chunk decision (what engines do today). Prints medians and P99 over
-several repetitions.
+policy reads the budget and searches the chunk, with each cost model kind: the analytic
+model, and the lookup table and regression fitted (``sloweave.fit``) from a profile of
+that analytic model with KV-context terms. Baselines measured in the same run: the same
+step with a linear scan over every chunk size (what the binary search replaces) and a
+fixed-chunk decision (what engines do today). Prints medians and P99 over several
+repetitions. What one vLLM ``schedule()`` costs for the same number of running requests is
+measured by ``benchmarks/vllm_schedule_cost.py`` (in the vLLM environment).
 
     .venv/bin/python benchmarks/decision_cost.py
 """
 
+import itertools
 import statistics
 import time
 
 import numpy as np
+import pandas as pd
 
 from sloweave.cost import AnalyticCost
 from sloweave.deadlines import DeadlineTracker
+from sloweave.fit import fit_profile
 from sloweave.policy import FixedChunk, SLOWeave
 
 DECISIONS = 2000
@@ -47,24 +53,42 @@ def time_decisions(active: int, decide) -> np.ndarray:
     return samples
 
 
+def fitted_costs():
+    """Table and regression fitted from a synthetic profile: analytic cost + KV-context read."""
+    analytic = AnalyticCost()
+    rows = []
+    for n, c, context in itertools.product([1, 4, 16, 64, 128, 256, 512], [0, 64, 256, 1024, 2048, 4096], [128, 1024, 4096]):
+        if n == c == 0:
+            continue
+        kv = n * (context + 1)
+        rows.append({"n_decodes": n, "chunk_tokens": c, "decode_kv_tokens": kv, "prefill_prefix_tokens": 0, "step_ms": analytic(n, c) + 2e-5 * kv, "context_tokens": context, "split": "fit"})
+    for n, c in ((8, 500), (100, 3000)):  # a few off-grid steps to score the fit on
+        rows.append({"n_decodes": n, "chunk_tokens": c, "decode_kv_tokens": n * 2000, "prefill_prefix_tokens": 0, "step_ms": analytic(n, c) + 2e-5 * n * 2000, "context_tokens": 2000, "split": "holdout"})
+    fitted = fit_profile(pd.DataFrame(rows))
+    costs = {}
+    for kind in ("table", "regression"):
+        cost = fitted.cost(kind)
+        cost.set_context(decode_kv_tokens=64 * 1025, prefill_prefix_tokens=0)
+        costs[kind] = cost
+    return costs
+
+
 def main() -> None:
-    cost = AnalyticCost()
-    sloweave = SLOWeave(cost=cost)
-    fixed = FixedChunk(1024)
-    kinds = {
-        "sloweave (binary search)": sloweave.decide,
-        "linear scan baseline": lambda n, w, b: linear_scan(cost, n, w, b, 4096),
-        "fixed-1024 baseline": fixed.decide,
-    }
-    print(f"{'active':>6} {'decision':<26} {'median_us':>10} {'p99_us':>9} {'vs sloweave':>12}")
+    analytic = AnalyticCost()
+    costs = {"analytic": analytic, **fitted_costs()}
+    kinds = {f"sloweave, {name}": SLOWeave(cost=cost).decide for name, cost in costs.items()}
+    kinds["linear scan, analytic"] = lambda n, w, b: linear_scan(analytic, n, w, b, 4096)
+    kinds["fixed-1024"] = FixedChunk(1024).decide
+    base = "sloweave, analytic"
+    print(f"{'active':>6} {'decision':<24} {'median_us':>10} {'p99_us':>9} {'vs analytic':>12}")
     for active in (16, 64, 256):
         medians = {}
         for name, decide in kinds.items():
             reps = [time_decisions(active, decide) for _ in range(REPEATS if "linear" not in name else 1)]
             medians[name] = statistics.median(float(np.median(r)) for r in reps)
             p99 = statistics.median(float(np.percentile(r, 99)) for r in reps)
-            ratio = medians[name] / medians["sloweave (binary search)"]
-            print(f"{active:>6} {name:<26} {medians[name]:>10.2f} {p99:>9.2f} {ratio:>11.2f}x")
+            ratio = medians[name] / medians[base]
+            print(f"{active:>6} {name:<24} {medians[name]:>10.2f} {p99:>9.2f} {ratio:>11.2f}x", flush=True)
 
 
 if __name__ == "__main__":

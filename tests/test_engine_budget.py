@@ -36,26 +36,28 @@ def test_in_flight_step_moves_the_start_and_the_deadlines():
     c = controller()
     c.on_token("a", 0.0)
     first = c.plan_step(StepState(now_ms=0.0, decode_tokens=1, pending_prompt_tokens=500))
-    c.on_scheduled(first, [("a", None)])
+    c.on_scheduled(first, ["a"])
     # scheduled while the first is in flight: starts at its predicted end, and "a" will have
     # emitted a token by then, so its next deadline counts from there
     second = c.plan_step(StepState(now_ms=0.5, decode_tokens=1, pending_prompt_tokens=500))
     assert second.start_ms == pytest.approx(first.predicted_ms)
     assert second.budget_ms == pytest.approx(10.0)
-    c.on_scheduled(second, [("a", None)])
-    # the first step returns 0.2 ms late: "a"'s last token is the second step's re-timed end,
-    # not the first step's real end (which is older)
-    c.on_step_done(first.predicted_ms + 0.2, [("a", None)])
-    assert c.stats.recent[-1][3] == pytest.approx(first.predicted_ms + 0.2)
-    assert c.tracker.deadline_of("a") == pytest.approx(first.predicted_ms + 0.2 + second.predicted_ms + 10.0)
-    c.on_step_done(first.predicted_ms + second.predicted_ms + 0.5, [("a", None)])
-    assert c.tracker.deadline_of("a") == pytest.approx(first.predicted_ms + second.predicted_ms + 10.5)
+    c.on_scheduled(second, ["a"])
+    # the first step returns 0.2 ms late: the second (in flight) is re-timed from its real end,
+    # and "a"'s last token before a third step is the second's end, not the first's real end
+    late = first.predicted_ms + 0.2
+    c.on_step_done(late, ["a"])
+    assert c.stats.recent[-1][3] == pytest.approx(late)
+    third = c.plan_step(StepState(now_ms=late + 0.1, decode_tokens=1, pending_prompt_tokens=500))
+    assert third.start_ms == pytest.approx(late + second.predicted_ms)
+    assert c.tracker.deadline_of("a") == pytest.approx(late + second.predicted_ms + 10.0)
+    assert third.budget_ms == pytest.approx(10.0)
 
 
 def test_per_request_target_tightens_the_budget():
-    c = controller(tpot_ms=50.0)
+    c = controller(tpot_ms=50.0, tpot_ms_of={"interactive": 10.0}.get)
     c.on_token("batch", 0.0)
-    c.on_token("interactive", 0.0, tpot_ms=10.0)
+    c.on_token("interactive", 0.0)
     plan = c.plan_step(StepState(now_ms=0.0, decode_tokens=2, pending_prompt_tokens=8000))
     assert plan.budget_ms == 10.0
     c.on_finished("interactive")

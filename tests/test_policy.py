@@ -219,3 +219,30 @@ def test_monotone_repair_is_exact_on_monotone_models():
     repaired = MonotoneRepair(cost, 4096)
     for c in (0, 1, 15, 16, 17, 1000, 4096, 5000):
         assert repaired(8, c) == cost(8, c)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    n=st.integers(1, 600),
+    waiting=st.integers(0, 9000),
+    budget=st.floats(0.0, 80.0),
+    margin_ms=st.sampled_from([0.0, 0.5, 3.0]),
+    per_token=st.sampled_from([0.006, 0.0123, 0.0001]),
+)
+def test_closed_form_shortcut_equals_brute_force(n, waiting, budget, margin_ms, per_token):
+    """The analytic model's inverted guess never changes the answer of the search."""
+    cost = AnalyticCost(prefill_per_token_ms=per_token)
+    margin = ConstantMargin(margin_ms) if margin_ms else None
+    policy = SLOWeave(cost=cost, margin=margin) if margin else SLOWeave(cost=cost)
+    decision = policy.decide(n, waiting, budget)
+    guarded = (lambda n_, c_: cost(n_, c_) + margin_ms) if margin_ms else cost
+    best = brute_force_best_fast(guarded, n, waiting, budget, 4096)
+    assert decision.chunk_tokens == (0 if best is None else best)
+
+
+def brute_force_best_fast(cost, n, waiting, budget, max_chunk):
+    """Largest safe chunk by scanning down from the top (T is monotone, so the first hit wins)."""
+    for c in range(min(max_chunk, waiting), -1, -1):
+        if cost(n, c) <= budget:
+            return c
+    return None

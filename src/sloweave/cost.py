@@ -65,6 +65,16 @@ class AnalyticCost:
             t += self.prefill_base_ms + self.prefill_per_token_ms * chunk_tokens
         return t
 
+    def chunk_estimate(self, n_decodes: int, budget_ms: float) -> int:
+        """Closed-form guess of the largest c > 0 with T(n, c) <= budget (may be off by one).
+
+        The policy checks the guess against T itself, so it only saves search steps.
+        """
+        if self.prefill_per_token_ms <= 0:
+            return 1 << 62
+        room = budget_ms - self(n_decodes, 0) - self.prefill_base_ms
+        return int(room / self.prefill_per_token_ms) if room > 0 else 0
+
 
 @dataclass(frozen=True)
 class ZeroMargin:

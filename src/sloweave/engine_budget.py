@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 
 from sloweave.cost import CostModel, Margin, ZeroMargin
@@ -79,7 +79,8 @@ class _InFlightStep:
     start_ms: float
     end_ms: float  # predicted, re-timed when an earlier step returns
     plan: StepPlan
-    emitting: dict[Hashable, float | None]  # request -> its TPOT target (None: default)
+    emitting: list[Hashable]  # requests that emit a token at its end
+    applied: bool = False  # their predicted token time is in the deadline tracker
 
 
 class BudgetController:
@@ -90,6 +91,7 @@ class BudgetController:
         max_budget_tokens: int,
         aging_ms: float | None = None,
         aging_chunk_tokens: int = 256,
+        tpot_ms_of: Callable[[Hashable], float | None] | None = None,
     ) -> None:
         if max_budget_tokens < 1:
             raise ValueError(f"max_budget_tokens must be >= 1, got {max_budget_tokens}")
@@ -103,17 +105,19 @@ class BudgetController:
         self.aging_ms = aging_ms
         self.aging_chunk_tokens = aging_chunk_tokens
         self.stats = ControllerStats()
+        # a request's own TPOT target (None: the default), asked once, when tracking starts
+        self._tpot_ms_of = tpot_ms_of or (lambda request_id: None)
         # steps scheduled whose output has not come back yet, oldest first
         self._in_flight: deque[_InFlightStep] = deque()
 
     # ---- deadlines, fed with real token times -------------------------------------------
 
-    def on_token(self, request_id: Hashable, emitted_ms: float, tpot_ms: float | None = None) -> None:
+    def on_token(self, request_id: Hashable, emitted_ms: float) -> None:
         """A request emitted a token (its first one starts tracking it)."""
         if request_id in self.tracker:
             self.tracker.on_token(request_id, emitted_ms)
         else:
-            self.tracker.add(request_id, emitted_ms, tpot_ms)
+            self.tracker.add(request_id, emitted_ms, self._tpot_ms_of(request_id))
 
     def on_finished(self, request_id: Hashable) -> None:
         self.tracker.remove(request_id)
@@ -121,6 +125,13 @@ class BudgetController:
     # ---- one step ----------------------------------------------------------------------
 
     def plan_step(self, state: StepState) -> StepPlan:
+        # Steps still in flight end before this one starts, and their requests will have
+        # emitted by then: count their next deadlines from the predicted ends. (In a
+        # synchronous loop nothing is in flight here and this costs nothing.)
+        for step in self._in_flight:
+            if not step.applied:
+                self._emit_at(step.emitting, step.end_ms)
+                step.applied = True
         start_ms = max(state.now_ms, self._in_flight[-1].end_ms) if self._in_flight else state.now_ms
         budget_ms = self.tracker.budget_ms(start_ms) if state.decode_tokens else math.inf
         set_context = getattr(self.policy.cost, "set_context", None)
@@ -150,39 +161,35 @@ class BudgetController:
             )
         return plan
 
-    def on_scheduled(self, plan: StepPlan, emitting: list[tuple[Hashable, float | None]]) -> None:
-        """The engine scheduled the step: until its output returns, assume it ends as predicted.
+    def on_scheduled(self, plan: StepPlan, emitting: list[Hashable]) -> None:
+        """The engine scheduled the step; ``emitting`` emit a token at its end.
 
-        ``emitting`` lists (request, its TPOT target or None) for the requests that emit a
-        token at the end of this step. A step scheduled while this one is in flight must meet
-        their next deadline, counted from the predicted end.
+        Until its output returns the step is assumed to end as predicted.
         """
-        step = _InFlightStep(plan.start_ms, plan.start_ms + plan.predicted_ms, plan, dict(emitting))
-        self._in_flight.append(step)
-        for request_id, tpot_ms in emitting:
-            self.on_token(request_id, step.end_ms, tpot_ms)
+        self._in_flight.append(_InFlightStep(plan.start_ms, plan.start_ms + plan.predicted_ms, plan, emitting))
 
-    def on_step_done(self, now_ms: float, emitted: list[tuple[Hashable, float | None]]) -> None:
+    def on_step_done(self, now_ms: float, emitted: list[Hashable]) -> None:
         """The oldest step in flight returned at ``now_ms`` with tokens for ``emitted``.
 
         Its real end re-times the steps still in flight (each starts when the previous
         ends). A request that also emits in a later step in flight keeps that later
         (predicted) time as its last token; the others take the real time.
         """
+        self._emit_at(emitted, now_ms)
         if not self._in_flight:
-            for request_id, tpot_ms in emitted:
-                self.on_token(request_id, now_ms, tpot_ms)
             return
         done = self._in_flight.popleft()
         self.stats.recent.append((done.plan.chunk_tokens, done.plan.budget_ms, done.plan.predicted_ms, now_ms - done.start_ms))
-        for request_id, tpot_ms in emitted:
-            self.on_token(request_id, now_ms, tpot_ms)
         previous_end = now_ms
         for step in self._in_flight:
             step.start_ms = max(step.start_ms, previous_end)
             step.end_ms = previous_end = step.start_ms + step.plan.predicted_ms
-            for request_id, tpot_ms in step.emitting.items():
-                self.on_token(request_id, step.end_ms, tpot_ms)
+            if step.applied:
+                self._emit_at(step.emitting, step.end_ms)
+
+    def _emit_at(self, request_ids: list[Hashable], emitted_ms: float) -> None:
+        for request_id in request_ids:
+            self.on_token(request_id, emitted_ms)
 
     def _misses(self, request_id: Hashable, end_ms: float) -> bool:
         return request_id in self.tracker and self.tracker.deadline_of(request_id) < end_ms

@@ -15,7 +15,7 @@ import re
 from dataclasses import dataclass, field
 from typing import NamedTuple, Protocol
 
-from sloweave.cost import AnalyticCost, CostModel, Margin, MonotoneRepair, ZeroMargin, check_monotone_in_chunk
+from sloweave.cost import AnalyticCost, ConstantMargin, CostModel, Margin, MonotoneRepair, ZeroMargin, check_monotone_in_chunk
 
 DEFAULT_MAX_CHUNK_TOKENS = 4096
 
@@ -98,6 +98,17 @@ class SLOWeave:
         if upper <= 0 or cost(n_decodes, upper) + margin(n_decodes, upper) <= budget_ms:
             return Decision(max(upper, 0))
         lo, hi = 0, upper  # invariant: lo fits the budget, hi does not
+        estimate = getattr(cost, "chunk_estimate", None)
+        if estimate is not None and isinstance(margin, (ZeroMargin, ConstantMargin)):
+            # A linear model can be inverted; the guess only narrows [lo, hi] after being
+            # checked against T + delta, so the answer is exactly the binary search's.
+            guess = min(max(estimate(n_decodes, budget_ms - margin(n_decodes, 0)), 1), upper - 1)
+            if cost(n_decodes, guess) + margin(n_decodes, guess) <= budget_ms:
+                lo = guess
+                if cost(n_decodes, guess + 1) + margin(n_decodes, guess + 1) > budget_ms:
+                    return Decision(guess)
+            else:
+                hi = guess
         while hi - lo > 1:
             mid = (lo + hi) // 2
             if cost(n_decodes, mid) + margin(n_decodes, mid) <= budget_ms:

@@ -62,6 +62,7 @@ class SLOWeaveSchedulerMixin:
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
+        self._request_tpot_ms: dict[str, float] = {}  # requests with their own TPOT target
         try:
             config = PluginConfig.from_sources(getattr(self.vllm_config, "additional_config", None))
             cost, margin = config.build_cost_and_margin()
@@ -76,6 +77,7 @@ class SLOWeaveSchedulerMixin:
             max_budget_tokens=self._configured_budget,
             aging_ms=config.aging_ms or None,
             aging_chunk_tokens=config.aging_chunk_tokens,
+            tpot_ms_of=self._request_tpot_ms.get,
         )
         # request id -> clock time its prompt last made progress (arrival or a chunk)
         self._prompt_progress_ms: dict[str, float] = {}
@@ -86,16 +88,19 @@ class SLOWeaveSchedulerMixin:
         return time.monotonic() * 1000.0
 
     def add_request(self, request: Request) -> None:
-        request_tpot_ms(request)  # reject a bad per-request target before it is queued
+        tpot_ms = request_tpot_ms(request)  # a bad per-request target is rejected before queueing
         super().add_request(request)
+        if tpot_ms is not None:
+            self._request_tpot_ms[request.request_id] = tpot_ms
         self._prompt_progress_ms[request.request_id] = self.sloweave_clock_ms()
 
     def schedule(self, *args, **kwargs) -> SchedulerOutput:
         now_ms = self.sloweave_clock_ms()
         # Decodes first, then partial prefills: vLLM serves `running` in order from one budget.
-        decodes = [r for r in self.running if not _is_prefilling(r)]
-        partial = [r for r in self.running if _is_prefilling(r)]
-        if partial and self.running[: len(decodes)] != decodes:
+        decodes, partial = [], []
+        for request in self.running:
+            (partial if _is_prefilling(request) else decodes).append(request)
+        if partial and self.running[-len(partial) :] != partial:
             self.running[:] = decodes + partial
         plan = self.sloweave.plan_step(self._step_state(now_ms, decodes, partial))
         self.last_plan = plan
@@ -108,12 +113,12 @@ class SLOWeaveSchedulerMixin:
             # Requests done computing after this step emit a token at its end: decodes and
             # prompts whose last chunk is in it (vLLM advanced num_computed_tokens already).
             emitting = []
+            progress = self._prompt_progress_ms
             for request_id in output.num_scheduled_tokens:
-                request = self.requests[request_id]
-                if _is_prefilling(request):
-                    self._prompt_progress_ms[request_id] = now_ms
+                if request_id in progress and _is_prefilling(self.requests[request_id]):
+                    progress[request_id] = now_ms
                 else:
-                    emitting.append((request_id, request_tpot_ms(request)))
+                    emitting.append(request_id)
             self.sloweave.on_scheduled(plan, emitting)
         return output
 
@@ -124,16 +129,16 @@ class SLOWeaveSchedulerMixin:
         for engine_outputs in outputs.values():
             for out in engine_outputs.outputs:
                 if out.new_token_ids:
-                    request = self.requests.get(out.request_id)
-                    emitted.append((out.request_id, request_tpot_ms(request) if request is not None else None))
-                    self._prompt_progress_ms.pop(out.request_id, None)  # its prefill is done
+                    emitted.append(out.request_id)
                 if out.finish_reason is not None:
                     finished.append(out.request_id)
+        for request_id in emitted:
+            self._prompt_progress_ms.pop(request_id, None)  # its prefill is done
         if scheduler_output.total_num_scheduled_tokens:
             self.sloweave.on_step_done(now_ms, emitted)
         else:
-            for request_id, tpot_ms in emitted:
-                self.sloweave.on_token(request_id, now_ms, tpot_ms)
+            for request_id in emitted:
+                self.sloweave.on_token(request_id, now_ms)
         for request_id in finished:
             self._forget(request_id)
         return outputs
@@ -154,6 +159,7 @@ class SLOWeaveSchedulerMixin:
     def _forget(self, request_id: str) -> None:
         self.sloweave.on_finished(request_id)
         self._prompt_progress_ms.pop(request_id, None)
+        self._request_tpot_ms.pop(request_id, None)
 
     def _step_state(self, now_ms: float, decodes: list[Request], partial: list[Request]) -> StepState:
         limit = self.sloweave.policy.max_chunk_tokens
@@ -172,7 +178,7 @@ class SLOWeaveSchedulerMixin:
         waited_ms = now_ms - self._prompt_progress_ms.get(oldest.request_id, now_ms) if oldest is not None else 0.0
         return StepState(
             now_ms=now_ms,
-            decode_tokens=sum(_decode_demand(r) for r in decodes),
+            decode_tokens=sum(map(_decode_demand, decodes)),
             pending_prompt_tokens=pending,
             oldest_prompt_id=None if oldest is None else oldest.request_id,
             oldest_prompt_waiting_ms=waited_ms,
