@@ -1,0 +1,13 @@
+"""The measured CPU runtime: transformers' continuous batching driven by a sloweave policy.
+
+Submodules import torch and transformers; ``import sloweave`` never does. The pieces:
+
+- ``model``: random-weight Llama models from packaged configs (or a local model directory);
+- ``scheduler``: ``SLOWeaveScheduler``, the transformers ``Scheduler`` that runs all decodes
+  plus one prefill chunk of the size a callback decides, registered as ``"sloweave"``;
+- ``engine``: a synchronous driver of the batch processor that owns the clock;
+- ``calibration``: online correction of the cost model from measured step times;
+- ``runner``: runs a workload under a policy and measures per-token times;
+- ``profiler``: measures the step-time grid that ``sloweave.fit`` turns into cost models;
+- ``commands``: the ``sloweave profile`` / ``fit`` / ``run`` commands.
+"""

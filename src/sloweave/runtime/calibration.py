@@ -1,0 +1,132 @@
+"""Online recalibration: correct a fitted cost model from the step times measured while serving.
+
+A profile is taken once; the machine then drifts (other processes, caches, thermal state).
+``OnlineCalibrator`` keeps, per decode-count bucket and per step kind (decode-only or with
+a prefill chunk), an exponentially weighted mean of log(measured / predicted), and
+``CalibratedCost`` multiplies the base prediction by exp of it. Factors are constant in c
+for a step kind, and the chunk curve is floored by the decode-only one, so the corrected
+model stays monotone in c (the policy's binary search stays exact).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+
+import numpy as np
+
+from sloweave.fit import N_BUCKET_EDGES, ContextualCost, ResidualMargin
+
+
+class OnlineCalibrator:
+    """Per-bucket multiplicative correction learned from (predicted, measured) step pairs."""
+
+    def __init__(self, alpha: float = 0.2, min_factor: float = 0.25, max_factor: float = 8.0, window_steps: int = 300) -> None:
+        if not 0 < alpha <= 1:
+            raise ValueError(f"alpha must be in (0, 1], got {alpha!r}")
+        self.alpha = alpha
+        self.log_min, self.log_max = math.log(min_factor), math.log(max_factor)
+        # rows: decode-count bucket; columns: 0 = decode-only step, 1 = step with a chunk
+        self.log_factor = np.zeros((len(N_BUCKET_EDGES), 2))
+        self.observations = np.zeros((len(N_BUCKET_EDGES), 2), dtype=np.int64)
+        # Until a bucket has data, borrow the mean correction of the buckets that have some:
+        # drift is mostly machine-wide, so it transfers.
+        self._global = 0.0
+        self._global_seen = 0
+        # Relative residuals of the CORRECTED prediction over the last steps: the spread
+        # that is left once the bias is removed, i.e. what a margin still has to cover.
+        self.recent_residuals: deque[float] = deque(maxlen=window_steps)
+        self._quantiles = {}
+
+    @staticmethod
+    def _bucket(n_decodes: int) -> int:
+        return int(np.searchsorted(N_BUCKET_EDGES, n_decodes, side="right") - 1)
+
+    def factor(self, n_decodes: int, has_chunk: bool) -> float:
+        i, j = self._bucket(n_decodes), int(has_chunk)
+        value = self.log_factor[i, j] if self.observations[i, j] else self._global
+        return math.exp(value)
+
+    def observe(self, n_decodes: int, chunk_tokens: int, predicted_ms: float, measured_ms: float) -> None:
+        """Fold one step in; ``predicted_ms`` is the BASE model's prediction (not corrected)."""
+        if not (predicted_ms > 0 and measured_ms > 0):
+            return
+        corrected = predicted_ms * self.factor(n_decodes, chunk_tokens > 0)
+        self.recent_residuals.append(measured_ms / corrected - 1.0)
+        self._quantiles: dict[float, float] = {}
+        error = min(max(math.log(measured_ms / predicted_ms), self.log_min), self.log_max)
+        i, j = self._bucket(n_decodes), int(chunk_tokens > 0)
+        if self.observations[i, j]:
+            self.log_factor[i, j] += self.alpha * (error - self.log_factor[i, j])
+        else:
+            self.log_factor[i, j] = error
+        self.observations[i, j] += 1
+        self._global += (self.alpha if self._global_seen else 1.0) * (error - self._global)
+        self._global_seen += 1
+
+    def residual_quantile(self, quantile: float) -> float:
+        """The ``quantile`` (in %) of the recent relative residuals, >= 0 (cached per step)."""
+        if quantile not in self._quantiles:
+            self._quantiles[quantile] = max(0.0, float(np.percentile(self.recent_residuals, quantile)))
+        return self._quantiles[quantile]
+
+    def as_dict(self) -> dict:
+        return {
+            "n_bucket_lower_edges": list(N_BUCKET_EDGES),
+            "factors_decode_only": np.exp(self.log_factor[:, 0]).round(4).tolist(),
+            "factors_with_chunk": np.exp(self.log_factor[:, 1]).round(4).tolist(),
+            "observations": self.observations.tolist(),
+        }
+
+
+class CalibratedCost(ContextualCost):
+    """T'(n, c) = max(k0(n) T(n, 0), k1(n) T(n, c)) for c > 0, and k0(n) T(n, 0) for c = 0."""
+
+    def __init__(self, base: ContextualCost, calibrator: OnlineCalibrator) -> None:
+        self.base = base
+        self.calibrator = calibrator
+
+    def predict(self, n_decodes: int, chunk_tokens: int, decode_kv_tokens: int, prefill_prefix_tokens: int) -> float:
+        k = self.calibrator.factor
+        decode_only = k(n_decodes, False) * self.base.predict(n_decodes, 0, decode_kv_tokens, prefill_prefix_tokens)
+        if chunk_tokens <= 0:
+            return decode_only
+        with_chunk = k(n_decodes, True) * self.base.predict(n_decodes, chunk_tokens, decode_kv_tokens, prefill_prefix_tokens)
+        return max(with_chunk, decode_only) if n_decodes > 0 else with_chunk
+
+
+class AdaptiveMargin:
+    """delta = r x T', with r the P99 of the recent corrected residuals once there are enough.
+
+    Until ``min_steps`` steps have been seen it is the profile's ``ResidualMargin``. The
+    fraction does not depend on c, so T' + delta = (1 + r) T' stays monotone in c. With a
+    recalibrated cost the profile's margin would count the profile's bias twice (once in
+    the correction, once in the residuals), and it never learns that the machine got
+    noisier or quieter; the window does both.
+    """
+
+    def __init__(self, cost: CalibratedCost, fallback: ResidualMargin, quantile: float = 99.0, min_steps: int = 50) -> None:
+        self.cost = cost
+        self.fallback = fallback
+        self.quantile = quantile
+        self.min_steps = min_steps
+
+    def fraction(self, n_decodes: int, chunk_tokens: int) -> float:
+        calibrator = self.cost.calibrator
+        if len(calibrator.recent_residuals) < self.min_steps:
+            return self.fallback.fraction(n_decodes, chunk_tokens)
+        return calibrator.residual_quantile(self.quantile)
+
+    def __call__(self, n_decodes: int, chunk_tokens: int) -> float:
+        return self.fraction(n_decodes, chunk_tokens) * self.cost(n_decodes, chunk_tokens)
+
+
+class ScaledCost(ContextualCost):
+    """A base cost times a constant: a stale profile on purpose (drift experiments)."""
+
+    def __init__(self, base: ContextualCost, factor: float) -> None:
+        self.base = base
+        self.factor = float(factor)
+
+    def predict(self, n_decodes: int, chunk_tokens: int, decode_kv_tokens: int, prefill_prefix_tokens: int) -> float:
+        return self.factor * self.base.predict(n_decodes, chunk_tokens, decode_kv_tokens, prefill_prefix_tokens)

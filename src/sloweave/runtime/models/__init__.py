@@ -1,0 +1,1 @@
+"""Packaged model configs (JSON), read with importlib.resources."""

@@ -1,0 +1,233 @@
+"""Profile format and cost-model fitting (sloweave.fit): no torch needed."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from sloweave.cost import check_monotone_in_chunk
+from sloweave.fit import (
+    REGRESSION_TERMS,
+    FixedContextCost,
+    LookupTableCost,
+    ProfileError,
+    RegressionCost,
+    ResidualMargin,
+    fit_profile,
+    read_profile,
+    regression_features,
+    write_profile,
+)
+from sloweave.metrics import evaluate
+from sloweave.policy import SLOWeave, make_policy
+from sloweave.simulator import simulate
+from sloweave.workloads import WORKLOADS
+
+TRUE_COEF = np.array([1.0, 0.5, 0.05, 0.3, 0.02, 0.4, 0.8])
+
+
+def synthetic_profile(noise: float = 0.03, seed: int = 0, repeats: int = 3) -> pd.DataFrame:
+    """A grid profile: the regression's own form times one-sided lognormal noise (contention only adds time)."""
+    rng = np.random.default_rng(seed)
+    rows = []
+    for context in (64, 256, 1024):
+        for n in (0, 1, 4, 8, 16, 32):
+            for c in (0, 16, 64, 128, 256, 512, 1024):
+                if n == 0 and c == 0:
+                    continue
+                for r in range(repeats):
+                    d = n * (context + 1)
+                    t = float(regression_features(n, c, d, 0) @ TRUE_COEF) * float(np.exp(abs(rng.normal(0, noise))))
+                    rows.append(dict(n_decodes=n, chunk_tokens=c, decode_kv_tokens=d, prefill_prefix_tokens=0, step_ms=t, context_tokens=context, repeat=r, split="fit"))
+            for _ in range(3):  # off-grid held-out steps, some with a prefix
+                c, p = int(rng.integers(1, 1024)), int(rng.integers(0, 512))
+                d = n * (context + 1)
+                t = float(regression_features(n, c, d, p) @ TRUE_COEF) * float(np.exp(abs(rng.normal(0, noise))))
+                rows.append(dict(n_decodes=n, chunk_tokens=c, decode_kv_tokens=d, prefill_prefix_tokens=p, step_ms=t, context_tokens=context, repeat=0, split="holdout"))
+    return pd.DataFrame(rows)
+
+
+def test_regression_recovers_the_true_model_and_scores_holdout():
+    result = fit_profile(synthetic_profile())
+    assert result.regression.coefficients.shape == (len(REGRESSION_TERMS),)
+    assert np.all(result.regression.coefficients >= 0)
+    holdout = result.report["regression_holdout"]
+    assert holdout["steps"] == 54
+    assert holdout["median_abs_rel_error"] < 0.05
+    # The context terms are what makes long-context steps predictable.
+    assert result.report["regression_without_context_holdout"]["median_abs_rel_error"] > 2 * holdout["median_abs_rel_error"]
+    assert result.report["table_holdout"]["steps"] == 54
+
+
+def test_fitted_costs_are_monotone_in_chunk_and_usable_by_the_policy():
+    result = fit_profile(synthetic_profile())
+    for kind in ("regression", "table"):
+        cost = result.cost(kind)
+        for context in (0, 5_000, 40_000):
+            cost.set_context(context, 100)
+            check_monotone_in_chunk(cost, 2048)
+            margin = result.margin(cost)
+            check_monotone_in_chunk(lambda n, c: cost(n, c) + margin(n, c), 2048)
+        cost.set_context(0, 0)
+        policy = SLOWeave(cost=cost, margin=result.margin(cost), max_chunk_tokens=2048)
+        # More KV context read by the decodes leaves room for a smaller chunk in the same budget.
+        cost.set_context(8 * 65, 0)
+        short = policy.decide(8, 4000, 30.0).chunk_tokens
+        cost.set_context(8 * 1025, 0)
+        long = policy.decide(8, 4000, 30.0).chunk_tokens
+        assert 0 < long < short, (kind, short, long)
+        assert cost(8, long) + policy.margin(8, long) <= 30.0
+
+
+def test_table_interpolates_exactly_on_grid_and_linearly_between():
+    frame = synthetic_profile(noise=0.0, repeats=1)
+    table = LookupTableCost.fit(frame[frame["split"] == "fit"])
+    assert table.repaired_cells == 0
+    n, c, ctx = 8, 256, 256
+    exact = float(regression_features(n, c, n * (ctx + 1), 0) @ TRUE_COEF)
+    assert table.predict(n, c, n * ctx, 0) == pytest.approx(exact, rel=0.02)
+    lo, hi = table.predict(8, 128, 8 * 256, 0), table.predict(8, 256, 8 * 256, 0)
+    assert table.predict(8, 192, 8 * 256, 0) == pytest.approx((lo + hi) / 2, rel=1e-9)
+    # Beyond the largest profiled chunk it extrapolates upwards instead of clamping.
+    assert table.predict(8, 2048, 8 * 256, 0) > table.predict(8, 1024, 8 * 256, 0)
+
+
+def test_margin_covers_most_holdout_steps_and_grows_with_noise():
+    quiet = fit_profile(synthetic_profile(noise=0.02))
+    noisy = fit_profile(synthetic_profile(noise=0.2))
+    assert noisy.margin_fractions.max() > quiet.margin_fractions.max()
+    assert np.all(np.diff(noisy.margin_fractions, axis=1) >= 0)  # non-decreasing along c
+    assert noisy.report["regression_holdout"]["covered_by_margin_share"] >= 0.8
+
+
+def test_profile_round_trips_through_csv_and_json(tmp_path):
+    frame = synthetic_profile(repeats=1)
+    for name in ("p.csv", "p.json"):
+        path = write_profile(frame, tmp_path / name, meta={"model": "synthetic"})
+        back = read_profile(path)
+        assert len(back) == len(frame)
+        assert back["n_decodes"].dtype == np.int64
+        np.testing.assert_allclose(back["step_ms"], frame["step_ms"])
+    assert json.loads((tmp_path / "p.meta.json").read_text())["model"] == "synthetic"
+
+
+@pytest.mark.parametrize(
+    "mutate, message",
+    [
+        (lambda f: f.drop(columns=["step_ms"]), "missing column(s) step_ms"),
+        (lambda f: f.assign(step_ms=-1.0), "step_ms=-1.0"),
+        (lambda f: f.assign(n_decodes="many"), "n_decodes='many'"),
+        (lambda f: f.assign(chunk_tokens=2.5), "chunk_tokens=2.5"),
+        (lambda f: f.assign(split="train"), "unknown split"),
+        (lambda f: f.assign(n_decodes=0, chunk_tokens=0), "empty step"),
+        (lambda f: f.iloc[:0], "no rows"),
+    ],
+)
+def test_corrupt_profile_gets_a_clear_error(tmp_path, mutate, message):
+    path = tmp_path / "bad.csv"
+    mutate(synthetic_profile(repeats=1)).to_csv(path, index=False)
+    with pytest.raises(ProfileError) as err:
+        fit_profile(read_profile(path))
+    assert message in str(err.value)
+
+
+def test_unparseable_files_get_a_clear_error(tmp_path):
+    (tmp_path / "x.json").write_text('{"format": "something-else", "rows": []}')
+    with pytest.raises(ProfileError, match="format='sloweave-profile'"):
+        read_profile(tmp_path / "x.json")
+    (tmp_path / "y.json").write_text("{not json")
+    with pytest.raises(ProfileError, match="cannot be parsed"):
+        read_profile(tmp_path / "y.json")
+    with pytest.raises(ProfileError, match="does not exist"):
+        read_profile(tmp_path / "missing.csv")
+
+
+def test_non_monotone_profile_is_rejected_and_small_noise_is_repaired():
+    frame = synthetic_profile(noise=0.0, repeats=1)
+    broken = frame.copy()
+    cell = (broken["n_decodes"] == 4) & (broken["chunk_tokens"] == 512) & (broken["context_tokens"] == 256)
+    broken.loc[cell, "step_ms"] = 0.5  # a 512-token chunk faster than a 16-token one
+    with pytest.raises(ProfileError, match=r"not monotone in the chunk size: at n_decodes=4, context_tokens=256: chunk_tokens=512"):
+        fit_profile(broken)
+    noisy = frame.copy()
+    small = (noisy["n_decodes"] == 4) & (noisy["chunk_tokens"] == 64) & (noisy["context_tokens"] == 64) & (noisy["split"] == "fit")
+    below = float(noisy.loc[(noisy["n_decodes"] == 4) & (noisy["chunk_tokens"] == 16) & (noisy["context_tokens"] == 64), "step_ms"].iloc[0])
+    noisy.loc[small, "step_ms"] = below * 0.95  # a 5 % dip: timing noise
+    table = LookupTableCost.fit(noisy[noisy["split"] == "fit"])
+    assert table.repaired_cells >= 1
+    check_monotone_in_chunk(table, 2048)
+
+
+def test_table_needs_a_full_grid_but_the_regression_does_not():
+    frame = synthetic_profile(repeats=1)
+    frame = frame[~((frame["n_decodes"] == 8) & (frame["chunk_tokens"] == 128) & (frame["context_tokens"] == 64))]
+    result = fit_profile(frame)
+    assert "n_decodes=8, chunk_tokens=128, context_tokens=64" in result.report["table_error"]
+    with pytest.raises(ProfileError, match="no lookup table"):
+        result.cost("table")
+    assert result.cost("regression") is result.regression
+
+
+def test_regression_rejects_negative_coefficients():
+    with pytest.raises(ProfileError):
+        RegressionCost(np.array([1, 1, 1, 1, -0.1, 1, 1.0]))
+
+
+def test_simulator_runs_on_a_profiled_cost():
+    result = fit_profile(synthetic_profile())
+    cost = FixedContextCost(result.regression, context_per_decode_tokens=300)
+    wl = WORKLOADS["mixed"].generate(60, seed=0, rate_scale=0.05)
+    policy = make_policy("sloweave", cost, ResidualMargin(cost, result.margin_fractions), 1024)
+    sim = simulate(wl, policy, tpot_ms=60.0, actual_cost=cost)
+    metrics = evaluate(sim, ttft_ms=3000.0, tpot_ms=60.0)
+    assert metrics.num_finished == 60
+    assert np.all(sim.iter_end_ms[sim.iter_decodes > 0] - sim.iter_start_ms[sim.iter_decodes > 0] <= 60.0 + 1e-6) or metrics.p99_tpot_ms <= 60.0
+
+
+def test_fit_and_policy_import_without_torch():
+    code = "import sys, sloweave, sloweave.fit, sloweave.policy, sloweave.cli; print('torch' in sys.modules, 'transformers' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["False", "False"]
+
+
+def test_fit_command_reports_a_corrupt_profile_clearly(tmp_path):
+    from click.testing import CliRunner
+
+    from sloweave.cli import main
+
+    good = write_profile(synthetic_profile(repeats=1), tmp_path / "good.csv")
+    out = CliRunner().invoke(main, ["fit", str(good), "--out", str(tmp_path / "fit.json")])
+    assert out.exit_code == 0, out.output
+    doc = json.loads((tmp_path / "fit.json").read_text())
+    assert set(doc["regression"]["coefficients"]) == set(REGRESSION_TERMS)
+    assert doc["report"]["regression_holdout"]["steps"] > 0
+    bad = tmp_path / "bad.csv"
+    synthetic_profile(repeats=1).drop(columns=["decode_kv_tokens"]).to_csv(bad, index=False)
+    out = CliRunner().invoke(main, ["fit", str(bad)])
+    assert out.exit_code == 1
+    assert "missing column(s) decode_kv_tokens" in out.output
+    assert "Traceback" not in out.output
+
+
+def test_the_shipped_cpu_profile_fits_and_drives_the_policy():
+    """The real profile behind docs/cpu-runtime.md (small model, measured on this machine)."""
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "results-cpu" / "profile-small.csv"
+    result = fit_profile(read_profile(path))
+    report = result.report
+    assert report["holdout_source"] == "split column"
+    with_context = report["regression_holdout"]["median_abs_rel_error"]
+    assert with_context < report["regression_without_context_holdout"]["median_abs_rel_error"]
+    assert report["regression_holdout"]["covered_by_margin_share"] >= 0.9
+    cost = result.regression
+    policy = SLOWeave(cost=cost, margin=result.margin(cost), max_chunk_tokens=1024)
+    cost.set_context(8 * 257, 0)
+    chunk = policy.decide(8, 1500, 100.0).chunk_tokens
+    assert 0 < chunk < 1024
+    assert cost(8, chunk) + policy.margin(8, chunk) <= 100.0 < cost(8, chunk + 1) + policy.margin(8, chunk + 1)

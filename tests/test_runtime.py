@@ -1,0 +1,195 @@
+"""The measured CPU runtime on the REAL transformers continuous batching (tiny random Llama)."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+from click.testing import CliRunner
+from transformers.generation.continuous_batching.scheduler import SCHEDULER_MAPPING
+
+from sloweave.cli import main
+from sloweave.fit import fit_profile, read_profile, write_profile
+from sloweave.policy import make_policy
+from sloweave.runtime.calibration import AdaptiveMargin, CalibratedCost, OnlineCalibrator, ScaledCost
+from sloweave.runtime.engine import Engine
+from sloweave.runtime.experiment import build_policy, run_policy, scaled_workload
+from sloweave.runtime.model import load_model
+from sloweave.runtime.profiler import run_profile
+from sloweave.runtime.runner import RequestSpec, run_requests
+from sloweave.runtime.scheduler import KVCacheFullError, SLOWeaveScheduler
+
+DECODES, CHUNKS, CONTEXTS = (0, 2, 4), (0, 16, 64, 128), (16, 96)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return load_model("tiny", seed=0)
+
+
+@pytest.fixture(scope="module")
+def engine(model):
+    return Engine(model, max_batch_tokens=512, num_blocks=96, page_tokens=32)
+
+
+@pytest.fixture(scope="module")
+def profile_frame(engine):
+    return run_profile(engine, DECODES, CHUNKS, CONTEXTS, repeats=2, holdout_per_state=2, seed=0, progress=False)
+
+
+# The tiny model's steps take a few ms, the size of one time slice of a shared CPU, so a
+# noise drop along c is only called a broken profile above 25 ms here.
+TOLERANCE_MS = 25.0
+
+
+@pytest.fixture(scope="module")
+def fitted(profile_frame):
+    return fit_profile(profile_frame, monotone_tolerance_ms=TOLERANCE_MS)
+
+
+def request_list() -> RequestSpec:
+    # Staggered arrivals (ms) with prompts longer than the small fixed chunks, so that
+    # prompts are split, and outputs of 1 (finishes at its prefill) to 12 tokens.
+    return RequestSpec(
+        arrival_ms=np.array([0.0, 0.0, 2.0, 5.0, 9.0, 30.0, 31.0]),
+        prompt_tokens=np.array([150, 40, 300, 7, 90, 220, 33]),
+        output_tokens=np.array([12, 5, 8, 1, 10, 6, 3]),
+    )
+
+
+def test_scheduler_is_registered_and_used(engine):
+    assert SCHEDULER_MAPPING["sloweave"] is SLOWeaveScheduler
+    assert isinstance(engine.processor.scheduler, SLOWeaveScheduler)
+    assert torch.get_num_threads() == 1
+
+
+@pytest.mark.parametrize("policy_name", ["sloweave", "fixed-16", "fixed-64", "full", "budget-48"])
+def test_every_policy_completes_requests_with_the_right_token_counts(engine, fitted, policy_name):
+    spec = request_list()
+    cost = fitted.regression if policy_name == "sloweave" else None
+    policy = make_policy(policy_name, cost, fitted.margin(cost) if cost else None, 256)
+    run = run_requests(engine, spec, policy, tpot_ms=40.0, cost=cost, margin=fitted.margin(cost) if cost else None, progress=False)
+    assert (run.requests["status"] == "finished").all()
+    assert run.token_counts == {f"r{i}": int(k) for i, k in enumerate(spec.output_tokens)}
+    assert np.all(run.requests["ttft_ms"] > 0)
+    steps = run.steps
+    # The chunk the policy asked for is the chunk the engine ran, and the model's input
+    # tensors held exactly the decodes plus that chunk.
+    assert (steps["ran_chunk_tokens"] == steps["chunk_tokens"]).all()
+    assert (steps["engine_query_tokens"] == steps["n_decodes"] + steps["chunk_tokens"]).all()
+    assert steps["chunk_tokens"].sum() == spec.prompt_tokens.sum()
+    if policy_name.startswith("fixed-"):
+        size = int(policy_name.split("-")[1])
+        assert steps["chunk_tokens"].max() == size
+        assert (steps["chunk_tokens"] == np.minimum(size, steps["waiting_tokens"])).all()
+    if policy_name == "full":
+        assert (steps.loc[steps["chunk_tokens"] > 0, "chunk_tokens"] == steps.loc[steps["chunk_tokens"] > 0, "waiting_tokens"]).all()
+    if policy_name == "budget-48":
+        assert (steps["chunk_tokens"] == np.minimum(steps["waiting_tokens"], np.maximum(0, 48 - steps["n_decodes"]))).all()
+    metrics = run.metrics(ttft_ms=5000.0)
+    assert metrics.num_finished == len(spec)
+
+
+def test_sloweave_chunks_follow_the_real_deadline_budget(engine, fitted):
+    """A tighter TPOT target must give smaller chunks, each predicted to fit its budget."""
+    spec = RequestSpec(np.array([0.0, 0.0, 0.0, 1.0]), np.array([20, 20, 20, 400]), np.array([40, 40, 40, 2]))
+    means = {}
+    for tpot in (3.0, 200.0):
+        setup = build_policy("sloweave", fitted, use_margin=True, calibrate=False, max_chunk_tokens=400)
+        run = run_requests(engine, spec, setup.policy, tpot, cost=setup.cost, margin=setup.margin, progress=False)
+        s = run.steps
+        chunked = s[(s["n_decodes"] > 0) & (s["chunk_tokens"] > 0)]
+        decided = s[(s["n_decodes"] > 0) & (s["waiting_tokens"] > 0)]
+        assert len(decided) > 0
+        feasible = decided[~decided["infeasible"]]
+        assert np.all(feasible["predicted_ms"] + feasible["margin_ms"] <= feasible["budget_ms"] + 1e-9)
+        means[tpot] = chunked["chunk_tokens"].mean() if len(chunked) else 0.0
+        assert run.token_counts["r3"] == 2
+    assert means[3.0] < means[200.0]
+
+
+def test_profile_fit_schedule_path(engine, profile_frame, fitted, tmp_path):
+    grid = profile_frame[profile_frame["split"] == "fit"]
+    assert set(grid["n_decodes"]) == set(DECODES)
+    assert set(grid["chunk_tokens"]) == set(CHUNKS)
+    assert (profile_frame["step_ms"] > 0).all()
+    assert (profile_frame[profile_frame["split"] == "holdout"]["chunk_tokens"] > 0).all()
+    # decode KV read is recorded from the engine: about n x (context + 1) at each grid point
+    row = grid[(grid["n_decodes"] == 4) & (grid["context_tokens"] == 96)].iloc[0]
+    assert 4 * 97 <= row["decode_kv_tokens"] <= 4 * 97 + 4 * 60
+    path = write_profile(profile_frame, tmp_path / "profile.csv")
+    out = CliRunner().invoke(main, ["fit", str(path), "--out", str(tmp_path / "fit.json"), "--monotone-tolerance-ms", "25"])
+    assert out.exit_code == 0, out.output
+    assert "regression_holdout" in out.output
+    result = fit_profile(read_profile(path), monotone_tolerance_ms=TOLERANCE_MS)
+    assert math.isfinite(result.report["regression_holdout"]["median_abs_rel_error"])
+    wl = scaled_workload("mixed", 8, seed=1, rate_scale=0.5, prompt_scale=0.1, output_scale=0.05, max_prompt_tokens=300, max_output_tokens=8)
+    row, run = run_policy(engine, wl, "sloweave", result, tpot_ms=30.0, ttft_ms=3000.0, max_chunk_tokens=256, progress=False)
+    assert row["measured_num_finished"] == 8
+    assert row["chunk_mismatch_steps"] == 0
+    assert math.isfinite(row["simulated_goodput_rps"])
+    assert 0.0 <= row["overran_prediction_plus_margin_share"] <= 1.0
+
+
+def test_online_calibration_learns_a_stale_cost_model(engine, fitted):
+    """A cost model 4x too optimistic is corrected from measured steps as the run goes."""
+    stale = ScaledCost(fitted.regression, 0.25)
+    calibrator = OnlineCalibrator()
+    cost = CalibratedCost(stale, calibrator)
+    policy = make_policy("sloweave", cost, None, 256)
+    spec = RequestSpec(np.zeros(4), np.array([60, 60, 200, 120]), np.array([20, 20, 10, 10]))
+    run = run_requests(engine, spec, policy, 30.0, cost=cost, calibrator=calibrator, progress=False)
+    assert (run.requests["status"] == "finished").all()
+    learned = np.exp(calibrator.log_factor[calibrator.observations > 0])
+    assert np.median(learned) > 2.0
+    s = run.steps
+    late = s.iloc[len(s) // 2 :]
+    stale_error = np.median(np.abs(late["step_ms"] / [stale.predict(n, c, d, p) for n, c, d, p in late[["n_decodes", "chunk_tokens", "decode_kv_tokens", "prefill_prefix_tokens"]].itertuples(index=False)] - 1))
+    calibrated_error = np.median(np.abs(late["predicted_ms"] / late["step_ms"] - 1))
+    assert calibrated_error < stale_error
+
+
+def test_kv_pool_too_small_is_a_clear_error(model):
+    small = Engine(model, max_batch_tokens=256, num_blocks=3, page_tokens=32)
+    spec = RequestSpec(np.zeros(3), np.array([60, 60, 60]), np.array([50, 50, 50]))
+    with pytest.raises((KVCacheFullError, RuntimeError)) as err:
+        run_requests(small, spec, make_policy("fixed-64"), 50.0, progress=False)
+    assert "KV" in str(err.value) or "block" in str(err.value) or "offload" in str(err.value)
+
+
+def test_run_command_end_to_end(profile_frame, tmp_path):
+    path = write_profile(profile_frame, tmp_path / "profile.csv")
+    out_dir = tmp_path / "run"
+    args = [
+        "run", "--model", "tiny", "--profile", str(path), "--workload", "mixed", "--requests", "6",
+        "--rate-scale", "0.5", "--prompt-scale", "0.1", "--output-scale", "0.05", "--max-prompt", "256",
+        "--max-output", "6", "--policies", "sloweave,fixed-32,full", "--tpot-ms", "30", "--max-chunk", "256",
+        "--out", str(out_dir), "--monotone-tolerance-ms", "25",
+    ]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0, result.output
+    summary = pd.read_csv(out_dir / "summary.csv")
+    assert list(summary["policy"]) == ["sloweave+margin+calib", "fixed-32", "full"]
+    assert (summary["measured_num_finished"] == 6).all()
+    assert summary.loc[summary["policy"] == "fixed-32", "goodput_vs_best_fixed"].iloc[0] in (1.0, pytest.approx(1.0))
+    assert (out_dir / "summary.png").stat().st_size > 0
+
+
+def test_adaptive_margin_follows_the_recent_residuals(fitted):
+    calibrator = OnlineCalibrator(window_steps=100)
+    cost = CalibratedCost(fitted.regression, calibrator)
+    margin = AdaptiveMargin(cost, fitted.margin(cost), quantile=99.0, min_steps=20)
+    cost.set_context(400, 0)
+    assert margin.fraction(4, 64) == fitted.margin(cost).fraction(4, 64)  # profile's table at first
+    rng = np.random.default_rng(0)
+    for _ in range(100):
+        predicted = fitted.regression.predict(4, 64, 400, 0)
+        calibrator.observe(4, 64, predicted, predicted * float(rng.uniform(1.0, 1.1)))
+    # A quiet machine: residuals of the corrected model stay within a few per cent.
+    assert 0.0 <= margin.fraction(4, 64) < 0.1
+    assert margin(4, 64) == pytest.approx(margin.fraction(4, 64) * cost(4, 64))
+    policy = make_policy("sloweave", cost, margin, 256)  # still monotone: the policy accepts it
+    assert policy.decide(4, 1000, 1e9).chunk_tokens == 256
