@@ -231,3 +231,15 @@ def test_the_shipped_cpu_profile_fits_and_drives_the_policy():
     chunk = policy.decide(8, 1500, 100.0).chunk_tokens
     assert 0 < chunk < 1024
     assert cost(8, chunk) + policy.margin(8, chunk) <= 100.0 < cost(8, chunk + 1) + policy.margin(8, chunk + 1)
+
+
+def test_regression_predict_matches_its_design_matrix():
+    """The scalar fast path computes exactly the model's features . coefficients."""
+    from sloweave.fit import RegressionCost, regression_features
+
+    rng = np.random.default_rng(5)
+    cost = RegressionCost(rng.uniform(0.0, 2.0, 7))
+    for _ in range(200):
+        n, c, d, p = (int(v) for v in rng.integers(0, 5000, 4))
+        expected = float(regression_features(n, c, d, p) @ cost.coefficients)
+        assert cost.predict(n, c, d, p) == pytest.approx(expected, rel=1e-12, abs=1e-12)

@@ -36,6 +36,7 @@ decision), see ``ContextualCost``.
 
 from __future__ import annotations
 
+import bisect
 import itertools
 import json
 from dataclasses import dataclass, field
@@ -221,6 +222,7 @@ class RegressionCost(ContextualCost):
         if coef.shape != (len(REGRESSION_TERMS),) or not np.all(np.isfinite(coef)) or np.any(coef < 0):
             raise ProfileError(f"RegressionCost needs {len(REGRESSION_TERMS)} finite coefficients >= 0, got {coef!r}")
         self.coefficients = coef
+        self._coef = tuple(float(v) for v in coef)
 
     @classmethod
     def fit(cls, frame: pd.DataFrame) -> RegressionCost:
@@ -232,7 +234,17 @@ class RegressionCost(ContextualCost):
         return cls(nnls(x * w[:, None], y * w))
 
     def predict(self, n_decodes: int, chunk_tokens: int, decode_kv_tokens: int, prefill_prefix_tokens: int) -> float:
-        return float(regression_features(n_decodes, chunk_tokens, decode_kv_tokens, prefill_prefix_tokens) @ self.coefficients)
+        # Plain float arithmetic (the same terms as regression_features): the policy calls
+        # this a dozen times per decision, and numpy's per-call overhead would dominate.
+        base, decode_base, per_decode, prefill_base, per_chunk_token, per_1k_kv, per_query_kv = self._coef
+        kv = decode_kv_tokens + (prefill_prefix_tokens + chunk_tokens if chunk_tokens > 0 else 0)
+        t = base + per_decode * n_decodes + per_chunk_token * chunk_tokens + per_1k_kv * kv / 1e3
+        t += per_query_kv * (n_decodes + chunk_tokens) * kv / 1e6
+        if n_decodes > 0:
+            t += decode_base
+        if chunk_tokens > 0:
+            t += prefill_base
+        return t
 
     def as_dict(self) -> dict:
         return {"kind": "regression", "coefficients": dict(zip(REGRESSION_TERMS, map(float, self.coefficients)))}
@@ -277,18 +289,30 @@ class LookupTableCost(ContextualCost):
 
     def predict(self, n_decodes: int, chunk_tokens: int, decode_kv_tokens: int, prefill_prefix_tokens: int) -> float:
         context = decode_kv_tokens / n_decodes if n_decodes > 0 else 0.0
-        values = self.values
-        by_n = _along_axis(
-            self.n_grid, float(n_decodes), lambda i: _along_axis(self.context_grid, context, lambda k: values[i, :, k])
-        )
-        # Along c: linear in between, and beyond the largest chunk the last (>= 0) slope.
-        c_grid = self.c_grid
+        # A decision asks for many chunk sizes at one (n, context): interpolate that row once,
+        # and keep it as Python floats (numpy's per-call overhead would dominate a decision).
+        cache = self.__dict__.setdefault("_rows", {})
+        row = cache.get((n_decodes, context))
+        if row is None:
+            values = self.values
+            by_n = _along_axis(
+                self.n_grid, float(n_decodes), lambda i: _along_axis(self.context_grid, context, lambda k: values[i, :, k])
+            )
+            if len(cache) > 4096:
+                cache.clear()
+            row = cache[(n_decodes, context)] = ([float(c) for c in self.c_grid], [float(v) for v in by_n])
+        c_grid, by_c = row
         if len(c_grid) == 1:
-            return float(by_n[0])
+            return by_c[0]
+        # Along c: linear in between, and beyond the largest chunk the last (>= 0) slope.
         if chunk_tokens >= c_grid[-1]:
-            slope = max((by_n[-1] - by_n[-2]) / (c_grid[-1] - c_grid[-2]), 0.0)
-            return float(by_n[-1] + (chunk_tokens - c_grid[-1]) * slope)
-        return float(np.interp(chunk_tokens, c_grid, by_n))
+            slope = max((by_c[-1] - by_c[-2]) / (c_grid[-1] - c_grid[-2]), 0.0)
+            return by_c[-1] + (chunk_tokens - c_grid[-1]) * slope
+        if chunk_tokens <= c_grid[0]:
+            return by_c[0]
+        i = bisect.bisect_right(c_grid, chunk_tokens) - 1
+        w = (chunk_tokens - c_grid[i]) / (c_grid[i + 1] - c_grid[i])
+        return by_c[i] + w * (by_c[i + 1] - by_c[i])
 
     def as_dict(self) -> dict:
         return {
