@@ -117,12 +117,5 @@ def _register_optional_commands() -> None:
     main.add_command(fit_command)
     main.add_command(run_command)
 
-    # The measured CPU runtime (issue 3); torch is imported only when its commands run.
-    from sloweave.runtime.commands import fit_command, profile, run_command
-
-    main.add_command(profile)
-    main.add_command(fit_command)
-    main.add_command(run_command)
-
 
 _register_optional_commands()
