@@ -144,7 +144,7 @@ def check_monotone_in_chunk(
                 "cost model is not monotone non-decreasing in the chunk size: "
                 f"T(n={n}, c={int(chunks[i])}) = {values[i]:.6g} ms > "
                 f"T(n={n}, c={int(chunks[i + 1])}) = {values[i + 1]:.6g} ms "
-                "(pass repair=True to use its running maximum over c instead)"
+                "(SLOWeave(..., repair_non_monotone=True) uses its running maximum over c instead)"
             )
 
 
