@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 from vllm.config import CacheConfig, DeviceConfig, ModelConfig, SchedulerConfig, VllmConfig
 from vllm.sampling_params import SamplingParams
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.single_type_kv_cache_manager import register_all_kvcache_specs
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 from vllm.v1.outputs import ModelRunnerOutput
@@ -42,8 +43,7 @@ def build_scheduler(
     model_dir: Path | None = None,
 ):
     """A real scheduler of class ``scheduler_cls`` (vLLM's or ours), on CPU, offline."""
-    is_async = getattr(scheduler_cls, "__mro__", ())
-    async_scheduling = any(c.__name__ == "AsyncScheduler" for c in is_async)
+    async_scheduling = issubclass(scheduler_cls, AsyncScheduler)
     model_config = ModelConfig(
         model=str(model_dir or tiny_model_dir()), skip_tokenizer_init=True, dtype="float32", seed=0, max_model_len=max_model_len
     )
