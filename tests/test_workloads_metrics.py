@@ -65,16 +65,17 @@ def test_bad_specs_and_names():
 def test_slo_judgement_and_summary():
     frame = pd.DataFrame(
         {
-            "ttft_ms": [100.0, 900.0, 1200.0, 50.0, np.nan],
-            "p99_tpot_ms": [10.0, 30.0, 10.0, 25.0, np.nan],
-            "status": ["finished"] * 4 + ["pending"],
+            "ttft_ms": [100.0, 900.0, 1200.0, 50.0, np.nan, np.nan],
+            "p99_tpot_ms": [10.0, 30.0, 10.0, 25.0, np.nan, np.nan],
+            "status": ["finished"] * 4 + ["pending", "rejected"],
         }
     )
     met = slo_met(frame, ttft_ms=1000.0, tpot_ms=25.0)
-    assert met.tolist() == [True, False, False, True, False]
+    assert met.tolist() == [True, False, False, True, False, False]
     metrics = summarize(frame, duration_ms=2000.0, ttft_ms=1000.0, tpot_ms=25.0)
-    assert metrics.slo_met == 2 and metrics.attainment == pytest.approx(0.4)
-    assert metrics.goodput_rps == pytest.approx(1.0) and metrics.num_pending == 1
+    assert metrics.slo_met == 2 and metrics.attainment == pytest.approx(2 / 6)
+    assert metrics.goodput_rps == pytest.approx(1.0)
+    assert (metrics.num_finished, metrics.num_pending, metrics.num_rejected) == (4, 1, 1)
     with pytest.raises(ValueError, match="targets"):
         slo_met(frame, ttft_ms=0.0, tpot_ms=25.0)
     with pytest.raises(ValueError, match="targets"):

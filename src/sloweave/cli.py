@@ -117,5 +117,10 @@ def _register_optional_commands() -> None:
     main.add_command(fit_command)
     main.add_command(run_command)
 
+    # Options beyond the paper (issue 6): the ablation study.
+    from sloweave.ablation import ablate
+
+    main.add_command(ablate)
+
 
 _register_optional_commands()

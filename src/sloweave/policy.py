@@ -68,10 +68,13 @@ class SLOWeave:
     repair_non_monotone: bool = False
     max_prefills: int | None = 1
     uses_deadlines: bool = True
+    # Two-iteration view (off by default, see ``decide_lookahead``).
+    lookahead: bool = False
 
     @property
     def name(self) -> str:
-        return "sloweave" if self.max_prefills == 1 else "sloweave-multi"
+        base = "sloweave" if self.max_prefills == 1 else "sloweave-multi"
+        return base + "+lookahead" if self.lookahead else base
 
     def max_prefill_tokens(self, n_decodes: int) -> float:
         return self.max_chunk_tokens
@@ -116,6 +119,76 @@ class SLOWeave:
             else:
                 hi = mid
         return Decision(lo)
+
+    def decide_lookahead(
+        self,
+        n_decodes: int,
+        waiting_tokens: int,
+        budget_ms: float,
+        head_remaining_tokens: int,
+        next_fresh_budget_ms: float,
+        banked: bool,
+    ) -> Decision:
+        """The greedy chunk, shrunk so that the next iteration can still meet its deadline.
+
+        Greedy SLOWeave spends the whole budget now. Two things it ignores reach into the
+        next iteration: a chunk that completes the head prompt adds a decode to it (n + 1),
+        and with cumulative deadlines (``banked``) time spent now is taken from the next
+        iteration's budget, which is ``next_fresh_budget_ms + (B - T(n, c) - delta)``;
+        with per-token deadlines it is ``next_fresh_budget_ms`` whatever c is. The answer is
+        the largest c <= c_greedy whose next iteration can still run decode-only in time:
+        T(n', 0) + delta(n', 0) <= next budget(c). The condition only gets harder as c
+        grows, so it is one more binary search (still O(log C_max) cost queries). A subset
+        of greedy's deadline-safe chunks: it never breaks this iteration's deadline.
+        """
+        greedy = self.decide(n_decodes, waiting_tokens, budget_ms)
+        if n_decodes == 0 or greedy.infeasible or greedy.chunk_tokens == 0:
+            return greedy
+
+        def next_iteration_fits(chunk: int) -> bool:
+            n_next = n_decodes + (0 < head_remaining_tokens <= chunk)
+            next_budget = next_fresh_budget_ms
+            if banked:
+                next_budget += budget_ms - self.predicted_ms(n_decodes, chunk)
+            return self.predicted_ms(n_next, 0) <= next_budget
+
+        if next_iteration_fits(greedy.chunk_tokens) or not next_iteration_fits(0):
+            # Nothing to protect, or the next iteration is late whatever we do now.
+            return greedy
+        lo, hi = 0, greedy.chunk_tokens  # lo keeps the next iteration feasible, hi does not
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if next_iteration_fits(mid):
+                lo = mid
+            else:
+                hi = mid
+        return Decision(lo)
+
+
+@dataclass(frozen=True)
+class Aging:
+    """Starvation control: after ``aging_ms`` without progress the oldest prompt gets a chunk.
+
+    SLOWeave chooses decode-only whenever no chunk fits, so under sustained load the oldest
+    prompt can wait forever. After it has waited ``aging_ms`` (since arrival or since it last
+    got prompt tokens) it gets ``min(chunk_tokens, waiting)`` tokens even though that breaks
+    a deadline; the caller records every such iteration as an SLO exception. The same rule
+    as ``BudgetController`` in the vLLM plug-in (engine_budget.py).
+    """
+
+    aging_ms: float
+    chunk_tokens: int = 256
+
+    def __post_init__(self) -> None:
+        if isinstance(self.aging_ms, bool) or not isinstance(self.aging_ms, (int, float)) or not (math.isfinite(self.aging_ms) and self.aging_ms > 0):
+            raise ValueError(f"aging_ms must be a finite number of milliseconds > 0, got {self.aging_ms!r}")
+        _check_chunk(self.chunk_tokens, "aging chunk_tokens")
+
+    def apply(self, chunk_tokens: int, waiting_tokens: int, waited_ms: float) -> tuple[int, bool]:
+        """(chunk, forced): the policy's chunk, or the aging chunk when the head starves."""
+        if chunk_tokens == 0 and waiting_tokens > 0 and waited_ms >= self.aging_ms:
+            return min(self.chunk_tokens, waiting_tokens), True
+        return chunk_tokens, False
 
 
 @dataclass(frozen=True)
@@ -208,16 +281,18 @@ def make_policy(
 ) -> Policy:
     """Build a policy from its name.
 
-    ``sloweave`` / ``sloweave-multi``, ``full`` / ``orca``, ``fixed-C``, ``budget-B`` (one
+    ``sloweave`` / ``sloweave-multi`` (either with ``+lookahead``), ``full`` / ``orca``, ``fixed-C``, ``budget-B`` (one
     prompt per iteration) or ``sarathi-B`` (several prompts per iteration).
     """
     spec = spec.strip().lower()
-    if spec in ("sloweave", "sloweave-multi"):
+    base, plus, option = spec.partition("+")
+    if base in ("sloweave", "sloweave-multi") and (not plus or option == "lookahead"):
         return SLOWeave(
             cost=cost or AnalyticCost(),
             margin=margin or ZeroMargin(),
             max_chunk_tokens=max_chunk_tokens,
-            max_prefills=1 if spec == "sloweave" else None,
+            max_prefills=1 if base == "sloweave" else None,
+            lookahead=bool(plus),
         )
     if spec in ("full", "orca"):
         return FullPrefill(max_prefills=1 if spec == "full" else None)
@@ -228,7 +303,7 @@ def make_policy(
             return FixedChunk(size)
         return TokenBudget(size, max_prefills=1 if kind == "budget" else None)
     raise ValueError(
-        f"unknown policy {spec!r}: expected 'sloweave', 'sloweave-multi', 'full', 'orca', 'fixed-<tokens>', "
+        f"unknown policy {spec!r}: expected 'sloweave', 'sloweave-multi' (either may end in '+lookahead'), 'full', 'orca', 'fixed-<tokens>', "
         "'budget-<tokens>' or 'sarathi-<tokens>' (e.g. fixed-1024, budget-2048) with a positive whole number of tokens"
     )
 
