@@ -72,8 +72,12 @@ class AnalyticCost:
         """
         if self.prefill_per_token_ms <= 0:
             return 1 << 62
-        room = budget_ms - self(n_decodes, 0) - self.prefill_base_ms
-        return int(room / self.prefill_per_token_ms) if room > 0 else 0
+        room = budget_ms - self.base_ms - self.prefill_base_ms
+        if n_decodes > 0:
+            room -= self.decode_base_ms + self.decode_per_req_ms * n_decodes
+        # The nudge turns 699.9999 (float for an exact 700) into 700; one too many is fine:
+        # the policy checks the guess and its neighbour.
+        return int(room / self.prefill_per_token_ms + 1e-6) if room > 0 else 0
 
 
 @dataclass(frozen=True)

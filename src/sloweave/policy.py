@@ -87,34 +87,46 @@ class SLOWeave:
         check_monotone_in_chunk(self.cost, self.max_chunk_tokens)
         # delta is added to T, so T + delta must be monotone too or the search is wrong.
         check_monotone_in_chunk(lambda n, c: self.cost(n, c) + self.margin(n, c), self.max_chunk_tokens)
+        # Hot-path helpers, fixed at construction: the decision is called every iteration.
+        cost, margin = self.cost, self.margin
+        predicted = cost if isinstance(margin, ZeroMargin) else (lambda n, c: cost(n, c) + margin(n, c))
+        object.__setattr__(self, "_predicted", predicted)
+        constant = isinstance(margin, (ZeroMargin, ConstantMargin))
+        object.__setattr__(self, "_constant_margin_ms", margin(0, 0) if constant else 0.0)
+        object.__setattr__(self, "_estimate", getattr(cost, "chunk_estimate", None) if constant else None)
 
     def predicted_ms(self, n_decodes: int, chunk_tokens: int) -> float:
-        return self.cost(n_decodes, chunk_tokens) + self.margin(n_decodes, chunk_tokens)
+        return self._predicted(n_decodes, chunk_tokens)
 
     def decide(self, n_decodes: int, waiting_tokens: int, budget_ms: float) -> Decision:
         upper = min(self.max_chunk_tokens, waiting_tokens)
         if n_decodes == 0:
             return Decision(upper)
-        cost, margin = self.cost, self.margin
-        if cost(n_decodes, 0) + margin(n_decodes, 0) > budget_ms:
+        predicted = self._predicted  # T + delta; T itself when there is no margin (one call)
+        if predicted(n_decodes, 0) > budget_ms:
             return Decision(0, True)
-        if upper <= 0 or cost(n_decodes, upper) + margin(n_decodes, upper) <= budget_ms:
-            return Decision(max(upper, 0))
-        lo, hi = 0, upper  # invariant: lo fits the budget, hi does not
-        estimate = getattr(cost, "chunk_estimate", None)
-        if estimate is not None and isinstance(margin, (ZeroMargin, ConstantMargin)):
-            # A linear model can be inverted; the guess only narrows [lo, hi] after being
-            # checked against T + delta, so the answer is exactly the binary search's.
-            guess = min(max(estimate(n_decodes, budget_ms - margin(n_decodes, 0)), 1), upper - 1)
-            if cost(n_decodes, guess) + margin(n_decodes, guess) <= budget_ms:
-                lo = guess
-                if cost(n_decodes, guess + 1) + margin(n_decodes, guess + 1) > budget_ms:
-                    return Decision(guess)
+        if upper <= 0:
+            return Decision(0)
+        lo, hi = 0, upper  # invariant: lo fits the budget; hi does not, once checked
+        if self._estimate is not None:
+            # A linear model can be inverted; the guess is checked against T + delta and
+            # only narrows [lo, hi], so the answer is exactly the binary search's.
+            # Float rounding can put it one token off either way, so its neighbour is checked.
+            guess = min(max(self._estimate(n_decodes, budget_ms - self._constant_margin_ms), 1), upper)
+            if predicted(n_decodes, guess) > budget_ms:
+                if predicted(n_decodes, guess - 1) <= budget_ms:
+                    return Decision(guess - 1)
+                hi = guess - 1
+            elif guess == upper or predicted(n_decodes, guess + 1) > budget_ms:
+                return Decision(guess)
             else:
-                hi = guess
+                lo = guess + 1
+        if hi == upper:
+            if predicted(n_decodes, upper) <= budget_ms:
+                return Decision(upper)
         while hi - lo > 1:
             mid = (lo + hi) // 2
-            if cost(n_decodes, mid) + margin(n_decodes, mid) <= budget_ms:
+            if predicted(n_decodes, mid) <= budget_ms:
                 lo = mid
             else:
                 hi = mid
