@@ -117,3 +117,26 @@ def test_plugin_config_sources_and_errors(tmp_path):
     corrupt.write_text("n_decodes,chunk_tokens\n1,2\n")
     with pytest.raises(PluginConfigError, match="cost profile"):
         PluginConfig(cost=str(corrupt)).build_cost_and_margin()
+
+
+def test_a_step_ending_early_moves_the_next_one_earlier_but_not_before_it_was_scheduled():
+    c = controller()
+    c.on_token("a", 0.0)
+    first = c.plan_step(StepState(now_ms=0.0, decode_tokens=1, pending_prompt_tokens=500))
+    c.on_scheduled(first, ["a"])
+    second = c.plan_step(StepState(now_ms=0.3, decode_tokens=1, pending_prompt_tokens=500))
+    c.on_scheduled(second, ["a"])
+    early = first.predicted_ms - 1.0
+    c.on_step_done(early, ["a"])
+    third = c.plan_step(StepState(now_ms=early, decode_tokens=1, pending_prompt_tokens=500))
+    assert third.start_ms == pytest.approx(early + second.predicted_ms)
+    # had it been scheduled only after the first step's real end, it would start then
+    c2 = controller()
+    c2.on_token("a", 0.0)
+    p1 = c2.plan_step(StepState(now_ms=0.0, decode_tokens=1, pending_prompt_tokens=500))
+    c2.on_scheduled(p1, ["a"])
+    p2 = c2.plan_step(StepState(now_ms=p1.predicted_ms + 2.0, decode_tokens=1, pending_prompt_tokens=500))
+    c2.on_scheduled(p2, ["a"])
+    c2.on_step_done(p1.predicted_ms - 1.0, ["a"])
+    p3 = c2.plan_step(StepState(now_ms=p1.predicted_ms + 2.5, decode_tokens=1, pending_prompt_tokens=500))
+    assert p3.start_ms == pytest.approx(p1.predicted_ms + 2.0 + p2.predicted_ms)

@@ -72,9 +72,10 @@ def decide(n_decodes: int, waiting_tokens: int, budget_ms: float, max_chunk: int
 @click.option("--noise-sigma", type=click.FloatRange(min=0), default=0.0, show_default=True, help="actual time = predicted x lognormal(0, sigma)")
 @click.option("--margin", "margin_kind", type=click.Choice(["none", "constant", "relative"]), default="none", show_default=True)
 @click.option("--margin-value", type=click.FloatRange(min=0), default=0.0, show_default=True, help="ms (constant) or fraction of T (relative)")
-@click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), default=None, help="write requests.csv, iterations.csv, prefills.csv, metrics.json")
+@click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), default=None, help="write requests.csv, iterations.csv, prefills.csv, metrics.json, decision_metrics.json")
 def simulate(workload, policy_name, max_batch_size, tpot_ms, ttft_ms, num_requests, seed, rate_scale, max_chunk, noise_sigma, margin_kind, margin_value, out_dir) -> None:
     """Simulate one workload under one policy and print its metrics."""
+    from sloweave.decision_metrics import write_simulation_summary
     from sloweave.experiments import write_single_run
     from sloweave.metrics import evaluate, per_request_frame
     from sloweave.simulator import simulate as run_simulation
@@ -95,7 +96,9 @@ def simulate(workload, policy_name, max_batch_size, tpot_ms, ttft_ms, num_reques
     click.echo(json.dumps({"workload": workload, "policy": policy.name, "tpot_ms": tpot_ms, **metrics.as_dict()}, indent=2))
     if out_dir is not None:
         write_single_run(result, per_request_frame(result), metrics, out_dir)
-        click.echo(f"wrote {out_dir}/requests.csv, iterations.csv, prefills.csv, metrics.json")
+        # the scheduler's decisions under the names the vLLM plug-in exports (issue 8)
+        write_simulation_summary(result, out_dir, getattr(policy, "predicted_ms", cost))
+        click.echo(f"wrote {out_dir}/requests.csv, iterations.csv, prefills.csv, metrics.json, decision_metrics.json")
 
 
 def _register_optional_commands() -> None:
@@ -109,6 +112,11 @@ def _register_optional_commands() -> None:
 
     main.add_command(replay)
     main.add_command(capacity)
+
+    # Operator tooling (issue 8): the best fixed budget for engines that only have one.
+    from sloweave.tune import tune_command
+
+    main.add_command(tune_command, name="tune")
 
     # The measured CPU runtime (issue 3); torch is imported only when its commands run.
     from sloweave.runtime.commands import fit_command, profile, run_command

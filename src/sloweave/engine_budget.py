@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 from sloweave.cost import CostModel, Margin, ZeroMargin
 from sloweave.deadlines import DeadlineTracker
-from sloweave.policy import SLOWeave
+from sloweave.policy import Aging, SLOWeave
 
 
 @dataclass(frozen=True)
@@ -49,6 +49,7 @@ class StepPlan:
     token_budget: int  # what the engine may schedule this step: decodes + chunk
     chunk_tokens: int
     start_ms: float  # when the step is expected to start (after any step in flight)
+    scheduled_ms: float  # when it was planned (it cannot start before)
     budget_ms: float  # time to the earliest deadline from start_ms (+inf: no decodes)
     predicted_ms: float  # T(n, c) + delta(n, c)
     infeasible: bool  # even decode-only is predicted to miss the earliest deadline
@@ -95,20 +96,19 @@ class BudgetController:
     ) -> None:
         if max_budget_tokens < 1:
             raise ValueError(f"max_budget_tokens must be >= 1, got {max_budget_tokens}")
-        if aging_ms is not None and not aging_ms > 0:
-            raise ValueError(f"aging_ms must be > 0 (or None to disable aging), got {aging_ms!r}")
-        if aging_chunk_tokens < 1:
-            raise ValueError(f"aging_chunk_tokens must be >= 1, got {aging_chunk_tokens}")
+        # The simulator's starvation rule, so both bodies age prompts the same way.
+        self.aging = None if aging_ms is None else Aging(aging_ms, aging_chunk_tokens)
         self.policy = policy
         self.tracker = DeadlineTracker(default_tpot_ms)
         self.max_budget_tokens = max_budget_tokens
-        self.aging_ms = aging_ms
-        self.aging_chunk_tokens = aging_chunk_tokens
         self.stats = ControllerStats()
         # a request's own TPOT target (None: the default), asked once, when tracking starts
         self._tpot_ms_of = tpot_ms_of or (lambda request_id: None)
         # steps scheduled whose output has not come back yet, oldest first
         self._in_flight: deque[_InFlightStep] = deque()
+        # Optional metrics hooks (sloweave.decision_metrics.DecisionRecorder), e.g. the
+        # vLLM plug-in's Prometheus exporter; None costs one attribute test per step.
+        self.recorder = None
 
     # ---- deadlines, fed with real token times -------------------------------------------
 
@@ -139,19 +139,14 @@ class BudgetController:
             set_context(state.decode_kv_tokens, state.prefill_prefix_tokens)
         decision = self.policy.decide(state.decode_tokens, state.pending_prompt_tokens, budget_ms)
         chunk, aged = decision.chunk_tokens, False
-        if (
-            chunk == 0
-            and state.pending_prompt_tokens > 0
-            and self.aging_ms is not None
-            and state.oldest_prompt_waiting_ms >= self.aging_ms
-        ):
-            chunk, aged = min(self.aging_chunk_tokens, state.pending_prompt_tokens), True
+        if self.aging is not None:
+            chunk, aged = self.aging.apply(chunk, state.pending_prompt_tokens, state.oldest_prompt_waiting_ms)
         # The budget always covers the decodes' demand (up to the engine's own cap): a budget
         # that starves decodes is a bug, not a choice. The prefill gets the chunk on top.
         token_budget = min(self.max_budget_tokens, state.decode_tokens + chunk)
         chunk = max(0, token_budget - state.decode_tokens)
         predicted_ms = self.policy.predicted_ms(state.decode_tokens, chunk)
-        plan = StepPlan(token_budget, chunk, start_ms, budget_ms, predicted_ms, decision.infeasible, aged)
+        plan = StepPlan(token_budget, chunk, start_ms, state.now_ms, budget_ms, predicted_ms, decision.infeasible, aged)
         self.stats.steps += 1
         self.stats.infeasible_steps += decision.infeasible
         if aged:
@@ -167,6 +162,11 @@ class BudgetController:
         Until its output returns the step is assumed to end as predicted.
         """
         self._in_flight.append(_InFlightStep(plan.start_ms, plan.start_ms + plan.predicted_ms, plan, emitting))
+        if self.recorder is not None:
+            # Recorded here, not in plan_step: only steps the engine really ran count. An
+            # aged plan's SLO exception is the one plan_step just appended.
+            late = len(self.stats.slo_exceptions[-1].affected_ids) if plan.aged else 0
+            self.recorder.on_plan(plan, late)
 
     def on_step_done(self, now_ms: float, emitted: list[Hashable]) -> None:
         """The oldest step in flight returned at ``now_ms`` with tokens for ``emitted``.
@@ -180,9 +180,13 @@ class BudgetController:
             return
         done = self._in_flight.popleft()
         self.stats.recent.append((done.plan.chunk_tokens, done.plan.budget_ms, done.plan.predicted_ms, now_ms - done.start_ms))
+        if self.recorder is not None:
+            self.recorder.on_step_done(done.plan, now_ms - done.start_ms)
         previous_end = now_ms
         for step in self._in_flight:
-            step.start_ms = max(step.start_ms, previous_end)
+            # It starts when the previous step really ends, earlier or later than planned,
+            # but not before it was scheduled.
+            step.start_ms = max(step.plan.scheduled_ms, previous_end)
             step.end_ms = previous_end = step.start_ms + step.plan.predicted_ms
             if step.applied:
                 self._emit_at(step.emitting, step.end_ms)

@@ -24,6 +24,7 @@ from vllm.v1.request import Request, RequestStatus
 
 from sloweave.engine_budget import BudgetController, StepPlan, StepState, make_policy_for_engine
 from sloweave.vllm_plugin.config import REQUEST_TPOT_KEY, PluginConfig, PluginConfigError
+from sloweave.vllm_plugin.metrics import default_recorder
 
 
 def _is_prefilling(request: Request) -> bool:
@@ -79,6 +80,8 @@ class SLOWeaveSchedulerMixin:
             aging_chunk_tokens=config.aging_chunk_tokens,
             tpot_ms_of=self._request_tpot_ms.get,
         )
+        # Decisions as Prometheus metrics on the default registry (vLLM's /metrics).
+        self.sloweave.recorder = default_recorder()
         # request id -> clock time its prompt last made progress (arrival or a chunk)
         self._prompt_progress_ms: dict[str, float] = {}
         self.last_plan: StepPlan | None = None

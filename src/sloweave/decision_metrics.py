@@ -1,0 +1,179 @@
+"""What the adaptive scheduler decided, under one set of metric names for every body.
+
+The vLLM plug-in exports these as Prometheus metrics (``sloweave.vllm_plugin.metrics``);
+the simulator and the CPU runtime write a summary under the same names (``summarize``), so
+a dashboard, a simulated run and a measured run can be read side by side. Nothing here
+imports an engine or ``prometheus_client``.
+
+Per scheduling step:
+- the prefill chunk chosen and the token budget handed to the engine (decodes + chunk);
+- the time budget to the earliest next-token deadline (only when something is decoding:
+  with no decode there is no deadline and the budget is +inf);
+- whether even a decode-only step was predicted to miss that deadline (infeasible);
+- whether aging forced a chunk (an SLO exception), and how many running requests that
+  step is predicted to make late;
+- the predicted step time and, once the step is back, the measured one.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+import numpy as np
+
+# Histogram bucket upper edges. Token buckets are powers of two (the values operators set);
+# time buckets bracket the TPOT targets studied (10, 25, 50 ms) finely around them.
+TOKEN_BUCKETS = (0, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+TIME_BUCKETS_MS = (1, 2, 5, 7.5, 10, 12.5, 15, 20, 25, 30, 40, 50, 75, 100, 250, 1000)
+# A measured time is a difference of absolute clock readings: differences below 1 ns are
+# float noise, not an underprediction.
+UNDERPREDICTION_TOLERANCE_MS = 1e-6
+
+
+@dataclass(frozen=True)
+class MetricSpec:
+    name: str  # Prometheus name without the _total / _bucket suffixes
+    kind: str  # "histogram" or "counter"
+    help: str
+    buckets: tuple[float, ...] = ()
+
+
+CHUNK = MetricSpec("sloweave_chunk_tokens", "histogram", "Prefill tokens chosen per scheduling step", TOKEN_BUCKETS)
+TOKEN_BUDGET = MetricSpec(
+    "sloweave_token_budget_tokens", "histogram", "Token budget handed to the engine per step (decode tokens + chunk)", TOKEN_BUCKETS
+)
+TIME_BUDGET = MetricSpec(
+    "sloweave_time_budget_ms", "histogram", "Time from step start to the earliest next-token deadline (steps with decodes)", TIME_BUCKETS_MS
+)
+STEPS = MetricSpec("sloweave_steps", "counter", "Steps scheduled with a sloweave budget")
+INFEASIBLE = MetricSpec("sloweave_infeasible_steps", "counter", "Steps where even decode-only was predicted to miss the earliest deadline")
+SLO_EXCEPTIONS = MetricSpec("sloweave_slo_exceptions", "counter", "Steps where aging forced a chunk for a starving prompt")
+SLO_EXCEPTION_REQUESTS = MetricSpec(
+    "sloweave_slo_exception_requests", "counter", "Running requests predicted to miss a deadline because of an aging chunk"
+)
+PREDICTED_STEP = MetricSpec("sloweave_predicted_step_ms", "histogram", "Predicted step time T(n, c) + margin", TIME_BUCKETS_MS)
+MEASURED_STEP = MetricSpec("sloweave_measured_step_ms", "histogram", "Measured step time (start to output back)", TIME_BUCKETS_MS)
+UNDERPREDICTED = MetricSpec("sloweave_underpredicted_steps", "counter", "Finished steps that took longer than predicted")
+
+ALL_METRICS = (
+    CHUNK,
+    TOKEN_BUDGET,
+    TIME_BUDGET,
+    STEPS,
+    INFEASIBLE,
+    SLO_EXCEPTIONS,
+    SLO_EXCEPTION_REQUESTS,
+    PREDICTED_STEP,
+    MEASURED_STEP,
+    UNDERPREDICTED,
+)
+
+
+class DecisionRecorder(Protocol):
+    """Hooks a budget controller calls; an engine-specific recorder implements them.
+
+    ``plan`` is a ``sloweave.engine_budget.StepPlan``; ``late_requests`` is the number of
+    running requests an aging chunk is predicted to make late (0 when the step is not an
+    SLO exception). ``on_step_done`` gets the plan of the step that came back and its
+    measured duration.
+    """
+
+    def on_plan(self, plan, late_requests: int) -> None: ...
+
+    def on_step_done(self, plan, measured_ms: float) -> None: ...
+
+
+# --------------------------------------------------------------------------- summaries
+
+
+def _histogram(values: np.ndarray, buckets: tuple[float, ...]) -> dict:
+    """Prometheus-style cumulative bucket counts, plus count, sum and a few quantiles."""
+    values = np.asarray(values, dtype=np.float64)
+    summary = {
+        "count": int(values.size),
+        "sum": float(values.sum()),
+        "buckets": {f"{edge:g}": int(np.count_nonzero(values <= edge)) for edge in buckets},
+    }
+    summary["buckets"]["+Inf"] = int(values.size)
+    for q in (50, 90, 99):
+        # JSON has no NaN: an empty histogram has no quantiles (null)
+        summary[f"p{q}"] = float(np.percentile(values, q)) if values.size else None
+    return summary
+
+
+def summarize(
+    chunk_tokens,
+    token_budget_tokens,
+    time_budget_ms,
+    infeasible,
+    predicted_step_ms=None,
+    measured_step_ms=None,
+    slo_exceptions: int = 0,
+    slo_exception_requests: int = 0,
+) -> dict:
+    """The metrics of a whole run, one entry per metric name, from per-step arrays.
+
+    ``time_budget_ms`` may hold +inf for steps with nothing decoding; those steps have no
+    deadline and are left out of its histogram (as the live exporter does).
+    """
+    chunk = np.asarray(chunk_tokens)
+    budget_tokens = np.asarray(token_budget_tokens)
+    time_budget = np.asarray(time_budget_ms, dtype=np.float64)
+    flags = np.asarray(infeasible, dtype=bool)
+    out = {
+        CHUNK.name: _histogram(chunk, CHUNK.buckets),
+        TOKEN_BUDGET.name: _histogram(budget_tokens, TOKEN_BUDGET.buckets),
+        TIME_BUDGET.name: _histogram(time_budget[np.isfinite(time_budget)], TIME_BUDGET.buckets),
+        STEPS.name + "_total": int(chunk.size),
+        INFEASIBLE.name + "_total": int(flags.sum()),
+        SLO_EXCEPTIONS.name + "_total": int(slo_exceptions),
+        SLO_EXCEPTION_REQUESTS.name + "_total": int(slo_exception_requests),
+    }
+    if predicted_step_ms is not None:
+        out[PREDICTED_STEP.name] = _histogram(predicted_step_ms, PREDICTED_STEP.buckets)
+    if measured_step_ms is not None:
+        out[MEASURED_STEP.name] = _histogram(measured_step_ms, MEASURED_STEP.buckets)
+        if predicted_step_ms is not None:
+            measured = np.asarray(measured_step_ms, dtype=np.float64)
+            over = measured > np.asarray(predicted_step_ms, dtype=np.float64) + UNDERPREDICTION_TOLERANCE_MS
+            out[UNDERPREDICTED.name + "_total"] = int(over.sum())
+    return out
+
+
+def summarize_simulation(result, predicted_ms_of=None) -> dict:
+    """``summarize`` for a ``SimResult``: every iteration is one step.
+
+    The simulator runs one-token-per-decode steps, so the token budget is decodes + chunk.
+    ``predicted_ms_of(n, c)`` is the policy's prediction (cost + margin); the measured time
+    is the iteration's simulated duration (the "actual" cost, noisy or not). The simulator
+    has no aging, so it records no SLO exceptions.
+    """
+    decodes = result.iter_decodes
+    chunks = result.iter_chunk_tokens
+    predicted = None
+    if predicted_ms_of is not None:
+        predicted = np.fromiter(
+            (predicted_ms_of(int(n), int(c)) for n, c in zip(decodes, chunks)), dtype=np.float64, count=len(chunks)
+        )
+    summary = summarize(
+        chunks,
+        decodes + chunks,
+        result.iter_budget_ms,
+        result.iter_infeasible,
+        predicted_step_ms=predicted,
+        measured_step_ms=result.iter_end_ms - result.iter_start_ms,
+    )
+    return {"source": "simulator", "policy": result.policy_name, "tpot_ms": result.tpot_ms, "metrics": summary}
+
+
+SIMULATION_SUMMARY_FILE = "decision_metrics.json"
+
+
+def write_simulation_summary(result, out_dir, predicted_ms_of=None) -> Path:
+    """Write ``decision_metrics.json`` for one simulated run (``sloweave simulate --out``)."""
+    path = Path(out_dir) / SIMULATION_SUMMARY_FILE
+    path.write_text(json.dumps(summarize_simulation(result, predicted_ms_of), indent=2) + "\n")
+    return path

@@ -1,0 +1,110 @@
+"""The plug-in's decisions as Prometheus metrics, on vLLM's ``/metrics`` endpoint.
+
+Names and buckets come from ``sloweave.decision_metrics`` (shared with the simulator and
+the CPU runtime). The client is ``prometheus_client``, which vLLM already depends on.
+
+Where the numbers live. vLLM runs the scheduler in the engine-core process, separate from
+the API server that serves ``/metrics``. vLLM's own scheduler numbers cross that boundary
+as ``SchedulerStats`` inside the engine-core outputs and are turned into Prometheus metrics
+in the front-end; a plug-in cannot add fields there without patching vLLM. The other path
+vLLM uses, for several API servers, is ``prometheus_client``'s multiprocess mode: with
+``PROMETHEUS_MULTIPROC_DIR`` set, every process writes its metrics to files in that
+directory and ``/metrics`` (``vllm.v1.metrics.prometheus.get_prometheus_registry``) merges
+them with a ``MultiProcessCollector``. The plug-in follows that path: export
+``PROMETHEUS_MULTIPROC_DIR`` (an empty directory) before ``vllm serve`` and the metrics
+registered here, in the engine core, appear on ``/metrics``. Without it they stay in the
+engine-core process, and the scheduler says so once in the log.
+
+Cost per step: a handful of histogram observations and counter increments (measured in
+``docs/operator-tools.md``), well under the 1 ms per step vLLM maintainers call a lot.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import multiprocessing
+import os
+
+from prometheus_client import REGISTRY, CollectorRegistry, Counter, Histogram, values
+
+from sloweave import decision_metrics as names
+
+logger = logging.getLogger(__name__)
+
+MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
+
+
+class PrometheusRecorder:
+    """A ``DecisionRecorder`` that updates Prometheus metrics; one per registry."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        registry = REGISTRY if registry is None else registry
+
+        def histogram(spec: names.MetricSpec) -> Histogram:
+            return Histogram(spec.name, spec.help, buckets=spec.buckets, registry=registry)
+
+        def counter(spec: names.MetricSpec) -> Counter:
+            return Counter(spec.name, spec.help, registry=registry)
+
+        self.registry = registry
+        self.chunk_tokens = histogram(names.CHUNK)
+        self.token_budget_tokens = histogram(names.TOKEN_BUDGET)
+        self.time_budget_ms = histogram(names.TIME_BUDGET)
+        self.steps = counter(names.STEPS)
+        self.infeasible_steps = counter(names.INFEASIBLE)
+        self.slo_exceptions = counter(names.SLO_EXCEPTIONS)
+        self.slo_exception_requests = counter(names.SLO_EXCEPTION_REQUESTS)
+        self.predicted_step_ms = histogram(names.PREDICTED_STEP)
+        self.measured_step_ms = histogram(names.MEASURED_STEP)
+        self.underpredicted_steps = counter(names.UNDERPREDICTED)
+
+    def on_plan(self, plan, late_requests: int) -> None:
+        self.steps.inc()
+        self.chunk_tokens.observe(plan.chunk_tokens)
+        self.token_budget_tokens.observe(plan.token_budget)
+        if math.isfinite(plan.budget_ms):  # no decodes: no deadline, nothing to observe
+            self.time_budget_ms.observe(plan.budget_ms)
+        if plan.infeasible:
+            self.infeasible_steps.inc()
+        if plan.aged:
+            self.slo_exceptions.inc()
+            self.slo_exception_requests.inc(late_requests)
+
+    def on_step_done(self, plan, measured_ms: float) -> None:
+        # Predicted and measured are observed together, so their counts always match.
+        self.predicted_step_ms.observe(plan.predicted_ms)
+        self.measured_step_ms.observe(measured_ms)
+        if measured_ms > plan.predicted_ms + names.UNDERPREDICTION_TOLERANCE_MS:
+            self.underpredicted_steps.inc()
+
+
+_default_recorder: PrometheusRecorder | None = None
+
+
+def default_recorder() -> PrometheusRecorder:
+    """The recorder on the default registry, created once per process.
+
+    Every scheduler of a process shares it (Prometheus refuses a name registered twice),
+    so with data parallelism each engine-core process adds its own counts and
+    multiprocess mode sums them on ``/metrics``.
+    """
+    global _default_recorder
+    if _default_recorder is None:
+        _warn_if_invisible()
+        _default_recorder = PrometheusRecorder(REGISTRY)
+    return _default_recorder
+
+
+def _warn_if_invisible() -> None:
+    in_child = multiprocessing.parent_process() is not None
+    multiproc = MULTIPROC_ENV in os.environ
+    if multiproc and values.ValueClass is values.MutexValue:
+        # prometheus_client picks its value store when first imported; the variable came later.
+        logger.warning("sloweave metrics: %s was set after prometheus_client was imported; they will not reach /metrics", MULTIPROC_ENV)
+    elif in_child and not multiproc:
+        logger.warning(
+            "sloweave metrics are registered in the engine-core process; set %s (an empty directory) before "
+            "`vllm serve` to see them on /metrics (docs/operator-tools.md)",
+            MULTIPROC_ENV,
+        )
