@@ -100,3 +100,17 @@ def test_grouped_per_request_frame_equals_the_plain_definition_bit_for_bit():
         started = result.first_token_iter != NOT_STARTED
         assert np.array_equal(frame["ttft_ms"].to_numpy()[started], result.iter_end_ms[result.first_token_iter[started]] - wl.arrival_s[started] * 1000.0)
     assert (frame["status"] == "pending").any()  # the horizon case has unfinished requests
+
+
+def test_frame_from_measured_token_times():
+    """A real engine's token times give the simulator's per-request columns."""
+    from sloweave.metrics import frame_from_token_times
+
+    frame = frame_from_token_times(
+        np.array([0.0, 5.0, 10.0]), np.array([8, 8, 8]), np.array([3, 1, 4]), [[10.0, 20.0, 40.0], [15.0], [30.0, 31.0]]
+    )
+    assert frame["status"].tolist() == ["finished", "finished", "pending"]
+    assert frame["ttft_ms"].tolist() == [10.0, 10.0, 20.0]
+    assert frame["p99_tpot_ms"].iloc[0] == pytest.approx(np.percentile([10.0, 20.0], 99))
+    assert frame["max_tpot_ms"].tolist()[:2] == [20.0, 0.0] and np.isnan(frame["p99_tpot_ms"].iloc[2])
+    assert frame["finish_ms"].tolist()[:2] == [40.0, 15.0]

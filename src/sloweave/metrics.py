@@ -89,6 +89,45 @@ def per_request_frame(result: SimResult) -> pd.DataFrame:
     )
 
 
+def frame_from_token_times(
+    arrival_ms: np.ndarray, prompt_tokens: np.ndarray, output_tokens: np.ndarray, token_times_ms: list[list[float]]
+) -> pd.DataFrame:
+    """``per_request_frame``'s columns from measured token times (a real engine's run).
+
+    A request is finished once it has emitted its output length; others are pending, with
+    TTFT if their first token came out.
+    """
+    n = len(token_times_ms)
+    ttft = np.full(n, np.nan)
+    p99_gap = np.full(n, np.nan)
+    max_gap = np.full(n, np.nan)
+    finish = np.full(n, np.nan)
+    status = np.full(n, "pending", dtype=object)
+    for i, times in enumerate(token_times_ms):
+        if not len(times):
+            continue
+        ttft[i] = times[0] - arrival_ms[i]
+        if len(times) >= output_tokens[i]:
+            status[i] = "finished"
+            finish[i] = times[-1]
+            gaps = np.diff(times)
+            p99_gap[i] = float(np.percentile(gaps, 99)) if gaps.size else 0.0
+            max_gap[i] = float(gaps.max()) if gaps.size else 0.0
+    return pd.DataFrame(
+        {
+            "request": np.arange(n),
+            "arrival_ms": arrival_ms,
+            "prompt_tokens": prompt_tokens,
+            "output_tokens": output_tokens,
+            "ttft_ms": ttft,
+            "p99_tpot_ms": p99_gap,
+            "max_tpot_ms": max_gap,
+            "finish_ms": finish,
+            "status": status,
+        }
+    )
+
+
 @dataclass(frozen=True)
 class RunMetrics:
     num_requests: int

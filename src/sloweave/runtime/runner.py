@@ -21,7 +21,7 @@ from tqdm import tqdm
 
 from sloweave.deadlines import DeadlineTracker
 from sloweave.fit import ContextualCost
-from sloweave.metrics import RunMetrics, summarize
+from sloweave.metrics import RunMetrics, frame_from_token_times, summarize
 from sloweave.runtime.calibration import CalibratedCost, OnlineCalibrator
 from sloweave.runtime.engine import Engine
 from sloweave.runtime.scheduler import StepShape
@@ -198,7 +198,7 @@ def run_requests(
     bar.close()
 
     steps = pd.DataFrame(rows)
-    requests = _request_frame(spec, token_times)
+    requests = frame_from_token_times(spec.arrival_ms, spec.prompt_tokens, spec.output_tokens, token_times)
     end_ms = float(steps["end_ms"].max()) if len(steps) else float(arrivals[0])
     return MeasuredRun(
         policy=getattr(policy, "name", str(policy)),
@@ -208,36 +208,4 @@ def run_requests(
         duration_ms=min(end_ms, horizon_ms) - float(arrivals[0]),
         calibration=calibrator.as_dict() if calibrator is not None else None,
         token_counts=dict(engine.generated),
-    )
-
-
-def _request_frame(spec: RequestSpec, token_times: list[list[float]]) -> pd.DataFrame:
-    n = len(spec)
-    ttft = np.full(n, np.nan)
-    p99 = np.full(n, np.nan)
-    worst = np.full(n, np.nan)
-    finish = np.full(n, np.nan)
-    status = np.full(n, "pending", dtype=object)
-    for i, times in enumerate(token_times):
-        if not times:
-            continue
-        ttft[i] = times[0] - spec.arrival_ms[i]
-        if len(times) >= spec.output_tokens[i]:
-            status[i] = "finished"
-            finish[i] = times[-1]
-            gaps = np.diff(times)
-            p99[i] = float(np.percentile(gaps, 99)) if gaps.size else 0.0
-            worst[i] = float(gaps.max()) if gaps.size else 0.0
-    return pd.DataFrame(
-        {
-            "request": np.arange(n),
-            "arrival_ms": spec.arrival_ms,
-            "prompt_tokens": spec.prompt_tokens,
-            "output_tokens": spec.output_tokens,
-            "ttft_ms": ttft,
-            "p99_tpot_ms": p99,
-            "max_tpot_ms": worst,
-            "finish_ms": finish,
-            "status": status,
-        }
     )

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 
+from sloweave.metrics import frame_from_token_times
 from sloweave.workloads import Workload
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -112,25 +113,8 @@ def run_workload(engine, workload: Workload, vocab_size: int, seed: int = 0, tpo
             i = int(out.request_id)
             token_ms[i].extend([end] * len(out.outputs[0].token_ids))
             finished[i] |= out.finished
-    rows = []
-    for i in range(n):
-        times = np.asarray(token_ms[i])
-        gaps = np.diff(times)
-        done = bool(finished[i]) and len(times) == workload.output_tokens[i]
-        rows.append(
-            {
-                "request": i,
-                "arrival_ms": arrival_ms[i],
-                "prompt_tokens": int(workload.prompt_tokens[i]),
-                "output_tokens": int(workload.output_tokens[i]),
-                "ttft_ms": times[0] - arrival_ms[i] if len(times) else np.nan,
-                "p99_tpot_ms": float(np.percentile(gaps, 99)) if gaps.size else (0.0 if done else np.nan),
-                "max_tpot_ms": float(gaps.max()) if gaps.size else (0.0 if done else np.nan),
-                "finish_ms": times[-1] if done else np.nan,
-                "status": "finished" if done else "pending",
-            }
-        )
-    return MeasuredRun(pd.DataFrame(rows), pd.DataFrame(steps, columns=["start_ms", "end_ms", "requests_out"]), time.perf_counter() - t0)
+    requests = frame_from_token_times(arrival_ms, workload.prompt_tokens, workload.output_tokens, token_ms)
+    return MeasuredRun(requests, pd.DataFrame(steps, columns=["start_ms", "end_ms", "requests_out"]), time.perf_counter() - t0)
 
 
 def profile_steps(engine, vocab_size: int, decode_counts, chunk_sizes, contexts, repeats: int = 3, seed: int = 0) -> pd.DataFrame:
