@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from sloweave.fit import fit_profile_file
+from sloweave.core.fit import fit_profile_file
 from sloweave.runtime.engine import Engine, blocks_needed
 from sloweave.runtime.experiment import add_ratios, run_policy, scaled_workload
 from sloweave.runtime.model import load_model

@@ -2,7 +2,7 @@
 
 For 16, 64 and 256 active requests: one request emits a token (heap update), then the
 policy reads the budget and searches the chunk, with each cost model kind: the analytic
-model, and the lookup table and regression fitted (``sloweave.fit``) from a profile of
+model, and the lookup table and regression fitted (``sloweave.core.fit``) from a profile of
 that analytic model with KV-context terms. Baselines measured in the same run: the same
 step with a linear scan over every chunk size (what the binary search replaces) and a
 fixed-chunk decision (what engines do today). Prints medians and P99 over several
@@ -19,10 +19,10 @@ import time
 import numpy as np
 import pandas as pd
 
-from sloweave.cost import AnalyticCost
-from sloweave.deadlines import DeadlineTracker
-from sloweave.fit import fit_profile
-from sloweave.policy import FixedChunk, SLOWeave
+from sloweave.core.cost import AnalyticCost
+from sloweave.core.deadlines import DeadlineTracker
+from sloweave.core.fit import fit_profile
+from sloweave.core.policy import FixedChunk, SLOWeave
 
 DECISIONS = 2000
 REPEATS = 5

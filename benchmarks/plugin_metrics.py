@@ -19,8 +19,8 @@ import time
 import numpy as np
 from prometheus_client import REGISTRY, CollectorRegistry, generate_latest
 
-from sloweave.cost import AnalyticCost
-from sloweave.engine_budget import StepPlan
+from sloweave.core.cost import AnalyticCost
+from sloweave.core.budget import StepPlan
 from sloweave.vllm_plugin import SLOWeaveScheduler
 from sloweave.vllm_plugin.metrics import PrometheusRecorder, default_recorder
 from sloweave.vllm_plugin.offline import OfflineEngine, build_scheduler, make_request

@@ -50,11 +50,11 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from sloweave.cost import AnalyticCost
-from sloweave.metrics import per_request_frame
-from sloweave.policy import make_policy
-from sloweave.simulator import SimResult, simulate
-from sloweave.workloads import Workload
+from sloweave.core.cost import AnalyticCost
+from sloweave.sim.metrics import per_request_frame
+from sloweave.core.policy import make_policy
+from sloweave.sim.engine import SimResult, simulate
+from sloweave.sim.workloads import Workload
 
 REPO = Path(__file__).resolve().parent.parent
 DRIVER = REPO / "benchmarks" / "vidur" / "analytic_driver.py"
@@ -66,7 +66,7 @@ BATCH_CAP = 128
 SARATHI_BUDGET = 512
 TRACE_DATE = "2023-08-21"  # Vidur's trace replay keeps the rows of one "Date"
 # Both clocks are float sums of the same iteration times, Vidur's in seconds, ours in
-# milliseconds: equal up to rounding. 1e-6 ms (1 ns) is sloweave.metrics.TIME_TOLERANCE_MS.
+# milliseconds: equal up to rounding. 1e-6 ms (1 ns) is sloweave.sim.metrics.TIME_TOLERANCE_MS.
 TOLERANCE_MS = 1e-6
 
 # scheduler name -> (our policy, Vidur's scheduler flags)
@@ -321,7 +321,7 @@ def read_vidur_outputs(out_dir: Path, prompt_tokens: np.ndarray) -> VidurRun:
 
 
 def p99_gap(times: np.ndarray) -> float:
-    # as sloweave.metrics.per_request_frame: P99 (numpy's default linear interpolation) of
+    # as sloweave.sim.metrics.per_request_frame: P99 (numpy's default linear interpolation) of
     # the request's own consecutive gaps; 0 for a single-token request
     return float(np.percentile(np.diff(times), 99)) if times.size > 1 else 0.0
 

@@ -7,7 +7,7 @@ GPU, and three engines in turn: vLLM's default chunked prefill with
 ``--max-num-batched-tokens`` 2048 and 8192, and the plug-in at a 25 ms TPOT target
 (budget 8192 as its upper bound). Per-request TTFT and inter-token gaps come from the
 streamed outputs; goodput and attainment are computed as SPEC.md defines them by
-``sloweave.metrics.summarize``. Prints a table with ratios against vLLM's default
+``sloweave.sim.metrics.summarize``. Prints a table with ratios against vLLM's default
 (2048) measured in the same run and writes CSV/JSON under ``--out``.
 
     .venv-vllm/bin/python benchmarks/vllm_gpu_bench.py --out results/vllm_gpu
@@ -26,8 +26,8 @@ from pathlib import Path
 
 import pandas as pd
 
-from sloweave.metrics import summarize
-from sloweave.workloads import WORKLOADS
+from sloweave.sim.metrics import summarize
+from sloweave.sim.workloads import WORKLOADS
 
 MODEL_DIR = Path(__file__).parent / "models" / "llama-3.1-8b"
 PLUGIN = "sloweave.vllm_plugin.SLOWeaveAsyncScheduler"

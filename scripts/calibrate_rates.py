@@ -1,6 +1,6 @@
 """Find each workload's arrival rate at which Fixed-1024 attains the paper's figure at 25 ms.
 
-This is how the rates in `sloweave.workloads.WORKLOADS` were chosen (then rounded): only
+This is how the rates in `sloweave.sim.workloads.WORKLOADS` were chosen (then rounded): only
 the strongest static baseline is calibrated, never SLOWeave. Run from the repository root:
 
     .venv/bin/python scripts/calibrate_rates.py            # mixed 0.60, long 0.50, bursty 0.83
@@ -10,10 +10,10 @@ import dataclasses
 
 import numpy as np
 
-from sloweave.metrics import evaluate
-from sloweave.policy import make_policy
-from sloweave.simulator import simulate
-from sloweave.workloads import WORKLOADS
+from sloweave.sim.metrics import evaluate
+from sloweave.core.policy import make_policy
+from sloweave.sim.engine import simulate
+from sloweave.sim.workloads import WORKLOADS
 
 TARGETS = {"mixed": 0.60, "long": 0.50, "bursty": 0.83}  # SPEC.md, Fixed-1024 at 25 ms
 SEEDS, REQUESTS, TPOT_MS = 5, 2000, 25.0

@@ -14,14 +14,16 @@ from click.testing import CliRunner
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sloweave.admission import AdmissionControl
-from sloweave.beyond import ContextAnalyticCost, Tier, cumulative_slo_met, assign_tiers, default_tiers, evaluate_run, tier_report
+from sloweave.core.admission import AdmissionControl
+from sloweave.core.context_cost import ContextAnalyticCost
+from sloweave.sim.metrics import cumulative_slo_met, evaluate_run
+from sloweave.sim.tiers import Tier, assign_tiers, default_tiers, tier_report
 from sloweave.cli import main
-from sloweave.cost import AnalyticCost
-from sloweave.metrics import evaluate, per_request_frame
-from sloweave.policy import Aging, SLOWeave, make_policy
-from sloweave.simulator import simulate
-from sloweave.workloads import WORKLOADS, Workload
+from sloweave.core.cost import AnalyticCost
+from sloweave.sim.metrics import evaluate, per_request_frame
+from sloweave.core.policy import Aging, SLOWeave, make_policy
+from sloweave.sim.engine import simulate
+from sloweave.sim.workloads import WORKLOADS, Workload
 
 FIXTURES = Path(__file__).parent / "fixtures" / "traces"
 T = AnalyticCost()

@@ -13,7 +13,7 @@ from click.testing import CliRunner
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sloweave.capacity import (
+from sloweave.studies.capacity import (
     CAPACITY_COLUMNS,
     Capacity,
     CapacityStudy,
@@ -24,9 +24,9 @@ from sloweave.capacity import (
     relative_to_best_fixed,
     trace_source,
 )
-from sloweave.replay import replay
-from sloweave.traces import TraceError, load_trace
-from sloweave.workloads import WORKLOADS, Workload
+from sloweave.studies.replay import replay
+from sloweave.sim.traces import TraceError, load_trace
+from sloweave.sim.workloads import WORKLOADS, Workload
 
 FIXTURES = Path(__file__).parent / "fixtures" / "traces"
 SMALL_TRACE = FIXTURES / "azure_conv_first150.csv"  # the first 150 requests of the shared Azure conversation trace

@@ -7,7 +7,7 @@ import pytest
 from click.testing import CliRunner
 
 from sloweave.cli import main
-from sloweave.experiments import StudyConfig, mean_over_seeds, run_study, table4
+from sloweave.studies.reproduce import StudyConfig, mean_over_seeds, run_study, table4
 
 
 def test_decide_reproduces_the_worked_example():

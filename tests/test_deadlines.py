@@ -4,7 +4,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sloweave.deadlines import DeadlineTracker
+from sloweave.core.deadlines import DeadlineTracker
 
 
 def test_earliest_deadline_and_budget():

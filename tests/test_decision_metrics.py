@@ -7,7 +7,7 @@ import pytest
 from click.testing import CliRunner
 
 from sloweave.cli import main
-from sloweave.decision_metrics import ALL_METRICS, summarize
+from sloweave.core.decision_metrics import ALL_METRICS, summarize
 
 
 def test_summary_counts_buckets_and_skips_unbounded_budgets():

@@ -4,8 +4,8 @@ import math
 
 import pytest
 
-from sloweave.cost import AnalyticCost, ConstantMargin
-from sloweave.engine_budget import BudgetController, StepState, make_policy_for_engine
+from sloweave.core.cost import AnalyticCost, ConstantMargin
+from sloweave.core.budget import BudgetController, StepState, make_policy_for_engine
 from sloweave.vllm_plugin.config import PluginConfig, PluginConfigError
 
 
@@ -140,3 +140,61 @@ def test_a_step_ending_early_moves_the_next_one_earlier_but_not_before_it_was_sc
     c2.on_step_done(p1.predicted_ms - 1.0, ["a"])
     p3 = c2.plan_step(StepState(now_ms=p1.predicted_ms + 2.5, decode_tokens=1, pending_prompt_tokens=500))
     assert p3.start_ms == pytest.approx(p1.predicted_ms + 2.0 + p2.predicted_ms)
+
+
+# ----------------------------------------------------------------------------- one place per rule
+
+
+def test_the_controller_and_the_simulator_decide_a_starving_step_the_same_way():
+    """Same state, same rule: the controller's plan and the simulator's decision agree,
+    and both record the core's SLOException."""
+    import numpy as np
+
+    from sloweave.core.policy import Aging, decide_step
+    from sloweave.core.slo import SLOException
+    from sloweave.sim.engine import simulate
+    from sloweave.sim.workloads import Workload
+
+    # Request 0 decodes; request 1's prompt starves at a 1.5 ms TPOT until aging forces 64 tokens.
+    policy = make_policy_for_engine(AnalyticCost(), None, 4096)
+    wl = Workload("hand", np.array([0.0, 0.001]), np.array([10, 200]), np.array([1000, 5]))
+    result = simulate(wl, policy, tpot_ms=1.5, aging=Aging(100.0, 64))
+    sim_exception = result.slo_exceptions[0]
+    c = controller(tpot_ms=1.5, aging_ms=100.0, aging_chunk_tokens=64)
+    c.on_token(0, sim_exception.start_ms - 1.5 + 0.0)  # its last token left one budget before the step
+    waited = sim_exception.start_ms - 1.0  # request 1 arrived at 1 ms and never progressed
+    plan = c.plan_step(StepState(now_ms=sim_exception.start_ms, decode_tokens=1, pending_prompt_tokens=200,
+                                 oldest_prompt_id=1, oldest_prompt_waiting_ms=waited, decoding_ids=(0,)))
+    assert plan.aged and plan.chunk_tokens == sim_exception.chunk_tokens == 64
+    assert decide_step(policy, 1, 200, 1.5, Aging(100.0, 64), waited) == (64, False, True)
+    [engine_exception] = c.stats.slo_exceptions
+    assert type(engine_exception) is type(sim_exception) is SLOException
+    assert engine_exception.affected_ids == sim_exception.affected_ids == (0,)
+    assert engine_exception.predicted_ms == pytest.approx(sim_exception.predicted_ms)
+
+
+def test_the_controller_corrects_its_cost_from_measured_step_times():
+    from sloweave.core.calibration import CalibratedCost, ContextFreeCost, OnlineCalibrator
+
+    calibrator = OnlineCalibrator(alpha=1.0)
+    policy = make_policy_for_engine(CalibratedCost(ContextFreeCost(AnalyticCost()), calibrator), None, 4096)
+    c = BudgetController(policy, default_tpot_ms=10.0, max_budget_tokens=8192, correction=calibrator)
+    c.on_token("a", 0.0)
+    first = c.plan_step(StepState(now_ms=0.0, decode_tokens=1, pending_prompt_tokens=5000))
+    c.on_scheduled(first, ["a"])
+    c.on_step_done(2.0 * first.predicted_ms, ["a"])  # the step took twice the prediction
+    second = c.plan_step(StepState(now_ms=2.0 * first.predicted_ms, decode_tokens=1, pending_prompt_tokens=5000))
+    assert calibrator.factor(1, True) == pytest.approx(2.0)
+    assert second.predicted_ms <= 10.0 and second.chunk_tokens < first.chunk_tokens  # the chunk halves, roughly
+    with pytest.raises(ValueError, match="CalibratedCost"):
+        BudgetController(make_policy_for_engine(AnalyticCost(), None, 4096), 10.0, 8192, correction=calibrator)
+
+
+def test_plugin_online_correction_builds_a_corrected_cost_and_rejects_a_non_boolean():
+    from sloweave.core.calibration import CalibratedCost
+
+    cost, _ = PluginConfig.from_sources({"sloweave": {"online_correction": True}}, environ={}).build_cost_and_margin()
+    assert isinstance(cost, CalibratedCost) and cost(4, 100) == AnalyticCost()(4, 100)
+    assert PluginConfig.from_sources({}, environ={"SLOWEAVE_ONLINE_CORRECTION": "yes"}).online_correction is True
+    with pytest.raises(PluginConfigError, match="online_correction must be true or false"):
+        PluginConfig.from_sources({"sloweave": {"online_correction": "false"}}, environ={})

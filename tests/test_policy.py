@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sloweave.cost import (
+from sloweave.core.cost import (
     AnalyticCost,
     ConstantMargin,
     CostModelError,
@@ -15,7 +15,7 @@ from sloweave.cost import (
     RelativeMargin,
     check_monotone_in_chunk,
 )
-from sloweave.policy import FixedChunk, FullPrefill, SLOWeave, TokenBudget, make_policy
+from sloweave.core.policy import FixedChunk, FullPrefill, SLOWeave, TokenBudget, make_policy
 
 
 def test_analytic_cost_matches_spec():

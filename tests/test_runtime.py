@@ -12,9 +12,9 @@ from click.testing import CliRunner
 from transformers.generation.continuous_batching.scheduler import SCHEDULER_MAPPING
 
 from sloweave.cli import main
-from sloweave.fit import fit_profile, read_profile, write_profile
-from sloweave.policy import make_policy
-from sloweave.runtime.calibration import AdaptiveMargin, CalibratedCost, OnlineCalibrator, ScaledCost
+from sloweave.core.fit import fit_profile, read_profile, write_profile
+from sloweave.core.policy import make_policy
+from sloweave.core.calibration import AdaptiveMargin, CalibratedCost, OnlineCalibrator, ScaledCost
 from sloweave.runtime.engine import Engine
 from sloweave.runtime.experiment import build_policy, run_policy, scaled_workload
 from sloweave.runtime.model import load_model

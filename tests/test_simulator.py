@@ -3,11 +3,11 @@
 import numpy as np
 import pytest
 
-from sloweave.cost import AnalyticCost, ConstantMargin, NoisyCost, RelativeMargin
-from sloweave.metrics import evaluate, per_request_frame
-from sloweave.policy import FixedChunk, SLOWeave, make_policy
-from sloweave.simulator import simulate
-from sloweave.workloads import WORKLOADS, Workload
+from sloweave.core.cost import AnalyticCost, ConstantMargin, NoisyCost, RelativeMargin
+from sloweave.sim.metrics import evaluate, per_request_frame
+from sloweave.core.policy import FixedChunk, SLOWeave, make_policy
+from sloweave.sim.engine import simulate
+from sloweave.sim.workloads import WORKLOADS, Workload
 
 POLICIES = ["sloweave", "sloweave-multi", "full", "orca", "fixed-64", "fixed-1024", "budget-256", "budget-2048", "sarathi-512"]
 

@@ -8,14 +8,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from sloweave.traces import (
+from sloweave.sim.traces import (
     ReplayOptions,
     TraceError,
     load_trace,
     replay_workload,
     split_windows,
 )
-from sloweave.workloads import WorkloadError
+from sloweave.sim.workloads import WorkloadError
 
 FIXTURES = Path(__file__).parent / "fixtures" / "traces"
 SHARED_TRACES = Path(__file__).resolve().parents[1].parent / "shared" / "traces"

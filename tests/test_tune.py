@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from sloweave.capacity import ScaledWorkloads
+from sloweave.studies.capacity import ScaledWorkloads
 from sloweave.cli import main
-from sloweave.tune import RuleOfThumb, flag_for, nearest_power_of_two, tune
-from sloweave.workloads import Workload
+from sloweave.studies.tune import RuleOfThumb, flag_for, nearest_power_of_two, tune
+from sloweave.sim.workloads import Workload
 
 FIXTURES = Path(__file__).parent / "fixtures" / "traces"
 STEPS = 16
@@ -157,8 +157,8 @@ def test_cli_with_a_step_time_profile_as_the_cost_model(tmp_path):
     """A profile (the format `sloweave profile` writes) is fitted and wrapped as a plain T(n, c)."""
     import pandas as pd
 
-    from sloweave.cost import AnalyticCost
-    from sloweave.fit import write_profile
+    from sloweave.core.cost import AnalyticCost
+    from sloweave.core.fit import write_profile
 
     analytic = AnalyticCost()
     rows = [

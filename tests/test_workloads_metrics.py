@@ -2,10 +2,10 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from sloweave.metrics import per_request_frame, slo_met, summarize
-from sloweave.policy import make_policy
-from sloweave.simulator import NOT_STARTED, simulate
-from sloweave.workloads import WORKLOADS, Workload, WorkloadError, WorkloadSpec, get_workload_spec
+from sloweave.sim.metrics import per_request_frame, slo_met, summarize
+from sloweave.core.policy import make_policy
+from sloweave.sim.engine import NOT_STARTED, simulate
+from sloweave.sim.workloads import WORKLOADS, Workload, WorkloadError, WorkloadSpec, get_workload_spec
 
 
 def test_chat_prompt_median_is_about_256_and_long_is_long():
@@ -104,7 +104,7 @@ def test_grouped_per_request_frame_equals_the_plain_definition_bit_for_bit():
 
 def test_frame_from_measured_token_times():
     """A real engine's token times give the simulator's per-request columns."""
-    from sloweave.metrics import frame_from_token_times
+    from sloweave.sim.metrics import frame_from_token_times
 
     frame = frame_from_token_times(
         np.array([0.0, 5.0, 10.0]), np.array([8, 8, 8]), np.array([3, 1, 4]), [[10.0, 20.0, 40.0], [15.0], [30.0, 31.0]]

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import click
 
-from sloweave.cost import AnalyticCost, ConstantMargin, NoisyCost, RelativeMargin, ZeroMargin
-from sloweave.policy import DEFAULT_MAX_CHUNK_TOKENS, SLOWeave, make_policy
-from sloweave.workloads import WORKLOADS, WorkloadError, get_workload_spec
+from sloweave.core.cost import AnalyticCost, ConstantMargin, NoisyCost, RelativeMargin, ZeroMargin
+from sloweave.core.policy import DEFAULT_MAX_CHUNK_TOKENS, SLOWeave, make_policy
+from sloweave.sim.workloads import WORKLOADS, WorkloadError, get_workload_spec
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -75,10 +75,10 @@ def decide(n_decodes: int, waiting_tokens: int, budget_ms: float, max_chunk: int
 @click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), default=None, help="write requests.csv, iterations.csv, prefills.csv, metrics.json, decision_metrics.json")
 def simulate(workload, policy_name, max_batch_size, tpot_ms, ttft_ms, num_requests, seed, rate_scale, max_chunk, noise_sigma, margin_kind, margin_value, out_dir) -> None:
     """Simulate one workload under one policy and print its metrics."""
-    from sloweave.decision_metrics import write_simulation_summary
-    from sloweave.experiments import write_single_run
-    from sloweave.metrics import evaluate, per_request_frame
-    from sloweave.simulator import simulate as run_simulation
+    from sloweave.core.decision_metrics import write_simulation_summary
+    from sloweave.studies.reproduce import write_single_run
+    from sloweave.sim.metrics import evaluate, per_request_frame
+    from sloweave.sim.engine import simulate as run_simulation
 
     spec = get_workload_spec(workload)
     cost = AnalyticCost()
@@ -103,18 +103,18 @@ def simulate(workload, policy_name, max_batch_size, tpot_ms, ttft_ms, num_reques
 
 def _register_optional_commands() -> None:
     """Commands of the other bodies register here (each module owns its command)."""
-    from sloweave.experiments import reproduce
+    from sloweave.studies.reproduce import reproduce
 
     main.add_command(reproduce)
 
-    from sloweave.capacity import capacity
-    from sloweave.replay import replay
+    from sloweave.studies.capacity import capacity
+    from sloweave.studies.replay import replay
 
     main.add_command(replay)
     main.add_command(capacity)
 
     # Operator tooling (issue 8): the best fixed budget for engines that only have one.
-    from sloweave.tune import tune_command
+    from sloweave.studies.tune import tune_command
 
     main.add_command(tune_command, name="tune")
 
@@ -126,7 +126,7 @@ def _register_optional_commands() -> None:
     main.add_command(run_command)
 
     # Options beyond the paper (issue 6): the ablation study.
-    from sloweave.ablation import ablate
+    from sloweave.studies.ablate import ablate
 
     main.add_command(ablate)
 

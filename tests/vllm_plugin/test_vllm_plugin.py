@@ -6,13 +6,13 @@ from vllm.config import SchedulerConfig
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import RequestStatus
 
-from sloweave.cost import AnalyticCost
-from sloweave.policy import SLOWeave
-from sloweave.simulator import simulate
+from sloweave.core.cost import AnalyticCost
+from sloweave.core.policy import SLOWeave
+from sloweave.sim.engine import simulate
 from sloweave.vllm_plugin import SLOWeaveAsyncScheduler, SLOWeaveScheduler
 from sloweave.vllm_plugin.config import PluginConfigError
 from sloweave.vllm_plugin.offline import OfflineEngine, build_scheduler, make_request
-from sloweave.workloads import Workload
+from sloweave.sim.workloads import Workload
 
 COST = AnalyticCost()
 
@@ -197,7 +197,7 @@ def test_profile_file_as_the_cost_model(tmp_path):
 
     import pandas as pd
 
-    from sloweave.fit import fit_profile_file
+    from sloweave.core.fit import fit_profile_file
 
     rows = []
     rng = np.random.default_rng(1)
@@ -222,3 +222,24 @@ def test_profile_file_as_the_cost_model(tmp_path):
     # the fitted model, at this step's KV context, says the chunk fits and one more token would not
     kv = 4 * 502
     assert fitted.predict(4, plan.chunk_tokens, kv, 0) <= 10.0 < fitted.predict(4, plan.chunk_tokens + 1, kv, 0)
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_online_correction_learns_real_step_times_inside_vllms_scheduler(overlap):
+    """online_correction: the steps vLLM runs take 1.5x the model; the core calibrator learns it
+    and the plug-in's chunks shrink so the predicted step fits the deadline again."""
+    cls = SLOWeaveAsyncScheduler if overlap else SLOWeaveScheduler
+    scheduler = build_scheduler(cls, max_num_batched_tokens=8192, additional_config={"sloweave": {"tpot_ms": 10.0, "online_correction": True}})
+    eng = OfflineEngine(scheduler, step_ms=lambda d, p: 1.5 * COST(d, p), overlap=overlap)
+    for _ in range(4):
+        eng.add(make_request(300, 60))
+    for _ in range(3):
+        eng.step()
+    eng.add(make_request(20000, 2))
+    for _ in range(12):
+        eng.step()
+    calibrator = scheduler.sloweave.correction
+    assert calibrator is not None and calibrator.factor(4, True) == pytest.approx(1.5, rel=0.02)
+    plan = scheduler.last_plan
+    assert plan.chunk_tokens > 0 and plan.predicted_ms <= plan.budget_ms + 1e-9
+    assert 1.5 * COST(4, plan.chunk_tokens) <= 10.0 + 1e-6  # the chunk now fits the real step time

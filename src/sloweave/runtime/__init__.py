@@ -8,6 +8,6 @@ Submodules import torch and transformers; ``import sloweave`` never does. The pi
 - ``engine``: a synchronous driver of the batch processor that owns the clock;
 - ``calibration``: online correction of the cost model from measured step times;
 - ``runner``: runs a workload under a policy and measures per-token times;
-- ``profiler``: measures the step-time grid that ``sloweave.fit`` turns into cost models;
+- ``profiler``: measures the step-time grid that ``sloweave.core.fit`` turns into cost models;
 - ``commands``: the ``sloweave profile`` / ``fit`` / ``run`` commands.
 """

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import click
 
-from sloweave.workloads import WORKLOADS
+from sloweave.sim.workloads import WORKLOADS
 
 
 def _int_list(ctx, param, value: str) -> tuple[int, ...]:
@@ -27,7 +27,7 @@ def _int_list(ctx, param, value: str) -> tuple[int, ...]:
 
 
 def _fit_or_fail(profile: Path, monotone_tolerance_ms: float = 5.0):
-    from sloweave.fit import ProfileError, fit_profile_file
+    from sloweave.core.fit import ProfileError, fit_profile_file
 
     try:
         return fit_profile_file(profile, monotone_tolerance_ms=monotone_tolerance_ms)
@@ -50,7 +50,7 @@ def profile(model, out_path, decodes, chunks, contexts, repeats, holdout_per_sta
     import torch
     import transformers
 
-    from sloweave.fit import fit_profile, write_profile
+    from sloweave.core.fit import fit_profile, write_profile
     from sloweave.runtime.engine import DEFAULT_PAGE_TOKENS, Engine
     from sloweave.runtime.model import load_model, model_label
     from sloweave.runtime.profiler import profile_blocks, run_profile
@@ -121,7 +121,7 @@ def run_command(model, profile_path, workload, num_requests, rate_scale, prompt_
     from sloweave.runtime.engine import Engine, blocks_needed
     from sloweave.runtime.experiment import add_ratios, run_policy, scaled_workload
     from sloweave.runtime.model import load_model
-    from sloweave.workloads import get_workload_spec
+    from sloweave.sim.workloads import get_workload_spec
 
     if not (tpot_ms > 0 and math.isfinite(tpot_ms)):
         raise click.BadParameter("must be > 0", param_hint="--tpot-ms")

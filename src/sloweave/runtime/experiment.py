@@ -14,14 +14,14 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 
-from sloweave.fit import ContextualCost, FitResult, FixedContextCost, ResidualMargin
-from sloweave.metrics import evaluate
-from sloweave.policy import SLOWeave, make_policy
-from sloweave.runtime.calibration import AdaptiveMargin, CalibratedCost, OnlineCalibrator, ScaledCost
+from sloweave.core.fit import ContextualCost, FitResult, FixedContextCost, ResidualMargin
+from sloweave.sim.metrics import evaluate
+from sloweave.core.policy import SLOWeave, make_policy
+from sloweave.core.calibration import AdaptiveMargin, CalibratedCost, OnlineCalibrator, ScaledCost
 from sloweave.runtime.engine import Engine
 from sloweave.runtime.runner import MeasuredRun, RequestSpec, run_requests
-from sloweave.simulator import simulate
-from sloweave.workloads import Workload, get_workload_spec
+from sloweave.sim.engine import simulate
+from sloweave.sim.workloads import Workload, get_workload_spec
 
 
 def scaled_workload(

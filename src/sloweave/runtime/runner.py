@@ -6,7 +6,7 @@ a context-aware cost, the step's KV context. A token's time is the end of the st
 produced it (the moment ``update_batch`` returns). While nothing runs or waits, the clock
 jumps to the next arrival instead of sleeping (no work is skipped, only idle time).
 
-The per-request frame has the columns of ``sloweave.metrics.per_request_frame`` so the
+The per-request frame has the columns of ``sloweave.sim.metrics.per_request_frame`` so the
 metrics come from the same ``summarize`` as the simulator's.
 """
 
@@ -19,10 +19,10 @@ import numpy as np
 import pandas as pd
 from tqdm import tqdm
 
-from sloweave.deadlines import DeadlineTracker
-from sloweave.fit import ContextualCost
-from sloweave.metrics import RunMetrics, frame_from_token_times, summarize
-from sloweave.runtime.calibration import CalibratedCost, OnlineCalibrator
+from sloweave.core.deadlines import DeadlineTracker
+from sloweave.core.fit import ContextualCost
+from sloweave.sim.metrics import RunMetrics, frame_from_token_times, summarize
+from sloweave.core.calibration import CalibratedCost, OnlineCalibrator
 from sloweave.runtime.engine import Engine
 from sloweave.runtime.scheduler import StepShape
 

@@ -15,6 +15,7 @@ Sources, later ones win: defaults, environment variables ``SLOWEAVE_*``, and vLL
 | profile_margin | SLOWEAVE_PROFILE_MARGIN | false | use the profile's P99 residual margin (needs a profile) |
 | aging_ms | SLOWEAVE_AGING_MS | 2000 | a prompt waiting this long without progress gets a chunk anyway (`0`: off) |
 | aging_chunk_tokens | SLOWEAVE_AGING_CHUNK_TOKENS | 256 | size of that forced chunk |
+| online_correction | SLOWEAVE_ONLINE_CORRECTION | false | correct the cost model from measured step times (core calibration) |
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 
-from sloweave.cost import AnalyticCost, ConstantMargin, CostModel, Margin, RelativeMargin, ZeroMargin
+from sloweave.core.cost import AnalyticCost, ConstantMargin, CostModel, Margin, RelativeMargin, ZeroMargin
 
 CONFIG_KEY = "sloweave"
 REQUEST_TPOT_KEY = "sloweave_tpot_ms"
@@ -46,6 +47,7 @@ class PluginConfig:
     profile_margin: bool = False
     aging_ms: float = 2000.0
     aging_chunk_tokens: int = 256
+    online_correction: bool = False
 
     def __post_init__(self) -> None:
         _positive(self.tpot_ms, "tpot_ms")
@@ -61,6 +63,9 @@ class PluginConfig:
             raise PluginConfigError(f"sloweave config: cost must be 'analytic' or an existing profile file, got {self.cost!r}")
         if self.profile_margin and self.cost == "analytic":
             raise PluginConfigError("sloweave config: profile_margin needs cost set to a profile file")
+        for name in ("profile_margin", "online_correction"):
+            if not isinstance(getattr(self, name), bool):
+                raise PluginConfigError(f"sloweave config: {name} must be true or false, got {getattr(self, name)!r}")
         if not isinstance(self.analytic, dict):
             raise PluginConfigError(f"sloweave config: analytic must be an object of coefficients, got {self.analytic!r}")
 
@@ -95,16 +100,27 @@ class PluginConfig:
             except ValueError as err:
                 raise PluginConfigError(f"sloweave config: analytic: {err}") from None
         else:
-            from sloweave.fit import ProfileError, fit_profile_file
+            from sloweave.core.fit import ProfileError, fit_profile_file
 
             try:
                 fitted = fit_profile_file(self.cost)
                 cost = fitted.cost(self.cost_kind)
             except (ProfileError, ValueError) as err:
                 raise PluginConfigError(f"sloweave config: cost profile {self.cost}: {err}") from None
+            cost = self._corrected(cost)
             if self.profile_margin:
                 return cost, _sum_margins(fitted.margin(cost), self._plain_margin(cost))
+            return cost, self._plain_margin(cost)
+        cost = self._corrected(cost)
         return cost, self._plain_margin(cost)
+
+    def _corrected(self, cost: CostModel) -> CostModel:
+        """With online correction, the cost wrapped so measured step times correct it."""
+        if not self.online_correction:
+            return cost
+        from sloweave.core.calibration import CalibratedCost, OnlineCalibrator, as_contextual
+
+        return CalibratedCost(as_contextual(cost), OnlineCalibrator())
 
     def _plain_margin(self, cost: CostModel) -> Margin:
         margins: list[Margin] = []

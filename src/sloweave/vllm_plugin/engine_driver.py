@@ -19,8 +19,8 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 
-from sloweave.metrics import frame_from_token_times
-from sloweave.workloads import Workload
+from sloweave.sim.metrics import frame_from_token_times
+from sloweave.sim.workloads import Workload
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
@@ -60,7 +60,7 @@ def make_engine(
 
 @dataclass
 class MeasuredRun:
-    requests: pd.DataFrame  # per request, the same columns as sloweave.metrics.per_request_frame
+    requests: pd.DataFrame  # per request, the same columns as sloweave.sim.metrics.per_request_frame
     steps: pd.DataFrame  # per engine step: start_ms, end_ms, requests_out
     wall_s: float
 
@@ -123,7 +123,7 @@ def profile_steps(engine, vocab_size: int, decode_counts, chunk_sizes, contexts,
     For each grid point: start ``n`` requests with ``context``-token prompts and let them
     reach decode, then add one prompt of ``c`` tokens; with ``max_num_batched_tokens``
     large enough the next step holds exactly n decodes and the c-token chunk. Writes the
-    profile format of ``sloweave.fit`` (``n_decodes, chunk_tokens, decode_kv_tokens,
+    profile format of ``sloweave.core.fit`` (``n_decodes, chunk_tokens, decode_kv_tokens,
     prefill_prefix_tokens, step_ms``).
     """
     from vllm.inputs import TokensPrompt

@@ -1,6 +1,6 @@
 """The plug-in's decisions as Prometheus metrics, on vLLM's ``/metrics`` endpoint.
 
-Names and buckets come from ``sloweave.decision_metrics`` (shared with the simulator and
+Names and buckets come from ``sloweave.core.decision_metrics`` (shared with the simulator and
 the CPU runtime). The client is ``prometheus_client``, which vLLM already depends on.
 
 Where the numbers live. vLLM runs the scheduler in the engine-core process, separate from
@@ -28,7 +28,7 @@ import os
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Histogram, values
 
-from sloweave import decision_metrics as names
+from sloweave.core import decision_metrics as names
 
 logger = logging.getLogger(__name__)
 

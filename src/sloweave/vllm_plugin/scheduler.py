@@ -22,7 +22,7 @@ from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import Request, RequestStatus
 
-from sloweave.engine_budget import BudgetController, StepPlan, StepState, make_policy_for_engine
+from sloweave.core.budget import BudgetController, StepPlan, StepState, make_policy_for_engine
 from sloweave.vllm_plugin.config import REQUEST_TPOT_KEY, PluginConfig, PluginConfigError
 from sloweave.vllm_plugin.metrics import default_recorder
 
@@ -79,6 +79,7 @@ class SLOWeaveSchedulerMixin:
             aging_ms=config.aging_ms or None,
             aging_chunk_tokens=config.aging_chunk_tokens,
             tpot_ms_of=self._request_tpot_ms.get,
+            correction=getattr(cost, "calibrator", None) if config.online_correction else None,
         )
         # Decisions as Prometheus metrics on the default registry (vLLM's /metrics).
         self.sloweave.recorder = default_recorder()

@@ -24,9 +24,12 @@ from collections import deque
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 
-from sloweave.cost import CostModel, Margin, ZeroMargin
-from sloweave.deadlines import DeadlineTracker
-from sloweave.policy import Aging, SLOWeave
+from sloweave.core.calibration import CalibratedCost, OnlineCalibrator
+from sloweave.core.cost import CostModel, Margin, ZeroMargin
+from sloweave.core.deadlines import DeadlineTracker
+from sloweave.core.policy import Aging, SLOWeave, decide_step
+from sloweave.core.slo import SLOException
+from sloweave.core.validate import whole_number
 
 
 @dataclass(frozen=True)
@@ -54,16 +57,8 @@ class StepPlan:
     predicted_ms: float  # T(n, c) + delta(n, c)
     infeasible: bool  # even decode-only is predicted to miss the earliest deadline
     aged: bool  # the chunk was forced by aging (an SLO exception)
-
-
-@dataclass(frozen=True)
-class SLOException:
-    start_ms: float
-    request_id: Hashable  # the starving prompt that got a forced chunk
-    chunk_tokens: int
-    predicted_ms: float
-    budget_ms: float
-    affected_ids: tuple[Hashable, ...]  # running requests predicted to miss their deadline
+    decode_tokens: int = 0
+    base_predicted_ms: float = math.nan  # the uncorrected model's T(n, c) (online correction only)
 
 
 @dataclass
@@ -93,9 +88,14 @@ class BudgetController:
         aging_ms: float | None = None,
         aging_chunk_tokens: int = 256,
         tpot_ms_of: Callable[[Hashable], float | None] | None = None,
+        correction: OnlineCalibrator | None = None,
     ) -> None:
-        if max_budget_tokens < 1:
-            raise ValueError(f"max_budget_tokens must be >= 1, got {max_budget_tokens}")
+        whole_number(max_budget_tokens, "max_budget_tokens")
+        if correction is not None and not (isinstance(policy.cost, CalibratedCost) and policy.cost.calibrator is correction):
+            raise ValueError("online correction needs the policy's cost to be a CalibratedCost built on that calibrator")
+        # Measured step times correct the cost model online (core calibration, as in the
+        # CPU runtime and the simulator's clock).
+        self.correction = correction
         # The simulator's starvation rule, so both bodies age prompts the same way.
         self.aging = None if aging_ms is None else Aging(aging_ms, aging_chunk_tokens)
         self.policy = policy
@@ -106,7 +106,7 @@ class BudgetController:
         self._tpot_ms_of = tpot_ms_of or (lambda request_id: None)
         # steps scheduled whose output has not come back yet, oldest first
         self._in_flight: deque[_InFlightStep] = deque()
-        # Optional metrics hooks (sloweave.decision_metrics.DecisionRecorder), e.g. the
+        # Optional metrics hooks (sloweave.core.decision_metrics.DecisionRecorder), e.g. the
         # vLLM plug-in's Prometheus exporter; None costs one attribute test per step.
         self.recorder = None
 
@@ -137,18 +137,21 @@ class BudgetController:
         set_context = getattr(self.policy.cost, "set_context", None)
         if set_context is not None:
             set_context(state.decode_kv_tokens, state.prefill_prefix_tokens)
-        decision = self.policy.decide(state.decode_tokens, state.pending_prompt_tokens, budget_ms)
-        chunk, aged = decision.chunk_tokens, False
-        if self.aging is not None:
-            chunk, aged = self.aging.apply(chunk, state.pending_prompt_tokens, state.oldest_prompt_waiting_ms)
+        # The simulator's decision path: the policy, then the aging rule.
+        chunk, infeasible, aged = decide_step(
+            self.policy, state.decode_tokens, state.pending_prompt_tokens, budget_ms, self.aging, state.oldest_prompt_waiting_ms
+        )
         # The budget always covers the decodes' demand (up to the engine's own cap): a budget
         # that starves decodes is a bug, not a choice. The prefill gets the chunk on top.
         token_budget = min(self.max_budget_tokens, state.decode_tokens + chunk)
         chunk = max(0, token_budget - state.decode_tokens)
         predicted_ms = self.policy.predicted_ms(state.decode_tokens, chunk)
-        plan = StepPlan(token_budget, chunk, start_ms, state.now_ms, budget_ms, predicted_ms, decision.infeasible, aged)
+        base_ms = math.nan
+        if self.correction is not None:
+            base_ms = self.policy.cost.base.predict(state.decode_tokens, chunk, state.decode_kv_tokens, state.prefill_prefix_tokens)
+        plan = StepPlan(token_budget, chunk, start_ms, state.now_ms, budget_ms, predicted_ms, infeasible, aged, state.decode_tokens, base_ms)
         self.stats.steps += 1
-        self.stats.infeasible_steps += decision.infeasible
+        self.stats.infeasible_steps += infeasible
         if aged:
             affected = tuple(rid for rid in state.decoding_ids if self._misses(rid, start_ms + predicted_ms))
             self.stats.slo_exceptions.append(
@@ -179,7 +182,10 @@ class BudgetController:
         if not self._in_flight:
             return
         done = self._in_flight.popleft()
-        self.stats.recent.append((done.plan.chunk_tokens, done.plan.budget_ms, done.plan.predicted_ms, now_ms - done.start_ms))
+        measured_ms = now_ms - done.start_ms
+        self.stats.recent.append((done.plan.chunk_tokens, done.plan.budget_ms, done.plan.predicted_ms, measured_ms))
+        if self.correction is not None:
+            self.correction.observe(done.plan.decode_tokens, done.plan.chunk_tokens, done.plan.base_predicted_ms, measured_ms)
         if self.recorder is not None:
             self.recorder.on_step_done(done.plan, now_ms - done.start_ms)
         previous_end = now_ms

@@ -7,7 +7,7 @@ a sweep it simulates the engine's rule on the operator's workload or trace and c
 and reports:
 
 - its capacity: the highest load at which SLO attainment stays at the target (the
-  capacity search of ``sloweave.capacity``, same lattice, same seeds for every budget);
+  capacity search of ``sloweave.studies.capacity``, same lattice, same seeds for every budget);
 - at one given load: goodput, attainment, P99 TTFT and P99 TPOT (the trade-off: small
   budgets protect TPOT and pay in TTFT, large ones the reverse);
 - the budget with the highest capacity and the one with the highest goodput at that load,
@@ -37,12 +37,12 @@ import click
 import numpy as np
 import pandas as pd
 
-from sloweave.capacity import DEFAULT_ATTAINMENT, DEFAULT_WINDOW_S, CapacityStudy, LoadSource, SpecSource, trace_source
-from sloweave.cost import AnalyticCost, CostModel
-from sloweave.policy import DEFAULT_MAX_CHUNK_TOKENS
-from sloweave.replay import DEFAULT_TRACE_TTFT_MS, _pyplot
-from sloweave.traces import FORMATS, TraceError, load_trace
-from sloweave.workloads import WORKLOADS, WorkloadError
+from sloweave.studies.capacity import DEFAULT_ATTAINMENT, DEFAULT_WINDOW_S, CapacityStudy, LoadSource, SpecSource, trace_source
+from sloweave.core.cost import AnalyticCost, CostModel
+from sloweave.core.policy import DEFAULT_MAX_CHUNK_TOKENS
+from sloweave.studies.replay import DEFAULT_TRACE_TTFT_MS, _pyplot
+from sloweave.sim.traces import FORMATS, TraceError, load_trace
+from sloweave.sim.workloads import WORKLOADS, WorkloadError
 
 RULES = ("sarathi", "budget", "fixed")
 ENGINES = {
@@ -457,12 +457,12 @@ def _json_default(value):
 
 
 def _cost_from_profile(path: Path, kind: str, context_tokens: float | None, source: LoadSource) -> tuple[CostModel, dict]:
-    from sloweave.fit import FixedContextCost, fit_profile_file
+    from sloweave.core.fit import FixedContextCost, fit_profile_file
 
     fitted = fit_profile_file(path).cost(kind)
     if context_tokens is None:
         # The simulator does not track KV context: give each decode the workload's mean
-        # context, its prompt plus half its output (the advice in sloweave.fit).
+        # context, its prompt plus half its output (the advice in sloweave.core.fit).
         frames = [source.workload(seed, 1.0) for seed in range(source.num_seeds)]
         prompts = np.concatenate([w.prompt_tokens for w in frames])
         outputs = np.concatenate([w.output_tokens for w in frames])

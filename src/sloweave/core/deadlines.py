@@ -13,6 +13,8 @@ import heapq
 import math
 from collections.abc import Hashable
 
+from sloweave.core.validate import positive_ms
+
 
 class DeadlineTracker:
     """Earliest next-token deadline over the active requests, times in milliseconds."""
@@ -73,7 +75,7 @@ class DeadlineTracker:
         Rounded to the nanosecond: (l + D) - l differs from D in the last bits of a float,
         which would make a chunk whose cost ties the budget flip by a token.
         """
-        return max(0.0, round(self.earliest_deadline_ms() - now_ms, 6))
+        return budget_until(self.earliest_deadline_ms(), now_ms)
 
     def _push(self, request_id: Hashable, deadline_ms: float) -> None:
         self._version += 1
@@ -86,6 +88,10 @@ class DeadlineTracker:
             heapq.heapify(self._heap)
 
 
+def budget_until(deadline_ms: float, now_ms: float) -> float:
+    """The time budget from ``now_ms`` to a deadline: max(0, d - s), rounded to the nanosecond."""
+    return max(0.0, round(deadline_ms - now_ms, 6))
+
+
 def _check_target(value: float, name: str) -> None:
-    if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
-        raise ValueError(f"{name} must be a finite number of milliseconds > 0, got {value!r}")
+    positive_ms(value, name)

@@ -13,12 +13,12 @@ import click
 import numpy as np
 import pandas as pd
 
-from sloweave.cost import AnalyticCost, CostModel
-from sloweave.metrics import RunMetrics, per_request_frame, run_duration_ms, slo_met, summarize
-from sloweave.policy import DEFAULT_MAX_CHUNK_TOKENS, Policy, make_policy
-from sloweave.simulator import simulate
-from sloweave.traces import FORMATS, ReplayOptions, ReplayReport, TraceError, load_trace, replay_workload
-from sloweave.workloads import Workload
+from sloweave.core.cost import AnalyticCost, CostModel
+from sloweave.sim.metrics import RunMetrics, per_request_frame, run_duration_ms, slo_met, summarize
+from sloweave.core.policy import DEFAULT_MAX_CHUNK_TOKENS, Policy, make_policy
+from sloweave.sim.engine import simulate
+from sloweave.sim.traces import FORMATS, ReplayOptions, ReplayReport, TraceError, load_trace, replay_workload
+from sloweave.sim.workloads import Workload
 
 DEFAULT_REPLAY_POLICIES = ("sloweave", "full", "fixed-256", "fixed-1024", "fixed-2048")
 # The conversation trace is an interactive chat service: SPEC.md's chat TTFT target (see docs/capacity.md).

@@ -34,7 +34,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from sloweave.workloads import Workload, WorkloadError, poisson_arrivals
+from sloweave.sim.workloads import Workload, WorkloadError, poisson_arrivals
 
 # Columns that identify each CSV format, in the order they are tried.
 NORMALISED_COLUMNS = ("arrival_s", "prompt_tokens", "output_tokens")
@@ -334,57 +334,67 @@ class ReplayReport:
         return asdict(self)
 
 
+def _trace_window(trace: Trace, options: ReplayOptions, notes: list[str]):
+    """The trace's own arrivals in the options' window: (arrival, prompt, output, base rate, text, window)."""
+    prompt, output = trace.prompt_tokens, trace.output_tokens
+    if not trace.has_arrivals:
+        raise TraceError(
+            f"{trace.path}: has no arrival times (a length-only distribution, {trace.fmt} format), so it cannot "
+            "be replayed as a trace; ask for generated arrivals explicitly (arrivals='poisson' with a rate, "
+            "CLI: --arrivals poisson --rate-rps R)"
+        )
+    t = trace.arrival_s
+    start = options.start_s
+    last = float(t[-1])
+    end = last if options.end_s is None else options.end_s
+    if start > last:
+        raise TraceError(f"{trace.path}: window starts at {start} s, after the last arrival ({last:.3f} s)")
+    # Half-open [start, end) so consecutive windows never share a request; a window
+    # without an end runs to the end of the trace and keeps the last request.
+    keep = (t >= start) & ((t < end) | (options.end_s is None))
+    if not keep.any():
+        raise TraceError(f"{trace.path}: no requests arrive in the window [{start}, {end}) s")
+    duration = end - start
+    arrival = t[keep] - start
+    prompt, output = prompt[keep], output[keep]
+    if options.max_requests is not None and options.max_requests < arrival.shape[0]:
+        arrival = arrival[: options.max_requests]
+        prompt, output = prompt[: options.max_requests], output[: options.max_requests]
+        # The window shrinks to where the kept requests stop, so the rate stays honest.
+        duration = float(arrival[-1])
+        end = start + duration
+        notes.append(f"kept the first {options.max_requests} requests of the window")
+    base_rate = arrival.shape[0] / duration if duration > 0 else float("nan")
+    arrival = arrival / options.rate_scale
+    arrivals_text = "trace"
+    window = (start, end, duration)
+    return arrival, prompt, output, base_rate, arrivals_text, window
+
+
+def _generated_arrivals(trace: Trace, options: ReplayOptions, notes: list[str]):
+    """Poisson arrivals for the trace's lengths: (arrival, prompt, output, base rate, text, window)."""
+    prompt, output = trace.prompt_tokens, trace.output_tokens
+    if options.start_s != 0.0 or options.end_s is not None:
+        raise TraceError(f"{trace.path}: a time window needs the trace's own arrivals, not generated ones")
+    if options.max_requests is not None:
+        prompt, output = prompt[: options.max_requests], output[: options.max_requests]
+    base_rate = float(options.poisson_rate_rps)
+    rng = np.random.default_rng(options.seed)
+    arrival = poisson_arrivals(base_rate * options.rate_scale, prompt.shape[0], rng)
+    reason = "the file has no arrival times" if not trace.has_arrivals else "the file's arrival times were replaced"
+    arrivals_text = (
+        f"generated: Poisson at {base_rate:g} req/s x {options.rate_scale:g} (seed {options.seed}); {reason}"
+    )
+    notes.append(f"arrivals {arrivals_text}")
+    window = (None, None, None)
+    return arrival, prompt, output, base_rate, arrivals_text, window
+
+
 def replay_workload(trace: Trace, options: ReplayOptions = ReplayOptions()) -> tuple[Workload, ReplayReport]:
     """Select, cap and time-scale a trace into a :class:`Workload`, with a report of what was done."""
     notes: list[str] = []
-    prompt = trace.prompt_tokens
-    output = trace.output_tokens
-    if options.arrivals == "trace":
-        if not trace.has_arrivals:
-            raise TraceError(
-                f"{trace.path}: has no arrival times (a length-only distribution, {trace.fmt} format), so it cannot "
-                "be replayed as a trace; ask for generated arrivals explicitly (arrivals='poisson' with a rate, "
-                "CLI: --arrivals poisson --rate-rps R)"
-            )
-        t = trace.arrival_s
-        start = options.start_s
-        last = float(t[-1])
-        end = last if options.end_s is None else options.end_s
-        if start > last:
-            raise TraceError(f"{trace.path}: window starts at {start} s, after the last arrival ({last:.3f} s)")
-        # Half-open [start, end) so consecutive windows never share a request; a window
-        # without an end runs to the end of the trace and keeps the last request.
-        keep = (t >= start) & ((t < end) | (options.end_s is None))
-        if not keep.any():
-            raise TraceError(f"{trace.path}: no requests arrive in the window [{start}, {end}) s")
-        duration = end - start
-        arrival = t[keep] - start
-        prompt, output = prompt[keep], output[keep]
-        if options.max_requests is not None and options.max_requests < arrival.shape[0]:
-            arrival = arrival[: options.max_requests]
-            prompt, output = prompt[: options.max_requests], output[: options.max_requests]
-            # The window shrinks to where the kept requests stop, so the rate stays honest.
-            duration = float(arrival[-1])
-            end = start + duration
-            notes.append(f"kept the first {options.max_requests} requests of the window")
-        base_rate = arrival.shape[0] / duration if duration > 0 else float("nan")
-        arrival = arrival / options.rate_scale
-        arrivals_text = "trace"
-        window = (start, end, duration)
-    else:
-        if options.start_s != 0.0 or options.end_s is not None:
-            raise TraceError(f"{trace.path}: a time window needs the trace's own arrivals, not generated ones")
-        if options.max_requests is not None:
-            prompt, output = prompt[: options.max_requests], output[: options.max_requests]
-        base_rate = float(options.poisson_rate_rps)
-        rng = np.random.default_rng(options.seed)
-        arrival = poisson_arrivals(base_rate * options.rate_scale, prompt.shape[0], rng)
-        reason = "the file has no arrival times" if not trace.has_arrivals else "the file's arrival times were replaced"
-        arrivals_text = (
-            f"generated: Poisson at {base_rate:g} req/s x {options.rate_scale:g} (seed {options.seed}); {reason}"
-        )
-        notes.append(f"arrivals {arrivals_text}")
-        window = (None, None, None)
+    select = _trace_window if options.arrivals == "trace" else _generated_arrivals
+    arrival, prompt, output, base_rate, arrivals_text, window = select(trace, options, notes)
 
     capped = 0
     if options.max_prompt_tokens is not None:

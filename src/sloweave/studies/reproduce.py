@@ -18,11 +18,11 @@ import numpy as np
 import pandas as pd
 from tqdm import tqdm
 
-from sloweave.cost import AnalyticCost
-from sloweave.metrics import RunMetrics, per_request_frame, run_duration_ms, summarize
-from sloweave.policy import DEFAULT_MAX_CHUNK_TOKENS, SLOWeave, make_policy
-from sloweave.simulator import SimResult, simulate
-from sloweave.workloads import WORKLOADS, get_workload_spec
+from sloweave.core.cost import AnalyticCost
+from sloweave.sim.metrics import RunMetrics, per_request_frame, run_duration_ms, summarize
+from sloweave.core.policy import DEFAULT_MAX_CHUNK_TOKENS, SLOWeave, make_policy
+from sloweave.sim.engine import SimResult, simulate
+from sloweave.sim.workloads import WORKLOADS, get_workload_spec
 
 # Table 3 and Table 4 use the paper's static set, so they are a reproduction.
 PAPER_STATIC_POLICIES = ("full", "fixed-64", "fixed-256", "fixed-1024")

@@ -1,4 +1,8 @@
-"""Online recalibration: correct a fitted cost model from the step times measured while serving.
+"""Online correction: correct a cost model from the step times measured while serving.
+
+One rule for every body: the CPU runtime feeds it measured step times, the vLLM plug-in's
+``BudgetController`` the times of the steps vLLM ran, the simulator's clock the actual
+(noisy or mis-predicted) iteration times.
 
 A profile is taken once; the machine then drifts (other processes, caches, thermal state).
 ``OnlineCalibrator`` keeps, per decode-count bucket and per step kind (decode-only or with
@@ -15,7 +19,8 @@ from collections import deque
 
 import numpy as np
 
-from sloweave.fit import N_BUCKET_EDGES, ContextualCost, ResidualMargin
+from sloweave.core.cost import CostModel
+from sloweave.core.fit import N_BUCKET_EDGES, ContextualCost, ResidualMargin
 
 
 class OnlineCalibrator:
@@ -77,6 +82,21 @@ class OnlineCalibrator:
             "factors_with_chunk": np.exp(self.log_factor[:, 1]).round(4).tolist(),
             "observations": self.observations.tolist(),
         }
+
+
+class ContextFreeCost(ContextualCost):
+    """A plain T(n, c) (e.g. the analytic model) seen as a contextual cost that ignores the context."""
+
+    def __init__(self, cost: CostModel) -> None:
+        self.cost = cost
+
+    def predict(self, n_decodes: int, chunk_tokens: int, decode_kv_tokens: int, prefill_prefix_tokens: int) -> float:
+        return self.cost(n_decodes, chunk_tokens)
+
+
+def as_contextual(cost: CostModel) -> ContextualCost:
+    """``cost`` itself when it reads the KV context, else ``ContextFreeCost(cost)``."""
+    return cost if isinstance(cost, ContextualCost) else ContextFreeCost(cost)
 
 
 class CalibratedCost(ContextualCost):

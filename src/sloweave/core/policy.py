@@ -15,7 +15,7 @@ import re
 from dataclasses import dataclass, field
 from typing import NamedTuple, Protocol
 
-from sloweave.cost import AnalyticCost, ConstantMargin, CostModel, Margin, MonotoneRepair, ZeroMargin, check_monotone_in_chunk
+from sloweave.core.cost import AnalyticCost, ConstantMargin, CostModel, Margin, MonotoneRepair, ZeroMargin, check_monotone_in_chunk
 
 DEFAULT_MAX_CHUNK_TOKENS = 4096
 
@@ -201,6 +201,35 @@ class Aging:
         if chunk_tokens == 0 and waiting_tokens > 0 and waited_ms >= self.aging_ms:
             return min(self.chunk_tokens, waiting_tokens), True
         return chunk_tokens, False
+
+
+class StepDecision(NamedTuple):
+    chunk_tokens: int
+    infeasible: bool  # even decode-only is predicted to miss the earliest deadline
+    aged: bool  # the chunk was forced by aging (an SLO exception)
+
+
+def decide_step(
+    policy: Policy,
+    n_decodes: int,
+    waiting_tokens: int,
+    budget_ms: float,
+    aging: Aging | None = None,
+    waited_ms: float = 0.0,
+    decision: Decision | None = None,
+) -> StepDecision:
+    """One step's chunk: the policy's decision, then the aging rule.
+
+    Every body decides through here (the simulator, the vLLM plug-in's ``BudgetController``),
+    so a prompt starves, or is rescued, the same way everywhere. ``decision`` is a decision
+    already taken another way (the simulator's lookahead); ``waited_ms`` is how long the
+    oldest prompt has gone without progress.
+    """
+    chunk, infeasible = policy.decide(n_decodes, waiting_tokens, budget_ms) if decision is None else decision
+    if aging is None:
+        return StepDecision(chunk, infeasible, False)
+    chunk, aged = aging.apply(chunk, waiting_tokens, waited_ms)
+    return StepDecision(chunk, infeasible, aged)
 
 
 @dataclass(frozen=True)

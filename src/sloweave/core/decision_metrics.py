@@ -75,7 +75,7 @@ ALL_METRICS = (
 class DecisionRecorder(Protocol):
     """Hooks a budget controller calls; an engine-specific recorder implements them.
 
-    ``plan`` is a ``sloweave.engine_budget.StepPlan``; ``late_requests`` is the number of
+    ``plan`` is a ``sloweave.core.budget.StepPlan``; ``late_requests`` is the number of
     running requests an aging chunk is predicted to make late (0 when the step is not an
     SLO exception). ``on_step_done`` gets the plan of the step that came back and its
     measured duration.

@@ -18,14 +18,16 @@ import numpy as np
 import pandas as pd
 from tqdm import tqdm
 
-from sloweave.admission import AdmissionControl
-from sloweave.cost import AnalyticCost
-from sloweave.beyond import ContextAnalyticCost, assign_tiers, default_tiers, evaluate_run, tier_report
-from sloweave.experiments import _markdown
-from sloweave.policy import Aging, SLOWeave
-from sloweave.simulator import simulate
-from sloweave.traces import ReplayOptions, load_trace, replay_workload, split_windows
-from sloweave.workloads import WORKLOADS, Workload
+from sloweave.core.admission import AdmissionControl
+from sloweave.core.cost import AnalyticCost
+from sloweave.core.context_cost import ContextAnalyticCost
+from sloweave.sim.metrics import evaluate_run
+from sloweave.sim.tiers import assign_tiers, default_tiers, tier_report
+from sloweave.studies.reproduce import _markdown
+from sloweave.core.policy import Aging, SLOWeave
+from sloweave.sim.engine import simulate
+from sloweave.sim.traces import ReplayOptions, load_trace, replay_workload, split_windows
+from sloweave.sim.workloads import WORKLOADS, Workload
 
 TPOT_TARGETS_MS = (10.0, 25.0, 50.0)
 DEFAULT_SEEDS = 5
@@ -300,7 +302,7 @@ def write_ablation(runs: pd.DataFrame, tiers: pd.DataFrame, configs: tuple[Confi
 @click.option("--trace-window-s", type=click.FloatRange(min=0, min_open=True), default=None, help=f"[default: {TRACE_WINDOW_S:g}, --quick: {QUICK_TRACE_WINDOW_S:g}]")
 def ablate(out_dir, seeds, num_requests, quick, workloads, config_names, trace_path, no_trace, trace_rate_scale, trace_window_s) -> None:
     """Ablation of the options beyond the paper: CSV, Markdown, JSON and a plot under --out."""
-    from sloweave.traces import TraceError
+    from sloweave.sim.traces import TraceError
 
     if num_requests is None:
         num_requests = QUICK_REQUESTS if quick else DEFAULT_REQUESTS

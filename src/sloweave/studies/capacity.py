@@ -38,12 +38,12 @@ import click
 import numpy as np
 import pandas as pd
 
-from sloweave.cost import AnalyticCost, CostModel
-from sloweave.metrics import RunMetrics, summarize
-from sloweave.policy import DEFAULT_MAX_CHUNK_TOKENS
-from sloweave.replay import DEFAULT_TRACE_TTFT_MS, _pyplot, build_policy, plot_cdfs, policy_style, run_policy
-from sloweave.traces import FORMATS, ReplayOptions, Trace, TraceError, load_trace, replay_workload, split_windows
-from sloweave.workloads import WORKLOADS, Workload, WorkloadError, WorkloadSpec
+from sloweave.core.cost import AnalyticCost, CostModel
+from sloweave.sim.metrics import RunMetrics, summarize
+from sloweave.core.policy import DEFAULT_MAX_CHUNK_TOKENS
+from sloweave.studies.replay import DEFAULT_TRACE_TTFT_MS, _pyplot, build_policy, plot_cdfs, policy_style, run_policy
+from sloweave.sim.traces import FORMATS, ReplayOptions, Trace, TraceError, load_trace, replay_workload, split_windows
+from sloweave.sim.workloads import WORKLOADS, Workload, WorkloadError, WorkloadSpec
 
 # Fixed chunks from 256 to C_max = 4096 bracket the best static chunk on every target we
 # measured (Fixed-64 is never close and is the slowest to simulate; pass --policy fixed-64 to add it).

@@ -1,4 +1,4 @@
-"""Admission control for the simulator: reject or defer requests that cannot be served well.
+"""Admission control: reject or defer requests that cannot be served well (no engine imports).
 
 SLOWeave alone admits everything: under overload the FCFS queue grows until every request
 misses its TTFT, and the decode batch grows until even a decode-only iteration misses the
@@ -23,6 +23,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from sloweave.core.validate import positive_fraction
+
 ADMISSION_ACTIONS = ("reject", "defer")
 
 # Reasons recorded per request (SimResult.rejected_reason / deferred_reason).
@@ -45,8 +47,8 @@ class AdmissionControl:
             raise ValueError(f"admission action must be one of {', '.join(ADMISSION_ACTIONS)}, got {self.action!r}")
         for name in ("decode_headroom", "ttft_slack"):
             value = getattr(self, name)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or not (math.isfinite(value) and value > 0)):
-                raise ValueError(f"admission {name} must be a finite number > 0 or None, got {value!r}")
+            if value is not None:
+                positive_fraction(value, f"admission {name}")
         if self.decode_headroom is None and self.ttft_slack is None:
             raise ValueError("admission control needs at least one check (decode_headroom or ttft_slack)")
 
@@ -56,6 +58,38 @@ class AdmissionControl:
 
     def ttft_reachable(self, predicted_ttft_ms: float, ttft_ms: float) -> bool:
         return self.ttft_slack is None or predicted_ttft_ms <= self.ttft_slack * ttft_ms
+
+    def refusal(
+        self,
+        policy,
+        predicted_ms,
+        n_committed: int,
+        tokens_ahead: int,
+        prompt_tokens: int,
+        waited_ms: float,
+        tpot_ms: float,
+        ttft_ms: float | None,
+    ) -> str:
+        """'' to admit a request, else the reason it is refused.
+
+        ``n_committed`` counts the running requests plus the prompts queued ahead (each
+        becomes a decode), ``tokens_ahead`` the prompt tokens still to prefill before it;
+        ``predicted_ms(n, c)`` is the policy's prediction (with its margin).
+        """
+        if not self.decode_room(predicted_ms(n_committed + 1, 0), tpot_ms):
+            return DECODE_SATURATED
+        if self.ttft_slack is not None:
+            # The chunk the policy would take per iteration at this load, if the budget were
+            # the request's own target: the queue ahead drains at that pace (FCFS).
+            tokens = tokens_ahead + prompt_tokens
+            chunk = policy.decide(n_committed, tokens, tpot_ms).chunk_tokens
+            if not self.ttft_reachable(predicted_ttft_ms(waited_ms, tokens, chunk, predicted_ms(n_committed, chunk)), ttft_ms):
+                return TTFT_UNREACHABLE
+        return ""
+
+    def expired(self, waited_ms: float, ttft_ms: float) -> bool:
+        """A queued prompt that has not started and already waited past its TTFT target."""
+        return self.ttft_slack is not None and waited_ms > ttft_ms * self.ttft_slack
 
 
 def predicted_ttft_ms(waited_ms: float, tokens_ahead: int, chunk_per_iteration: int, iteration_ms: float) -> float:

@@ -1,0 +1,34 @@
+"""Argument checks shared by every layer, so the same rule gives the same message everywhere."""
+
+from __future__ import annotations
+
+import math
+from numbers import Integral, Real
+
+
+def positive_ms(value, name: str) -> float:
+    """A finite number of milliseconds > 0 (a TPOT target, an aging threshold, ...)."""
+    if isinstance(value, bool) or not isinstance(value, Real) or not (math.isfinite(value) and value > 0):
+        raise ValueError(f"{name} must be a finite number of milliseconds > 0, got {value!r}")
+    return float(value)
+
+
+def whole_number(value, name: str, minimum: int = 1, unit: str = "") -> int:
+    """A whole number >= ``minimum`` (``unit`` names what it counts, e.g. " of tokens")."""
+    if isinstance(value, bool) or not isinstance(value, Integral) or value < minimum:
+        raise ValueError(f"{name} must be a whole number{unit} >= {minimum}, got {value!r}")
+    return int(value)
+
+
+def positive_tokens(value, name: str) -> int:
+    """A positive whole number of tokens (a chunk size, a token budget)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{name} must be a positive whole number of tokens, got {value!r}")
+    return value
+
+
+def positive_fraction(value, name: str) -> float:
+    """A finite number > 0 (a slack factor, a headroom share)."""
+    if isinstance(value, bool) or not isinstance(value, Real) or not (math.isfinite(value) and value > 0):
+        raise ValueError(f"{name} must be a finite number > 0 or None, got {value!r}")
+    return float(value)

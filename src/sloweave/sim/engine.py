@@ -1,0 +1,249 @@
+"""Iteration-level, event-driven serving simulator: an engine state and a step, made of parts.
+
+The model (the paper's setting):
+- requests arrive over time and wait in an FCFS prefill queue; the oldest is prefilled first;
+- each iteration decodes every running request (one token each) and prefills the number
+  of prompt tokens the policy chooses: from the oldest waiting prompt only (the paper's
+  setting), or spread over the waiting prompts in FCFS order for multi-prefill policies
+  (Sarathi-Serve's rule), optionally under a cap on started requests;
+- a request's first token is emitted at the end of the iteration that completes its
+  prefill; it then emits one token per iteration until it has ``output_tokens`` tokens;
+- an iteration lasts ``actual_cost(n, c)`` ms (the policy's cost model unless a separate
+  "actual" cost is given, e.g. with seeded noise);
+- a request that arrives at or before an iteration's start can be prefilled in it.
+
+The parts (docs/simulator.md says how to add one); each option is a part, not a branch:
+- arrivals and admission (``arrivals``: admit all, or the core's ``AdmissionControl``);
+- the prefill queue and how a chunk is packed over prompts (``queue``: one or several);
+- the decode batch (``batch``) and KV memory (``memory``: unlimited, or a capacity with
+  admission when short and preemption with recompute);
+- the deadline source (``deadline_source``: shared, per-request or cumulative targets,
+  optionally checked against the core's ``DeadlineTracker``);
+- the decision (``decide``: the policy, lookahead, aging with SLO exceptions);
+- the iteration clock (``clock``: cost model, context handed to it, actual time with noise,
+  online correction);
+- the recorder (``recorder``).
+
+Speed: every running request emits a token at every iteration end, so request i's tokens
+come out at the ends of iterations first_i .. first_i + out_i - 1. The loop keeps only
+counters and does O(1) Python work per iteration plus the policy's decision; per-token
+times and gaps are recovered afterwards from the iteration end times with numpy. Running
+requests are kept in an insertion-ordered dict, which only rare events (an SLO exception,
+a preemption) walk.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from sloweave.core.admission import AdmissionControl
+from sloweave.core.calibration import OnlineCalibrator
+from sloweave.core.cost import AnalyticCost, CostModel
+from sloweave.core.policy import Aging, Policy
+from sloweave.core.slo import SLOException
+from sloweave.core.validate import positive_ms, whole_number
+from sloweave.sim.arrivals import AdmissionGate, AdmitAll, Arrivals
+from sloweave.sim.batch import DecodeBatch
+from sloweave.sim.clock import IterationClock
+from sloweave.sim.deadline_source import CumulativeTargets, PerRequestTargets, SharedTarget, TrackedDeadlines
+from sloweave.sim.decide import chunk_decider
+from sloweave.sim.memory import KVCapacity, KVLedger, UnlimitedKV
+from sloweave.sim.queue import FcfsPrompts, OnePrompt, PrefillQueue
+from sloweave.sim.recorder import Recorder
+from sloweave.sim.requests import Requests
+from sloweave.sim.result import NOT_STARTED, SimResult
+from sloweave.sim.workloads import Workload
+
+__all__ = ["DEADLINE_FORMS", "NOT_STARTED", "Engine", "SLOException", "SimResult", "simulate"]
+
+DEADLINE_FORMS = ("per-token", "cumulative")
+
+
+class Engine:
+    """The engine state and its step. Build it with ``build_engine`` (or ``simulate``)."""
+
+    def __init__(self, workload, policy, requests, arrivals, queue, packing, batch, memory, deadlines, clock, decide, batch_cap, horizon_ms) -> None:
+        self.workload, self.policy, self.requests = workload, policy, requests
+        self.arrivals, self.queue, self.packing, self.batch = arrivals, queue, packing, batch
+        self.memory, self.kv, self.deadlines, self.clock = memory, KVLedger(), deadlines, clock
+        self.decide, self.batch_cap, self.horizon_ms = decide, batch_cap, horizon_ms
+        self.recorder = Recorder()
+        self.now_ms = requests.arrival_ms[0] if len(requests) else 0.0
+        self.end_ms = self.now_ms
+        self.iteration = 0
+        if hasattr(decide, "attach"):
+            decide.attach(self)
+
+    def run(self) -> SimResult:
+        """Step until every request finished or was rejected (or the horizon)."""
+        n = len(self.requests)
+        while self.batch.finished + self.arrivals.rejected < n and self.now_ms < self.horizon_ms:
+            if not self.step():
+                break  # only rejected requests are left
+        return self.result()
+
+    def step(self) -> bool:
+        """One iteration (or a jump to the next arrival when idle); False when nothing can happen."""
+        self.arrivals.admit(self)
+        batch = self.batch
+        if not batch.n and not self.queue:
+            next_ms = self.arrivals.next_arrival_ms()
+            if next_ms is None:
+                return False
+            self.now_ms = next_ms
+            return True
+        self.memory.make_room(self)  # may preempt, so before the batch size is read
+        n, now_ms = batch.n, self.now_ms
+        budget_ms = self.deadlines.budget_ms(now_ms, self.iteration, batch.running) if n else math.inf
+        waiting_tokens = self._prompt_tokens(n)
+        if self.clock.reads_context:
+            self.clock.set_context(self.kv.decode_kv, self.queue.head_prefix_tokens() if waiting_tokens else 0)
+        chunk, infeasible = self.decide(n, waiting_tokens, budget_ms)
+        if chunk < 0 or chunk > waiting_tokens:
+            raise RuntimeError(f"policy {self.policy.name} chose chunk {chunk} with {waiting_tokens} prompt tokens waiting")
+        self.end_ms = end_ms = now_ms + self.clock.iteration_ms(n, chunk)
+        self.recorder.iteration(now_ms, end_ms, n, chunk, budget_ms, infeasible)
+        self._emit_decodes()
+        if chunk:
+            self.queue.take(chunk, self)
+        self.now_ms = end_ms
+        self.iteration += 1
+        return True
+
+    def _prompt_tokens(self, n: int) -> int:
+        """Prompt tokens the policy may take: what the packing offers within slots and KV."""
+        if not self.queue:
+            return 0
+        kv_free = self.memory.free_tokens(self.kv, n) if self.memory.limited else math.inf
+        return self.packing.prompt_tokens(n, self.batch_cap - n, kv_free)
+
+    def _emit_decodes(self) -> None:
+        """Every running request emits at the iteration's end; those at their last token leave."""
+        batch, r, kv, deadlines, it = self.batch, self.requests, self.kv, self.deadlines, self.iteration
+        for request in batch.finish_due(it):
+            kv.released(r.prefill_total[request] + (it - r.segment_first[request]))
+            deadlines.left(request)
+        kv.decode_kv += batch.n  # every continuing decode wrote one more token of KV
+        if deadlines.per_token_updates:
+            deadlines.emitted(batch.running, self.end_ms)
+
+    def prefill_completed(self, request: int) -> None:
+        """Its prefill completed this iteration: its (next) token comes out at the iteration's end."""
+        last_iter = self.batch.start(request, self.iteration)
+        self.kv.prefill_done(self.requests.prefill_total[request], decoding=last_iter is not None)
+        if last_iter is not None:
+            self.deadlines.started(request, self.end_ms, self.iteration, last_iter)
+
+    def result(self) -> SimResult:
+        r, refused = self.requests, self.memory.limited or isinstance(self.arrivals.gate, AdmissionGate)
+        return SimResult(
+            workload=self.workload,
+            policy_name=self.policy.name,
+            tpot_ms=float(self.deadlines.tpot_ms),
+            **self.recorder.arrays(),
+            first_token_iter=np.asarray(r.first_token_iter, dtype=np.int64),
+            finished=np.asarray(r.finish_iter, dtype=np.int64) != NOT_STARTED,
+            horizon_ms=self.horizon_ms,
+            rejected_reason=np.asarray(r.rejected_reason, dtype=object) if refused else None,
+            deferred_reason=np.asarray(r.deferred_reason, dtype=object) if isinstance(self.arrivals.gate, AdmissionGate) else None,
+            slo_exceptions=tuple(getattr(self.decide, "exceptions", ())),
+            preemptions=self.memory.preemptions,
+            recompute_tokens=self.memory.recompute_tokens,
+            token_segments=r.token_segments(self.iteration),
+            deadline_form="cumulative" if self.deadlines.banked else "per-token",
+        )
+
+
+def simulate(
+    workload: Workload,
+    policy: Policy,
+    tpot_ms: float = 25.0,
+    actual_cost: CostModel | None = None,
+    horizon_s: float | None = None,
+    max_batch_size: int | None = None,
+    check_deadlines: bool = False,
+    *,
+    deadline_form: str = "per-token",
+    aging: Aging | None = None,
+    admission: AdmissionControl | None = None,
+    ttft_ms: float | np.ndarray | None = None,
+    kv_capacity_tokens: int | None = None,
+    correction: OnlineCalibrator | None = None,
+) -> SimResult:
+    """Run ``workload`` under ``policy`` until every request finished (or ``horizon_s``).
+
+    ``tpot_ms`` is the shared TPOT target that defines deadlines for requests without
+    their own (``workload.tpot_ms``). ``actual_cost`` gives iteration durations; by default
+    the policy's own cost model (exact prediction) or the paper's analytic model.
+    ``max_batch_size`` caps the requests that have started (decoding or part-prefilled):
+    a new prompt is admitted to prefill only below the cap (Sarathi-Serve's and vLLM's
+    ``max_num_seqs``); None means no cap. ``check_deadlines`` checks every budget against
+    the core's per-request ``DeadlineTracker`` (slow; for tests).
+
+    Beyond the paper (docs/beyond-paper.md): ``deadline_form``, ``aging``, ``admission``
+    (its TTFT check needs ``ttft_ms``, one target or one per request),
+    ``kv_capacity_tokens``, and ``correction`` (online correction of a ``CalibratedCost``).
+    Every option works with every policy.
+    """
+    return build_engine(
+        workload, policy, tpot_ms, actual_cost, horizon_s, max_batch_size, check_deadlines,
+        deadline_form=deadline_form, aging=aging, admission=admission, ttft_ms=ttft_ms,
+        kv_capacity_tokens=kv_capacity_tokens, correction=correction,
+    ).run()
+
+
+def build_engine(workload, policy, tpot_ms=25.0, actual_cost=None, horizon_s=None, max_batch_size=None, check_deadlines=False, *,
+                 deadline_form="per-token", aging=None, admission=None, ttft_ms=None, kv_capacity_tokens=None, correction=None) -> Engine:
+    """The engine for ``simulate``'s options, each option turned into its part."""
+    tpot_ms = positive_ms(tpot_ms, "tpot_ms")
+    if horizon_s is not None and not horizon_s > 0:
+        raise ValueError(f"horizon_s must be > 0, got {horizon_s!r}")
+    if max_batch_size is not None:
+        whole_number(max_batch_size, "max_batch_size")
+    if deadline_form not in DEADLINE_FORMS:
+        raise ValueError(f"deadline_form must be one of {', '.join(DEADLINE_FORMS)}, got {deadline_form!r}")
+    if aging is not None and not isinstance(aging, Aging):
+        raise TypeError(f"aging must be a sloweave.core.policy.Aging, got {type(aging).__name__}")
+    if admission is not None and not isinstance(admission, AdmissionControl):
+        raise TypeError(f"admission must be a sloweave.core.admission.AdmissionControl, got {type(admission).__name__}")
+    if kv_capacity_tokens is not None:
+        whole_number(kv_capacity_tokens, "kv_capacity_tokens", unit=" of tokens")
+    requests = Requests.from_workload(workload)
+    ttft_of = _per_request_ttft(ttft_ms, len(requests))
+    if admission is not None and admission.ttft_slack is not None and ttft_of is None:
+        raise ValueError("admission control with a TTFT check needs ttft_ms (one target or one per request)")
+    duration = actual_cost or getattr(policy, "cost", None) or AnalyticCost()
+    predicted = getattr(policy, "predicted_ms", None) or getattr(policy, "cost", None) or duration
+    deadlines = _deadline_source(tpot_ms, requests.tpot_ms, deadline_form, check_deadlines)
+    queue = PrefillQueue(requests)
+    # One prefill per iteration (the paper) or several, first-fit in FCFS order (Sarathi-Serve).
+    packing = OnePrompt(queue) if getattr(policy, "max_prefills", 1) == 1 else FcfsPrompts(queue, policy.max_prefill_tokens)
+    gate = AdmitAll() if admission is None else AdmissionGate(admission, policy, predicted, ttft_of)
+    memory = UnlimitedKV() if kv_capacity_tokens is None else KVCapacity(int(kv_capacity_tokens))
+    clock = IterationClock(duration, getattr(policy, "cost", None), correction)
+    return Engine(
+        workload, policy, requests, Arrivals(requests.arrival_ms, gate), queue, packing, DecodeBatch(requests), memory,
+        deadlines, clock, chunk_decider(policy, aging, predicted),
+        math.inf if max_batch_size is None else max_batch_size,
+        math.inf if horizon_s is None else horizon_s * 1000.0,
+    )
+
+
+def _deadline_source(tpot_ms: float, targets: list[float] | None, form: str, checked: bool):
+    if form == "cumulative":
+        if checked:
+            raise ValueError("check_deadlines compares with the per-token DeadlineTracker; use deadline_form='per-token'")
+        return CumulativeTargets(tpot_ms, targets)
+    source = SharedTarget(tpot_ms) if targets is None else PerRequestTargets(tpot_ms, targets)
+    return TrackedDeadlines(source) if checked else source
+
+
+def _per_request_ttft(ttft_ms, num_requests: int) -> list[float] | None:
+    if ttft_ms is None:
+        return None
+    values = np.broadcast_to(np.asarray(ttft_ms, dtype=np.float64), (num_requests,)) if np.ndim(ttft_ms) == 0 else np.asarray(ttft_ms, dtype=np.float64)
+    if values.shape != (num_requests,) or not np.all(np.isfinite(values)) or np.any(values <= 0):
+        raise ValueError(f"ttft_ms must be one finite target > 0 ms or one per request ({num_requests}), got {ttft_ms!r}")
+    return values.tolist()

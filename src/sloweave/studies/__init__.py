@@ -1,0 +1,1 @@
+"""The studies: reproduce, replay, capacity, ablate, tune. They run the simulator."""
