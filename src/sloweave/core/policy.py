@@ -15,6 +15,7 @@ import re
 from dataclasses import dataclass, field
 from typing import NamedTuple, Protocol
 
+from sloweave.core.validate import positive_ms, positive_tokens
 from sloweave.core.cost import AnalyticCost, ConstantMargin, CostModel, Margin, MonotoneRepair, ZeroMargin, check_monotone_in_chunk
 
 DEFAULT_MAX_CHUNK_TOKENS = 4096
@@ -48,9 +49,7 @@ def _check_max_prefills(value: int | None) -> None:
 
 
 def _check_chunk(value: int, what: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValueError(f"{what} must be a positive whole number of tokens, got {value!r}")
-    return value
+    return positive_tokens(value, what)
 
 
 @dataclass(frozen=True)
@@ -192,8 +191,7 @@ class Aging:
     chunk_tokens: int = 256
 
     def __post_init__(self) -> None:
-        if isinstance(self.aging_ms, bool) or not isinstance(self.aging_ms, (int, float)) or not (math.isfinite(self.aging_ms) and self.aging_ms > 0):
-            raise ValueError(f"aging_ms must be a finite number of milliseconds > 0, got {self.aging_ms!r}")
+        positive_ms(self.aging_ms, "aging_ms")
         _check_chunk(self.chunk_tokens, "aging chunk_tokens")
 
     def apply(self, chunk_tokens: int, waiting_tokens: int, waited_ms: float) -> tuple[int, bool]:

@@ -13,6 +13,20 @@ def positive_ms(value, name: str) -> float:
     return float(value)
 
 
+def positive_number(value, name: str) -> float:
+    """A finite number > 0 (in whatever unit ``name`` says)."""
+    if isinstance(value, bool) or not isinstance(value, Real) or not (math.isfinite(value) and value > 0):
+        raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
+    return float(value)
+
+
+def non_negative_number(value, name: str) -> float:
+    """A finite number >= 0 (a margin, an off-able threshold)."""
+    if isinstance(value, bool) or not isinstance(value, Real) or not (math.isfinite(value) and value >= 0):
+        raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
+    return float(value)
+
+
 def whole_number(value, name: str, minimum: int = 1, unit: str = "") -> int:
     """A whole number >= ``minimum`` (``unit`` names what it counts, e.g. " of tokens")."""
     if isinstance(value, bool) or not isinstance(value, Integral) or value < minimum:

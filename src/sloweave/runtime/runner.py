@@ -21,6 +21,7 @@ from tqdm import tqdm
 
 from sloweave.core.deadlines import DeadlineTracker
 from sloweave.core.fit import ContextualCost
+from sloweave.core.policy import decide_step
 from sloweave.sim.metrics import RunMetrics, frame_from_token_times, summarize
 from sloweave.core.calibration import CalibratedCost, OnlineCalibrator
 from sloweave.runtime.engine import Engine
@@ -119,7 +120,7 @@ def run_requests(
         budget = tracker.budget_ms(start_ms) if n else math.inf
         if cost is not None:
             cost.set_context(shape.decode_kv_tokens, shape.prefill_prefix_tokens)
-        choice = policy.decide(n, waiting, budget)
+        choice = decide_step(policy, n, waiting, budget)  # the decision path of every body
         # The engine's static buffers cap a step at max_batch_tokens (full prefill of a very
         # long prompt next to many decodes); the cap is recorded as the asked chunk.
         chunk = min(choice.chunk_tokens, shape.token_capacity - n)

@@ -29,6 +29,8 @@ class IterationClock:
                 self._context_models.append(model)
         self.reads_context = bool(self._context_models)
         self._decode_kv = self._prefix = 0
+        if correction is None:
+            self.iteration_ms = duration  # nothing to learn: the cost itself (one call less per iteration)
 
     def set_context(self, decode_kv_tokens: int, prefill_prefix_tokens: int) -> None:
         self._decode_kv, self._prefix = decode_kv_tokens, prefill_prefix_tokens

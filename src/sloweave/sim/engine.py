@@ -87,17 +87,18 @@ class Engine:
     def step(self) -> bool:
         """One iteration (or a jump to the next arrival when idle); False when nothing can happen."""
         self.arrivals.admit(self)
-        batch = self.batch
-        if not batch.n and not self.queue:
+        batch, waiting = self.batch, self.queue.waiting
+        if not batch.n and not waiting:
             next_ms = self.arrivals.next_arrival_ms()
             if next_ms is None:
                 return False
             self.now_ms = next_ms
             return True
-        self.memory.make_room(self)  # may preempt, so before the batch size is read
+        if self.memory.limited:
+            self.memory.make_room(self)  # may preempt, so before the batch size is read
         n, now_ms = batch.n, self.now_ms
         budget_ms = self.deadlines.budget_ms(now_ms, self.iteration, batch.running) if n else math.inf
-        waiting_tokens = self._prompt_tokens(n)
+        waiting_tokens = self._prompt_tokens(n) if waiting else 0
         if self.clock.reads_context:
             self.clock.set_context(self.kv.decode_kv, self.queue.head_prefix_tokens() if waiting_tokens else 0)
         chunk, infeasible = self.decide(n, waiting_tokens, budget_ms)
@@ -114,8 +115,6 @@ class Engine:
 
     def _prompt_tokens(self, n: int) -> int:
         """Prompt tokens the policy may take: what the packing offers within slots and KV."""
-        if not self.queue:
-            return 0
         kv_free = self.memory.free_tokens(self.kv, n) if self.memory.limited else math.inf
         return self.packing.prompt_tokens(n, self.batch_cap - n, kv_free)
 

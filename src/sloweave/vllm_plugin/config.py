@@ -20,12 +20,12 @@ Sources, later ones win: defaults, environment variables ``SLOWEAVE_*``, and vLL
 
 from __future__ import annotations
 
-import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 
 from sloweave.core.cost import AnalyticCost, ConstantMargin, CostModel, Margin, RelativeMargin, ZeroMargin
+from sloweave.core.validate import non_negative_number, positive_number, whole_number
 
 CONFIG_KEY = "sloweave"
 REQUEST_TPOT_KEY = "sloweave_tpot_ms"
@@ -54,9 +54,7 @@ class PluginConfig:
         _whole(self.max_chunk_tokens, "max_chunk_tokens")
         _whole(self.aging_chunk_tokens, "aging_chunk_tokens")
         for name in ("margin_ms", "margin_fraction", "aging_ms"):
-            value = getattr(self, name)
-            if not (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value >= 0):
-                raise PluginConfigError(f"sloweave config: {name} must be a finite number >= 0, got {value!r}")
+            _checked(non_negative_number, getattr(self, name), name)
         if self.cost_kind not in ("regression", "table"):
             raise PluginConfigError(f"sloweave config: cost_kind must be 'regression' or 'table', got {self.cost_kind!r}")
         if self.cost != "analytic" and not os.path.isfile(self.cost):
@@ -146,14 +144,20 @@ def _sum_margins(*margins: Margin) -> Margin:
     return margins[0] if len(margins) == 1 else _MarginSum(margins)
 
 
+def _checked(check, value, name: str) -> None:
+    """The core's shared check, its message as a configuration error."""
+    try:
+        check(value, name)
+    except ValueError as err:
+        raise PluginConfigError(f"sloweave config: {err}") from None
+
+
 def _positive(value, name: str) -> None:
-    if not (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0):
-        raise PluginConfigError(f"sloweave config: {name} must be a finite number > 0, got {value!r}")
+    _checked(positive_number, value, name)
 
 
 def _whole(value, name: str) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise PluginConfigError(f"sloweave config: {name} must be a whole number >= 1, got {value!r}")
+    _checked(whole_number, value, name)
 
 
 def _parse_env(name: str, raw: str, kind) -> object:
