@@ -1,0 +1,250 @@
+"""Measured GPU operator profiles in Vidur's public CSV format: reading and checking a folder.
+
+A profile folder holds (file names as Vidur's profiler writes them):
+
+| file | what | needed |
+|---|---|---|
+| ``model.json`` | what the CSVs do not say: ``name``, ``num_layers``, ``tensor_parallel``; optionally ``attention`` (``"measured"``, or ``{"derived_from": PRESET_OR_FOLDER}``), ``device``, ``notes`` | always |
+| ``mlp.csv`` | per-layer token-parallel operators by ``num_tokens`` and ``num_tensor_parallel_workers`` | always |
+| ``attention.csv`` | FlashAttention decode by (``batch_size``, ``kv_cache_size``) and prefill by (``prefill_chunk_size``, ``kv_cache_size``) | unless derived |
+| ``all_reduce.csv`` | all-reduce time by message ``size`` (bytes) and ``num_workers`` | with tensor parallelism |
+| ``cpu_overheads.csv`` | the engine's per-iteration CPU work by ``batch_size`` | optional (0 without it, and said so) |
+
+Times are milliseconds, per layer (per operation); the median of each measurement is used.
+Every problem is a ``ProfileError`` naming the file, the line and what is wrong.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from sloweave.core.fit import ProfileError
+
+# Per-layer token-parallel operators that make up a decoder layer besides attention (Vidur's set:
+# the embedding and the LM head run once per iteration and are not profiled per layer).
+TOKEN_OPS = (
+    "input_layernorm", "attn_pre_proj", "attn_rope", "attn_post_proj",
+    "post_attention_layernorm", "mlp_up_proj", "mlp_act", "mlp_down_proj", "add",
+)
+CPU_OPS = ("schedule_median", "sampler_e2e_median", "prepare_inputs_e2e_median", "process_model_outputs_median")
+
+
+def median(op: str) -> str:
+    return f"time_stats.{op}.median"
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    name: str
+    num_layers: int
+    n_embd: int
+    n_q_heads: int
+    n_kv_heads: int
+    tensor_parallel: int
+    dtype_bytes: int = 2  # fp16 / bf16
+
+    @property
+    def head_dim(self) -> int:
+        return self.n_embd // self.n_q_heads
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """K and V of one token over every layer, all GPUs together."""
+        return 2 * self.num_layers * self.n_kv_heads * self.head_dim * self.dtype_bytes
+
+    def kv_tokens_in(self, gib: float) -> int:
+        """How many tokens of KV cache ``gib`` GiB (all GPUs together) hold."""
+        return int(gib * 2**30 // self.kv_bytes_per_token)
+
+
+@dataclass
+class OperatorProfiles:
+    """The checked contents of a profile folder (times in ms per layer)."""
+
+    where: str
+    shape: ModelShape
+    mlp: pd.DataFrame  # num_tokens, the TOKEN_OPS medians, at the model's tensor parallelism
+    decode: pd.DataFrame  # batch_size, kv_cache_size, attn_ms
+    prefill: pd.DataFrame  # prefill_chunk_size, kv_cache_size, attn_ms
+    all_reduce: pd.DataFrame | None  # num_tokens, all_reduce_ms (None: no tensor parallelism)
+    cpu: pd.DataFrame | None  # batch_size, cpu_ms
+    attention_note: str = "measured"
+    notes: list[str] = field(default_factory=list)
+
+
+PRESETS = ("llama2-70b-tp2-a100", "llama3-8b-tp1-a100")
+
+
+def preset_folder(name: str) -> Path:
+    if name not in PRESETS:
+        raise ProfileError(f"unknown profile preset {name!r}; presets: {', '.join(PRESETS)} (or give a profile folder)")
+    return Path(str(resources.files("sloweave.data").joinpath("profiles", name)))
+
+
+def load_profiles(spec: str | Path) -> OperatorProfiles:
+    """A preset name or a profile folder, read and checked."""
+    folder = preset_folder(str(spec)) if str(spec) in PRESETS else Path(spec)
+    if not folder.is_dir():
+        raise ProfileError(f"profile folder {folder} does not exist (presets: {', '.join(PRESETS)})")
+    shape, model = _read_model(folder)
+    mlp = _read_mlp(folder / "mlp.csv", shape)
+    attention = model.get("attention", "measured")
+    if attention == "measured":
+        decode, prefill = _read_attention(folder / "attention.csv", shape)
+        note = "measured"
+    elif isinstance(attention, dict) and set(attention) == {"derived_from"}:
+        decode, prefill, note = _derived_attention(str(attention["derived_from"]), folder, shape)
+    else:
+        raise ProfileError(f"{folder / 'model.json'}: attention must be \"measured\" or {{\"derived_from\": PRESET_OR_FOLDER}}, got {attention!r}")
+    all_reduce = _read_all_reduce(folder / "all_reduce.csv", shape) if shape.tensor_parallel > 1 else None
+    cpu_file = folder / "cpu_overheads.csv"
+    cpu = _read_cpu(cpu_file) if cpu_file.exists() else None
+    notes = [str(model["notes"])] if model.get("notes") else []
+    if cpu is None:
+        notes.append("no cpu_overheads.csv: the engine's per-iteration CPU time is taken as 0")
+    return OperatorProfiles(str(folder), shape, mlp, decode, prefill, all_reduce, cpu, note, notes)
+
+
+# ----------------------------------------------------------------------------- the files
+
+
+def _read_model(folder: Path) -> tuple[ModelShape, dict]:
+    path = folder / "model.json"
+    if not path.exists():
+        raise ProfileError(f"{folder}: no model.json (it names the model and gives num_layers and tensor_parallel)")
+    try:
+        model = json.loads(path.read_text())
+    except ValueError as err:
+        raise ProfileError(f"{path}: not valid JSON ({err})") from None
+    if not isinstance(model, dict):
+        raise ProfileError(f"{path}: must be a JSON object")
+    for key in ("num_layers", "tensor_parallel"):
+        value = model.get(key)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ProfileError(f"{path}: {key} must be a whole number >= 1, got {value!r}")
+    shape_columns = ("n_head", "n_kv_head", "n_embd", "num_tokens", "num_tensor_parallel_workers")
+    mlp = _read_csv(folder / "mlp.csv", shape_columns, counts=shape_columns)
+    for column in ("n_head", "n_kv_head", "n_embd"):
+        if mlp[column].nunique() != 1:
+            raise ProfileError(f"{folder / 'mlp.csv'}: {column} takes several values; one model per folder")
+    shape = ModelShape(
+        str(model.get("name", folder.name)), model["num_layers"], int(mlp["n_embd"].iloc[0]),
+        int(mlp["n_head"].iloc[0]), int(mlp["n_kv_head"].iloc[0]), model["tensor_parallel"],
+    )
+    return shape, model
+
+
+def _read_csv(path: Path, columns: tuple[str, ...], counts: tuple[str, ...] = ()) -> pd.DataFrame:
+    """The file with ``columns`` present; ``counts`` checked as whole numbers >= 0."""
+    if not path.exists():
+        raise ProfileError(f"{path}: missing (a profile folder needs it)")
+    try:
+        frame = pd.read_csv(path, index_col=False)
+    except (ValueError, OSError, pd.errors.ParserError, UnicodeDecodeError) as err:
+        raise ProfileError(f"{path}: cannot be read as CSV ({err})") from None
+    missing = [c for c in columns if c not in frame.columns]
+    if missing:
+        raise ProfileError(f"{path}: missing column(s) {', '.join(missing)}")
+    if frame.empty:
+        raise ProfileError(f"{path}: no rows")
+    for column in counts:
+        _check_numbers(frame, column, path, kind="count")
+    return frame
+
+
+def _check_numbers(frame: pd.DataFrame, column: str, path: Path, kind: str, rows=None) -> None:
+    """Every value a finite number >= 0 (``kind`` "count": also whole); names the first bad line."""
+    values = pd.to_numeric(frame[column], errors="coerce").to_numpy(dtype=float)
+    index = np.arange(len(frame)) if rows is None else np.flatnonzero(rows)
+    bad = ~np.isfinite(values[index]) | (values[index] < 0)
+    if kind == "count":
+        bad |= values[index] != np.round(values[index])
+    if bad.any():
+        row = int(index[np.flatnonzero(bad)[0]])
+        what = "a whole number >= 0" if kind == "count" else "a time >= 0 ms"
+        raise ProfileError(f"{path}, line {row + 2}: {column}={frame[column].iloc[row]!r}; expected {what}")
+    frame[column] = values
+
+
+def _read_mlp(path: Path, shape: ModelShape) -> pd.DataFrame:
+    columns = tuple(median(op) for op in TOKEN_OPS)
+    frame = _read_csv(path, ("num_tokens", "num_tensor_parallel_workers") + columns, counts=("num_tokens", "num_tensor_parallel_workers"))
+    for column in columns:
+        _check_numbers(frame, column, path, kind="time")
+    mine = frame[frame["num_tensor_parallel_workers"] == shape.tensor_parallel]
+    if mine.empty:
+        have = sorted(int(v) for v in frame["num_tensor_parallel_workers"].unique())
+        raise ProfileError(f"{path}: no rows for tensor parallelism {shape.tensor_parallel} (model.json); profiled: {have}")
+    out = mine.groupby("num_tokens")[list(columns)].median().reset_index()
+    out["token_ops_ms"] = out[list(columns)].sum(axis=1)
+    return out[["num_tokens", "token_ops_ms"]]
+
+
+def _read_attention(path: Path, shape: ModelShape) -> tuple[pd.DataFrame, pd.DataFrame]:
+    keys = ("n_embd", "n_q_head", "n_kv_head", "num_tensor_parallel_workers", "batch_size", "prefill_chunk_size", "kv_cache_size", "is_prefill")
+    frame = _read_csv(path, keys + (median("attn_decode"), median("attn_prefill")), counts=keys[:-1])
+    for column, expected in (("n_embd", shape.n_embd), ("n_q_head", shape.n_q_heads), ("n_kv_head", shape.n_kv_heads),
+                             ("num_tensor_parallel_workers", shape.tensor_parallel)):
+        wrong = np.flatnonzero(frame[column].to_numpy() != expected)
+        if wrong.size:
+            raise ProfileError(f"{path}, line {int(wrong[0]) + 2}: {column}={frame[column].iloc[wrong[0]]:g} does not match the model "
+                               f"({shape.name}: {expected})")
+    is_prefill = frame["is_prefill"].astype(str).str.lower().map({"true": True, "false": False})
+    if is_prefill.isna().any():
+        row = int(np.flatnonzero(is_prefill.isna())[0])
+        raise ProfileError(f"{path}, line {row + 2}: is_prefill={frame['is_prefill'].iloc[row]!r}; expected True or False")
+    _check_numbers(frame, median("attn_decode"), path, "time", rows=~is_prefill.to_numpy())
+    _check_numbers(frame, median("attn_prefill"), path, "time", rows=is_prefill.to_numpy())
+    decode = frame[~is_prefill].groupby(["batch_size", "kv_cache_size"])[median("attn_decode")].median().rename("attn_ms").reset_index()
+    prefill = frame[is_prefill].groupby(["prefill_chunk_size", "kv_cache_size"])[median("attn_prefill")].median().rename("attn_ms").reset_index()
+    if decode.empty or prefill.empty:
+        raise ProfileError(f"{path}: needs both decode rows (is_prefill False) and prefill rows (is_prefill True)")
+    return decode, prefill
+
+
+def _derived_attention(source: str, folder: Path, shape: ModelShape) -> tuple[pd.DataFrame, pd.DataFrame, str]:
+    """Attention of another profiled shape, scaled to this one per GPU.
+
+    Decode attention reads the KV cache (memory-bound): time x (KV heads per GPU x head size).
+    Prefill attention is compute-bound: time x (query heads per GPU x head size).
+    """
+    source_folder = preset_folder(source) if source in PRESETS else (folder / source).resolve()
+    source_shape, _ = _read_model(source_folder)
+    decode, prefill = _read_attention(source_folder / "attention.csv", source_shape)
+
+    def per_gpu(heads: int, s: ModelShape) -> float:
+        return heads / s.tensor_parallel * s.head_dim
+
+    decode_factor = per_gpu(shape.n_kv_heads, shape) / per_gpu(source_shape.n_kv_heads, source_shape)
+    prefill_factor = per_gpu(shape.n_q_heads, shape) / per_gpu(source_shape.n_q_heads, source_shape)
+    decode = decode.assign(attn_ms=decode["attn_ms"] * decode_factor)
+    prefill = prefill.assign(attn_ms=prefill["attn_ms"] * prefill_factor)
+    note = (f"derived from {source_shape.name} TP{source_shape.tensor_parallel} (not measured for this model): "
+            f"decode x{decode_factor:g} (KV heads per GPU x head size), prefill x{prefill_factor:g} (query heads per GPU x head size)")
+    return decode, prefill, note
+
+
+def _read_all_reduce(path: Path, shape: ModelShape) -> pd.DataFrame:
+    frame = _read_csv(path, ("num_workers", "size", median("all_reduce")), counts=("num_workers", "size"))
+    _check_numbers(frame, median("all_reduce"), path, "time")
+    mine = frame[frame["num_workers"] == shape.tensor_parallel]
+    if mine.empty:
+        raise ProfileError(f"{path}: no rows for {shape.tensor_parallel} workers (the model's tensor parallelism)")
+    # An all-reduce of a layer's output moves every token's hidden state: 2 bytes x n_embd each.
+    out = mine.groupby("size")[median("all_reduce")].median().rename("all_reduce_ms").reset_index()
+    out["num_tokens"] = out["size"] / (shape.dtype_bytes * shape.n_embd)
+    return out[["num_tokens", "all_reduce_ms"]]
+
+
+def _read_cpu(path: Path) -> pd.DataFrame:
+    frame = _read_csv(path, ("batch_size",) + CPU_OPS, counts=("batch_size",))
+    for column in CPU_OPS:
+        _check_numbers(frame, column, path, "time")
+    frame["cpu_ms"] = frame[list(CPU_OPS)].sum(axis=1)
+    return frame.groupby("batch_size")["cpu_ms"].median().reset_index()

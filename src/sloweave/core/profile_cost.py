@@ -1,0 +1,318 @@
+"""Iteration cost from measured GPU operator profiles (no engine imports), in milliseconds.
+
+For an iteration with n decodes (together reading D KV tokens) and prefill pieces (chunk c_k
+on top of a prefix p_k already in the cache):
+
+    T = L x [ ops(N) + decode_attention(n, D / n) + sum_k prefill_attention(c_k, p_k) ] + cpu(n + pieces)
+
+with N = n + sum_k c_k tokens and L layers; ``ops`` is the per-layer sum of the token-parallel
+operators (norms, QKV and output projections, rope, gated MLP, residual add) plus, with tensor
+parallelism, two all-reduces of the layer's activations (each with a launch overhead); ``cpu``
+is the engine's per-iteration CPU work (schedule, prepare inputs, sampler, process outputs).
+Every table is the profiled medians, linearly interpolated between profiled points and made
+non-decreasing (a running maximum), so T is monotone in the chunk by construction, and the
+constructor checks it on a grid of contexts as well.
+
+Outside the profiled range (more tokens, longer contexts, larger batches than measured) each
+operator is extrapolated linearly from its profiled end, with a fitted slope (prefill attention
+by its fitted work, chunk x (prefix + chunk / 2) query-key pairs); every such query is counted
+per operator (``out_of_range``) and warned about once, so no result silently rests on it.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections import Counter
+from collections.abc import Sequence
+
+import numpy as np
+
+from sloweave.core.cost import check_monotone_in_chunk
+from sloweave.core.fit import ContextualCost, ProfileError, nnls
+from sloweave.core.operator_profiles import PRESETS, OperatorProfiles, load_profiles
+
+# Vidur's modelling constant for each all-reduce's launch (not measured).
+NCCL_LAUNCH_MS = 0.02
+DECODE_KV_STEP = 32  # the dense decode table's KV step (tokens per request)
+CHUNK_STEP = 16  # the dense prefill table's chunk step
+PREFIX_STEP = 32  # and its prefix step
+
+
+def isotonic(values: np.ndarray) -> np.ndarray:
+    """The closest non-decreasing sequence in least squares (pool adjacent violators).
+
+    Measured medians wobble (a 2 kB all-reduce can time slower than a 20 kB one); a running
+    maximum would keep every upward wobble, this averages it out.
+    """
+    blocks: list[list[float]] = []  # [mean, weight]
+    for v in np.asarray(values, dtype=float):
+        blocks.append([v, 1.0])
+        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
+            (m2, w2), (m1, w1) = blocks.pop(), blocks.pop()
+            blocks.append([(m1 * w1 + m2 * w2) / (w1 + w2), w1 + w2])
+    return np.concatenate([np.full(int(w), m) for m, w in blocks])
+
+
+def _dense(grid: np.ndarray, values: np.ndarray, upto: int, step: int = 1) -> np.ndarray:
+    """Values on 0, step, 2 step, ... upto: made non-decreasing over the grid, interpolated between
+    profiled points, constant before the first one."""
+    order = np.argsort(grid)
+    points = np.arange(0, upto + 1, step, dtype=float)
+    return np.interp(points, grid[order], isotonic(values[order]))
+
+
+def _end_slope(x: np.ndarray, y: np.ndarray) -> float:
+    """Least-squares slope over the last quarter of the profiled range, >= 0 (for extrapolation)."""
+    tail = x >= x.min() + 0.75 * (x.max() - x.min())
+    if tail.sum() < 2:
+        tail = np.ones_like(x, dtype=bool)
+    if np.ptp(x[tail]) == 0:
+        return 0.0
+    return max(0.0, float(np.polyfit(x[tail], y[tail], 1)[0]))  # plain float: the hot path adds it
+
+
+class ProfileCost(ContextualCost):
+    """T(n, c) of a profiled GPU configuration, with the KV context set before each decision."""
+
+    def __init__(self, profiles: OperatorProfiles, cpu_overhead: bool = True, nccl_launch_ms: float = NCCL_LAUNCH_MS) -> None:
+        self.profiles = profiles
+        self.shape = profiles.shape
+        self.layers = profiles.shape.num_layers
+        self.cpu_overhead = cpu_overhead and profiles.cpu is not None
+        self.out_of_range: Counter = Counter()
+        self._build_token_ops(nccl_launch_ms)
+        self._build_decode()
+        self._build_prefill()
+        self._build_cpu()
+        self._decode_key = None
+        self._decode_ms = 0.0
+        self._check_monotone()
+
+    def _check_monotone(self) -> None:
+        """Monotone in the chunk by construction; checked anyway, in and beyond the profiled range."""
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            for kv, prefix in ((0, 0), (200_000, 1000), (2_000_000, 10_000), (0, 100_000)):
+                self.set_context(kv, prefix)
+                try:
+                    check_monotone_in_chunk(self, 8192, decode_counts=(0, 1, 8, 64, 256))
+                except ValueError as err:
+                    raise ProfileError(f"{self.profiles.where}: {err}") from None
+        self.set_context(0, 0)
+        self.out_of_range.clear()
+        self._decode_key = None
+
+    # ---- tables ---------------------------------------------------------------------------
+
+    def _build_token_ops(self, nccl_launch_ms: float) -> None:
+        mlp = self.profiles.mlp
+        grid, values = mlp["num_tokens"].to_numpy(float), mlp["token_ops_ms"].to_numpy(float)
+        self.tokens_max = int(grid.max())
+        per_layer = _dense(grid, values, self.tokens_max)
+        slope = _end_slope(grid, values)
+        reduce = self.profiles.all_reduce
+        if reduce is not None:
+            r_grid, r_values = reduce["num_tokens"].to_numpy(float), reduce["all_reduce_ms"].to_numpy(float)
+            if r_grid.max() < self.tokens_max:
+                raise ProfileError(f"{self.profiles.where}: all_reduce.csv stops at {r_grid.max():.0f} tokens, mlp.csv goes to {self.tokens_max}")
+            # Two all-reduces per layer (after attention and after the MLP), as Megatron-style TP does.
+            per_layer += 2 * (_dense(r_grid, r_values, self.tokens_max) + nccl_launch_ms)
+            slope += 2 * _end_slope(r_grid, r_values)
+        per_layer[0] = 0.0  # no tokens, no work
+        self._tokens = per_layer.tolist()
+        self._tokens_slope = slope
+
+    def _build_decode(self) -> None:
+        decode = self.profiles.decode
+        table = decode.pivot_table(index="batch_size", columns="kv_cache_size", values="attn_ms")
+        kv_grid = table.columns.to_numpy(float)
+        self.decode_kv_max = int(kv_grid.max())
+        rows = []
+        for _, row in table.iterrows():
+            ok = row.notna().to_numpy()
+            rows.append(_dense(kv_grid[ok], row.to_numpy(float)[ok], self.decode_kv_max, DECODE_KV_STEP))
+        batch_grid = table.index.to_numpy(float)
+        self.decode_batch_max = int(batch_grid.max())
+        matrix = np.array(rows)
+        # one row per whole batch size 1..max, interpolated across the profiled batch sizes
+        dense = np.array([[np.interp(b, batch_grid, matrix[:, k]) for k in range(matrix.shape[1])] for b in range(1, self.decode_batch_max + 1)])
+        dense = np.array([isotonic(column) for column in dense.T]).T  # more requests never read faster
+        kv_points = np.arange(0, self.decode_kv_max + 1, DECODE_KV_STEP, dtype=float)
+        self._decode_kv_slope = [0.0] + [_end_slope(kv_points, r) for r in dense]
+        self._decode_rows = [None] + [[float(v) for v in r] for r in dense]
+
+    def _build_prefill(self) -> None:
+        prefill = self.profiles.prefill
+        c, p, t = (prefill[k].to_numpy(float) for k in ("prefill_chunk_size", "kv_cache_size", "attn_ms"))
+        # t = a + b c + g c (p + c / 2): a fitted slope for extrapolating past the profiled triangle
+        _, b, g = nnls(np.column_stack([np.ones_like(c), c, c * (p + c / 2)]), t)
+        self._prefill_b, self._prefill_g = float(b), float(g)
+        self.chunk_max = int(c.max())
+        self.prefix_max = int(p.max())
+        rows = []
+        for prefix in np.arange(0, self.prefix_max + 1, PREFIX_STEP, dtype=float):
+            rows.append(self._prefill_row(prefill, prefix))
+        self._prefill_rows = [r.tolist() for r in rows]
+
+    def _prefill_row(self, prefill, prefix: float) -> np.ndarray:
+        """Attention over chunks 0..chunk_max at one prefix: the profiled points (interpolated between
+        the two nearest profiled prefixes), continued by the fitted slope where the profile stops."""
+        prefixes = np.sort(prefill["kv_cache_size"].unique().astype(float))
+        lower = prefixes[prefixes <= prefix].max()
+        upper = prefixes[prefixes >= prefix].min() if (prefixes >= prefix).any() else lower
+        chunks = np.arange(0, self.chunk_max + 1, CHUNK_STEP, dtype=float)
+        values = []
+        for q in {lower, upper}:
+            mine = prefill[prefill["kv_cache_size"] == q].sort_values("prefill_chunk_size")
+            grid = np.concatenate([[0.0], mine["prefill_chunk_size"].to_numpy(float)])
+            times = np.concatenate([[0.0], mine["attn_ms"].to_numpy(float)])
+            row = np.interp(chunks, grid, isotonic(times))
+            beyond = chunks > grid.max()
+            row[beyond] = times[-1] + self._prefill_b * (chunks[beyond] - grid.max()) + self._prefill_g * (
+                self._pairs(chunks[beyond], q) - self._pairs(grid.max(), q)
+            )
+            values.append(row)
+        if len(values) == 1 or upper == lower:
+            return values[0]
+        w = (prefix - lower) / (upper - lower)
+        return (1 - w) * values[0] + w * values[1]
+
+    @staticmethod
+    def _pairs(chunk, prefix):
+        return chunk * (prefix + chunk / 2)
+
+    def _build_cpu(self) -> None:
+        cpu = self.profiles.cpu
+        if not self.cpu_overhead:
+            self._cpu = [0.0]
+            self._cpu_slope = 0.0
+            return
+        grid, values = cpu["batch_size"].to_numpy(float), cpu["cpu_ms"].to_numpy(float)
+        self._cpu = _dense(grid, values, int(grid.max())).tolist()
+        self._cpu[0] = 0.0
+        self._cpu_slope = _end_slope(grid, values)
+
+    # ---- queries --------------------------------------------------------------------------
+
+    def set_context(self, decode_kv_tokens: int, prefill_prefix_tokens: int) -> None:
+        self.decode_kv_tokens = int(decode_kv_tokens)
+        self.prefill_prefix_tokens = prefix = int(prefill_prefix_tokens)
+        if prefix >= self.prefix_max:
+            self._row_a = self._row_b = len(self._prefill_rows) - 1
+            self._row_w = 0.0
+        else:
+            j, self._row_w = divmod(prefix / PREFIX_STEP, 1.0)
+            self._row_a = int(j)
+            self._row_b = min(self._row_a + 1, len(self._prefill_rows) - 1)
+
+    def __call__(self, n_decodes: int, chunk_tokens: int) -> float:
+        per_layer = self._token_ops(n_decodes + chunk_tokens)
+        if n_decodes:
+            per_layer += self._decode(n_decodes, self.decode_kv_tokens)
+        if chunk_tokens:
+            per_layer += self._prefill(chunk_tokens, self.prefill_prefix_tokens)
+        return self.layers * per_layer + self._cpu_ms(n_decodes + (chunk_tokens > 0))
+
+    def predict(self, n_decodes: int, chunk_tokens: int, decode_kv_tokens: int, prefill_prefix_tokens: int) -> float:
+        saved = self.decode_kv_tokens, self.prefill_prefix_tokens
+        self.set_context(decode_kv_tokens, prefill_prefix_tokens)
+        try:
+            return self(n_decodes, chunk_tokens)
+        finally:
+            self.set_context(*saved)
+
+    def predict_pieces(self, n_decodes: int, decode_kv_tokens: int, pieces: Sequence[tuple[int, int]]) -> float:
+        """T for decodes plus several prefill pieces, each (chunk tokens, prefix tokens)."""
+        chunk = sum(c for c, _ in pieces)
+        per_layer = self._token_ops(n_decodes + chunk)
+        if n_decodes:
+            per_layer += self._decode(n_decodes, decode_kv_tokens)
+        saved = self.decode_kv_tokens, self.prefill_prefix_tokens
+        for c, prefix in pieces:
+            self.set_context(decode_kv_tokens, prefix)
+            per_layer += self._prefill(c, prefix)
+        self.set_context(*saved)
+        return self.layers * per_layer + self._cpu_ms(n_decodes + len(pieces))
+
+    def _token_ops(self, tokens: int) -> float:
+        if tokens <= self.tokens_max:
+            return self._tokens[tokens]
+        self._beyond("tokens", f"{tokens} tokens in one iteration > {self.tokens_max} profiled")
+        return self._tokens[-1] + self._tokens_slope * (tokens - self.tokens_max)
+
+    def _decode(self, n: int, decode_kv_tokens: int) -> float:
+        key = (n, decode_kv_tokens)
+        if key == self._decode_key:
+            return self._decode_ms
+        batch = min(n, self.decode_batch_max)
+        kv = decode_kv_tokens / n
+        row, slope = self._decode_rows[batch], self._decode_kv_slope[batch]
+        if kv <= self.decode_kv_max:
+            i, w = divmod(kv / DECODE_KV_STEP, 1.0)
+            i = int(i)
+            value = row[i] if w == 0.0 else row[i] + w * (row[i + 1] - row[i])
+        else:
+            self._beyond("decode_kv", f"{kv:.0f} KV tokens per decode > {self.decode_kv_max} profiled")
+            value = row[-1] + slope * (kv - self.decode_kv_max)
+        if n > self.decode_batch_max:
+            self._beyond("decode_batch", f"{n} decodes > {self.decode_batch_max} profiled")
+            value *= n / self.decode_batch_max  # memory-bound: linear in the KV read
+        self._decode_key, self._decode_ms = key, value
+        return value
+
+    def _prefill(self, chunk: int, prefix: int) -> float:
+        if chunk > self.chunk_max:
+            self._beyond("prefill_chunk", f"a {chunk}-token chunk > {self.chunk_max} profiled")
+            base = self._prefill(self.chunk_max, prefix)
+            return base + self._prefill_b * (chunk - self.chunk_max) + self._prefill_g * (
+                self._pairs(chunk, prefix) - self._pairs(self.chunk_max, prefix)
+            )
+        k, u = divmod(chunk / CHUNK_STEP, 1.0)
+        k = int(k)
+        a, b = self._prefill_rows[self._row_a], self._prefill_rows[self._row_b]
+        at_a = a[k] if u == 0.0 else a[k] + u * (a[k + 1] - a[k])
+        at_b = b[k] if u == 0.0 else b[k] + u * (b[k + 1] - b[k])
+        value = at_a + self._row_w * (at_b - at_a)
+        if prefix > self.prefix_max:
+            self._beyond("prefill_prefix", f"a {prefix}-token prefix > {self.prefix_max} profiled")
+            value += self._prefill_g * chunk * (prefix - self.prefix_max)
+        return value
+
+    def _cpu_ms(self, batch: int) -> float:
+        if batch < len(self._cpu):
+            return self._cpu[batch] if batch else 0.0
+        return self._cpu[-1] + self._cpu_slope * (batch - len(self._cpu) + 1)
+
+    def _beyond(self, what: str, detail: str) -> None:
+        if not self.out_of_range[what]:
+            warnings.warn(f"{self.profiles.where}: {detail}: extrapolated linearly (counted in out_of_range)", stacklevel=3)
+        self.out_of_range[what] += 1
+
+    # ---- what outputs say about the model ---------------------------------------------------
+
+    def describe(self) -> dict:
+        """The settings a result file records: which profiles, what was derived or extrapolated."""
+        shape = self.shape
+        return {
+            "cost_model": "operator-profile",
+            "profiles": self.profiles.where,
+            "model": shape.name,
+            "num_layers": shape.num_layers,
+            "tensor_parallel": shape.tensor_parallel,
+            "attention": self.profiles.attention_note,
+            "cpu_overhead": self.cpu_overhead,
+            "kv_bytes_per_token": shape.kv_bytes_per_token,
+            "profiled_range": {"tokens": self.tokens_max, "decode_batch": self.decode_batch_max, "decode_kv_per_request": self.decode_kv_max,
+                               "prefill_chunk": self.chunk_max, "prefill_prefix": self.prefix_max},
+            "out_of_range_queries": dict(self.out_of_range),
+            "notes": list(self.profiles.notes),
+            "units": "milliseconds per iteration",
+        }
+
+
+def profile_cost(spec: str, cpu_overhead: bool = True) -> ProfileCost:
+    """The cost model of a preset (see ``PRESETS``) or a profile folder."""
+    return ProfileCost(load_profiles(spec), cpu_overhead=cpu_overhead)
+
+
+__all__ = ["PRESETS", "ProfileCost", "profile_cost"]
