@@ -3,7 +3,9 @@
 For 16, 64 and 256 active requests: one request emits a token (heap update), then the
 policy reads the budget and searches the chunk, with each cost model kind: the analytic
 model, and the lookup table and regression fitted (``sloweave.core.fit``) from a profile of
-that analytic model with KV-context terms. Baselines measured in the same run: the same
+that analytic model with KV-context terms, and the operator-profile models of the two A100
+presets (``sloweave.core.profile_cost``; each decodes at a budget 50 ms above its
+decode-only step, so the search runs). Baselines measured in the same run: the same
 step with a linear scan over every chunk size (what the binary search replaces) and a
 fixed-chunk decision (what engines do today). Prints medians and P99 over several
 repetitions. What one vLLM ``schedule()`` costs for the same number of running requests is
@@ -23,6 +25,7 @@ from sloweave.core.cost import AnalyticCost
 from sloweave.core.deadlines import DeadlineTracker
 from sloweave.core.fit import fit_profile
 from sloweave.core.policy import FixedChunk, SLOWeave
+from sloweave.core.profile_cost import profile_cost
 
 DECISIONS = 2000
 REPEATS = 5
@@ -36,8 +39,8 @@ def linear_scan(cost, n, waiting, budget, max_chunk):
     return best
 
 
-def time_decisions(active: int, decide) -> np.ndarray:
-    tracker = DeadlineTracker(25.0)
+def time_decisions(active: int, decide, tpot_ms: float = 25.0) -> np.ndarray:
+    tracker = DeadlineTracker(tpot_ms)
     for i in range(active):
         tracker.add(i, last_token_ms=float(i) * 0.01)
     samples = np.empty(DECISIONS)
@@ -79,16 +82,23 @@ def main() -> None:
     kinds = {f"sloweave, {name}": SLOWeave(cost=cost).decide for name, cost in costs.items()}
     kinds["linear scan, analytic"] = lambda n, w, b: linear_scan(analytic, n, w, b, 4096)
     kinds["fixed-1024"] = FixedChunk(1024).decide
+    profiles = {f"sloweave, {p}": profile_cost(p) for p in ("llama2-70b-tp2-a100", "llama3-8b-tp1-a100")}
+    kinds.update({name: SLOWeave(cost=cost).decide for name, cost in profiles.items()})
     base = "sloweave, analytic"
-    print(f"{'active':>6} {'decision':<24} {'median_us':>10} {'p99_us':>9} {'vs analytic':>12}")
+    print(f"{'active':>6} {'decision':<32} {'median_us':>10} {'p99_us':>9} {'vs analytic':>12}")
     for active in (16, 64, 256):
         medians = {}
         for name, decide in kinds.items():
-            reps = [time_decisions(active, decide) for _ in range(REPEATS if "linear" not in name else 1)]
+            tpot = 25.0
+            if name in profiles:
+                cost = profiles[name]
+                cost.set_context(decode_kv_tokens=active * 1025, prefill_prefix_tokens=0)
+                tpot = cost(active, 0) + 50.0
+            reps = [time_decisions(active, decide, tpot) for _ in range(REPEATS if "linear" not in name else 1)]
             medians[name] = statistics.median(float(np.median(r)) for r in reps)
             p99 = statistics.median(float(np.percentile(r, 99)) for r in reps)
             ratio = medians[name] / medians[base]
-            print(f"{active:>6} {name:<24} {medians[name]:>10.2f} {p99:>9.2f} {ratio:>11.2f}x", flush=True)
+            print(f"{active:>6} {name:<32} {medians[name]:>10.2f} {p99:>9.2f} {ratio:>11.2f}x", flush=True)
 
 
 if __name__ == "__main__":

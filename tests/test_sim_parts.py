@@ -323,3 +323,64 @@ def test_results_are_bit_for_bit_those_of_the_simulator_before_it_was_split():
     got = cases.all_digests()
     assert got.keys() == expected.keys()
     assert [k for k in expected if got[k] != expected[k]] == []
+
+
+class ContextSpy(ContextAnalyticCost):
+    """A context-aware cost that checks, at every decision, the context the engine hands it
+    against a brute-force walk of the running requests and the queue."""
+
+    engine = None
+    checks = 0
+
+    def set_context(self, decode_kv_tokens, prefill_prefix_tokens):
+        engine = self.engine
+        if engine is not None:
+            r, it = engine.requests, engine.iteration
+            walked = sum(r.prefill_total[q] + it - r.segment_first[q] for q in engine.batch.running)
+            assert decode_kv_tokens == walked, (it, decode_kv_tokens, walked)
+            waiting = engine.queue.waiting
+            if prefill_prefix_tokens:
+                assert prefill_prefix_tokens == r.prefill_total[waiting[0]] - r.remaining_prompt[waiting[0]]
+            ContextSpy.checks += 1
+        super().set_context(decode_kv_tokens, prefill_prefix_tokens)
+
+
+@pytest.mark.parametrize("policy_name", ["sloweave", "sloweave-multi", "sarathi-512", "fixed-256"])
+def test_the_context_handed_to_the_cost_is_what_a_walk_of_the_running_requests_gives(policy_name):
+    wl = WORKLOADS["long"].generate(80, seed=5)
+    spy = ContextSpy()
+    engine = build_engine(wl, make_policy(policy_name, cost=spy), 25.0, actual_cost=spy, kv_capacity_tokens=25_000, max_batch_size=12)
+    spy.engine = engine
+    ContextSpy.checks = 0
+    result = engine.run()
+    assert ContextSpy.checks >= result.num_iterations and result.preemptions > 0  # preemptions exercised too
+
+
+def test_a_chunk_spread_over_prompts_is_priced_piece_by_piece_for_the_decision_and_the_clock():
+    """The prompts on offer reach a piece-aware cost before each decision; with it as the
+    actual cost too, SLOWeave-multi's iterations never overrun the budget it planned."""
+    import warnings
+
+    from sloweave.core.profile_cost import profile_cost
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        cost = profile_cost(str(Path(__file__).parent / "fixtures" / "profiles" / "tiny"))
+        offers, contexts = [], []
+        set_offer, set_context = cost.set_offer, cost.set_context
+        cost.set_offer = lambda offered: (offers.append(list(offered)), set_offer(offered))
+        cost.set_context = lambda kv, prefix: (contexts.append((kv, prefix)), set_context(kv, prefix))
+        wl = WORKLOADS["chat"].generate(200, seed=1, rate_scale=4.0)
+        result = simulate(wl, make_policy("sloweave-multi", cost=cost), 6.0, actual_cost=cost)
+    several = np.bincount(result.prefill_iter, minlength=result.num_iterations) > 1
+    assert several.any() and len(offers) == result.num_iterations
+    assert all(prefix == 0 for offer in offers for _, prefix in offer[1:])  # only the head can be part-done
+    took = result.iter_end_ms - result.iter_start_ms
+    decided = np.isfinite(result.iter_budget_ms) & ~result.iter_infeasible
+    assert np.all(took[decided] <= result.iter_budget_ms[decided] + 1e-9)
+    # the clock priced the pieces: an iteration with several prompts costs what predict_pieces says
+    for k in np.flatnonzero(several)[:20]:
+        kv, head_prefix = contexts[k]
+        pieces = [(int(t), 0) for t in result.prefill_tokens[result.prefill_iter == k]]
+        pieces[0] = (pieces[0][0], head_prefix)
+        assert took[k] == pytest.approx(cost.predict_pieces(int(result.iter_decodes[k]), kv, pieces), rel=1e-9)

@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from sloweave.core.fit import ProfileError
+from sloweave.core.fit import ProfileError, _show
 
 # Per-layer token-parallel operators that make up a decoder layer besides attention (Vidur's set:
 # the embedding and the LM head run once per iteration and are not profiled per layer).
@@ -168,7 +168,7 @@ def _check_numbers(frame: pd.DataFrame, column: str, path: Path, kind: str, rows
     if bad.any():
         row = int(index[np.flatnonzero(bad)[0]])
         what = "a whole number >= 0" if kind == "count" else "a time >= 0 ms"
-        raise ProfileError(f"{path}, line {row + 2}: {column}={frame[column].iloc[row]!r}; expected {what}")
+        raise ProfileError(f"{path}, line {row + 2}: {column}={_show(frame[column].iloc[row])}; expected {what}")
     frame[column] = values
 
 

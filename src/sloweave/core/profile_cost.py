@@ -61,6 +61,10 @@ def _dense(grid: np.ndarray, values: np.ndarray, upto: int, step: int = 1) -> np
     return np.interp(points, grid[order], isotonic(values[order]))
 
 
+def _round_up(value: int, step: int) -> int:
+    return -(-value // step) * step
+
+
 def _end_slope(x: np.ndarray, y: np.ndarray) -> float:
     """Least-squares slope over the last quarter of the profiled range, >= 0 (for extrapolation)."""
     tail = x >= x.min() + 0.75 * (x.max() - x.min())
@@ -86,6 +90,7 @@ class ProfileCost(ContextualCost):
         self._build_cpu()
         self._decode_key = None
         self._decode_ms = 0.0
+        self._offer: list[tuple[int, int]] | None = None
         self._check_monotone()
 
     def _check_monotone(self) -> None:
@@ -130,14 +135,14 @@ class ProfileCost(ContextualCost):
         rows = []
         for _, row in table.iterrows():
             ok = row.notna().to_numpy()
-            rows.append(_dense(kv_grid[ok], row.to_numpy(float)[ok], self.decode_kv_max, DECODE_KV_STEP))
+            rows.append(_dense(kv_grid[ok], row.to_numpy(float)[ok], _round_up(self.decode_kv_max, DECODE_KV_STEP), DECODE_KV_STEP))
         batch_grid = table.index.to_numpy(float)
         self.decode_batch_max = int(batch_grid.max())
         matrix = np.array(rows)
         # one row per whole batch size 1..max, interpolated across the profiled batch sizes
         dense = np.array([[np.interp(b, batch_grid, matrix[:, k]) for k in range(matrix.shape[1])] for b in range(1, self.decode_batch_max + 1)])
         dense = np.array([isotonic(column) for column in dense.T]).T  # more requests never read faster
-        kv_points = np.arange(0, self.decode_kv_max + 1, DECODE_KV_STEP, dtype=float)
+        kv_points = np.arange(0, _round_up(self.decode_kv_max, DECODE_KV_STEP) + 1, DECODE_KV_STEP, dtype=float)
         self._decode_kv_slope = [0.0] + [_end_slope(kv_points, r) for r in dense]
         self._decode_rows = [None] + [[float(v) for v in r] for r in dense]
 
@@ -149,20 +154,23 @@ class ProfileCost(ContextualCost):
         self._prefill_b, self._prefill_g = float(b), float(g)
         self.chunk_max = int(c.max())
         self.prefix_max = int(p.max())
-        rows = []
-        for prefix in np.arange(0, self.prefix_max + 1, PREFIX_STEP, dtype=float):
-            rows.append(self._prefill_row(prefill, prefix))
+        rows, self._prefill_row_end = [], []
+        for prefix in np.arange(0, _round_up(self.prefix_max, PREFIX_STEP) + 1, PREFIX_STEP, dtype=float):
+            row, end = self._prefill_row(prefill, prefix)
+            rows.append(row)
+            self._prefill_row_end.append(end)
         self._prefill_rows = [r.tolist() for r in rows]
 
-    def _prefill_row(self, prefill, prefix: float) -> np.ndarray:
+    def _prefill_row(self, prefill, prefix: float) -> tuple[np.ndarray, float]:
         """Attention over chunks 0..chunk_max at one prefix: the profiled points (interpolated between
-        the two nearest profiled prefixes), continued by the fitted slope where the profile stops."""
+        the two nearest profiled prefixes), continued by the fitted slope where the profile stops;
+        and the largest chunk profiled there."""
         prefixes = np.sort(prefill["kv_cache_size"].unique().astype(float))
         lower = prefixes[prefixes <= prefix].max()
         upper = prefixes[prefixes >= prefix].min() if (prefixes >= prefix).any() else lower
-        chunks = np.arange(0, self.chunk_max + 1, CHUNK_STEP, dtype=float)
-        values = []
-        for q in {lower, upper}:
+        chunks = np.arange(0, _round_up(self.chunk_max, CHUNK_STEP) + 1, CHUNK_STEP, dtype=float)
+        values, ends = [], []
+        for q in sorted({lower, upper}):
             mine = prefill[prefill["kv_cache_size"] == q].sort_values("prefill_chunk_size")
             grid = np.concatenate([[0.0], mine["prefill_chunk_size"].to_numpy(float)])
             times = np.concatenate([[0.0], mine["attn_ms"].to_numpy(float)])
@@ -172,10 +180,11 @@ class ProfileCost(ContextualCost):
                 self._pairs(chunks[beyond], q) - self._pairs(grid.max(), q)
             )
             values.append(row)
-        if len(values) == 1 or upper == lower:
-            return values[0]
+            ends.append(float(grid.max()))
+        if len(values) == 1:
+            return values[0], ends[0]
         w = (prefix - lower) / (upper - lower)
-        return (1 - w) * values[0] + w * values[1]
+        return (1 - w) * values[0] + w * values[1], min(ends)
 
     @staticmethod
     def _pairs(chunk, prefix):
@@ -196,7 +205,10 @@ class ProfileCost(ContextualCost):
 
     def set_context(self, decode_kv_tokens: int, prefill_prefix_tokens: int) -> None:
         self.decode_kv_tokens = int(decode_kv_tokens)
-        self.prefill_prefix_tokens = prefix = int(prefill_prefix_tokens)
+        self._set_prefix(int(prefill_prefix_tokens))
+
+    def _set_prefix(self, prefix: int) -> None:
+        self.prefill_prefix_tokens = prefix
         if prefix >= self.prefix_max:
             self._row_a = self._row_b = len(self._prefill_rows) - 1
             self._row_w = 0.0
@@ -205,21 +217,62 @@ class ProfileCost(ContextualCost):
             self._row_a = int(j)
             self._row_b = min(self._row_a + 1, len(self._prefill_rows) - 1)
 
+    def set_offer(self, offered: list[tuple[int, int]] | None) -> None:
+        """The prompts a chunk is taken from, FCFS: (remaining tokens, prefix) each, the first being
+        the one ``set_context``'s prefix belongs to. A chunk longer than the first is priced piece by
+        piece (each its own attention and a request of the batch). None: one piece."""
+        self._offer = offered
+
     def __call__(self, n_decodes: int, chunk_tokens: int) -> float:
         per_layer = self._token_ops(n_decodes + chunk_tokens)
         if n_decodes:
             per_layer += self._decode(n_decodes, self.decode_kv_tokens)
+        pieces = 0
         if chunk_tokens:
-            per_layer += self._prefill(chunk_tokens, self.prefill_prefix_tokens)
-        return self.layers * per_layer + self._cpu_ms(n_decodes + (chunk_tokens > 0))
+            offer = self._offer
+            if not offer or chunk_tokens <= offer[0][0] or len(offer) == 1:
+                per_layer += self._prefill(chunk_tokens, self.prefill_prefix_tokens)
+                pieces = 1
+            else:
+                attention, pieces = self._spread(chunk_tokens, offer)
+                per_layer += attention
+        return self.layers * per_layer + self._cpu_ms(n_decodes + pieces)
+
+    def _spread(self, chunk_tokens: int, offer: list[tuple[int, int]]) -> tuple[float, int]:
+        """Attention of a chunk spread FCFS over the prompts on offer, and how many it touches."""
+        first = offer[0][0]
+        attention, left, pieces = self._prefill(first, self.prefill_prefix_tokens), chunk_tokens - first, 1
+        for remaining, prefix in offer[1:]:
+            if left <= 0:
+                break
+            take = min(left, remaining)
+            attention += self._prefill_at(take, prefix)
+            left -= take
+            pieces += 1
+        if left > 0:  # more than the offer holds: the rest as one more piece on an empty prefix
+            attention += self._prefill_at(left, 0)
+            pieces += 1
+        return attention, pieces
+
+    def _prefill_at(self, chunk: int, prefix: int) -> float:
+        """Prefill attention at another prefix than the context's (the head's)."""
+        saved = self._row_a, self._row_b, self._row_w, self.prefill_prefix_tokens
+        self._set_prefix(prefix)
+        try:
+            return self._prefill(chunk, prefix)
+        finally:
+            self._row_a, self._row_b, self._row_w, self.prefill_prefix_tokens = saved
 
     def predict(self, n_decodes: int, chunk_tokens: int, decode_kv_tokens: int, prefill_prefix_tokens: int) -> float:
-        saved = self.decode_kv_tokens, self.prefill_prefix_tokens
+        """T with an explicit context, the chunk as one piece (the ``ContextualCost`` interface)."""
+        saved = self.decode_kv_tokens, self.prefill_prefix_tokens, self._offer
         self.set_context(decode_kv_tokens, prefill_prefix_tokens)
+        self._offer = None
         try:
             return self(n_decodes, chunk_tokens)
         finally:
-            self.set_context(*saved)
+            self.set_context(*saved[:2])
+            self._offer = saved[2]
 
     def predict_pieces(self, n_decodes: int, decode_kv_tokens: int, pieces: Sequence[tuple[int, int]]) -> float:
         """T for decodes plus several prefill pieces, each (chunk tokens, prefix tokens)."""
@@ -227,11 +280,8 @@ class ProfileCost(ContextualCost):
         per_layer = self._token_ops(n_decodes + chunk)
         if n_decodes:
             per_layer += self._decode(n_decodes, decode_kv_tokens)
-        saved = self.decode_kv_tokens, self.prefill_prefix_tokens
         for c, prefix in pieces:
-            self.set_context(decode_kv_tokens, prefix)
-            per_layer += self._prefill(c, prefix)
-        self.set_context(*saved)
+            per_layer += self._prefill_at(c, prefix)
         return self.layers * per_layer + self._cpu_ms(n_decodes + len(pieces))
 
     def _token_ops(self, tokens: int) -> float:
@@ -267,6 +317,8 @@ class ProfileCost(ContextualCost):
             return base + self._prefill_b * (chunk - self.chunk_max) + self._prefill_g * (
                 self._pairs(chunk, prefix) - self._pairs(self.chunk_max, prefix)
             )
+        if chunk > self._prefill_row_end[self._row_b]:
+            self._beyond("prefill_chunk_at_prefix", f"a {chunk}-token chunk on a {prefix}-token prefix, past the profiled chunk + prefix")
         k, u = divmod(chunk / CHUNK_STEP, 1.0)
         k = int(k)
         a, b = self._prefill_rows[self._row_a], self._prefill_rows[self._row_b]

@@ -4,7 +4,10 @@
   prediction); ``NoisyCost`` gives predicted x seeded noise;
 - the context: a cost with ``set_context(decode_kv_tokens, prefill_prefix_tokens)`` (the
   policy's, the actual one, or the one a noisy cost wraps) gets the KV the decodes read and
-  the head prompt's prefix before every decision;
+  the head prompt's prefix before every decision; a cost with ``set_offer`` also gets the
+  prompts the chunk would be taken from, FCFS, as (remaining tokens, prefix), so a chunk
+  spread over several prompts is priced piece by piece (each on its own prefix, each a
+  request of the batch), the same way for the decision and for the iteration's time;
 - online correction (optional): with an ``OnlineCalibrator`` and a policy whose cost is a
   ``CalibratedCost``, every iteration's actual time is folded into the calibrator against
   the base model's prediction, as the CPU runtime does with measured step times.
@@ -28,6 +31,9 @@ class IterationClock:
             if getattr(model, "set_context", None) is not None and not any(model is seen for seen in self._context_models):
                 self._context_models.append(model)
         self.reads_context = bool(self._context_models)
+        # Costs that price the prefill piece by piece get the prompts on offer (``set_offer``).
+        self._offer_models = [m for m in self._context_models if getattr(m, "set_offer", None) is not None]
+        self.reads_offer = bool(self._offer_models)
         self._decode_kv = self._prefix = 0
         if correction is None:
             self.iteration_ms = duration  # nothing to learn: the cost itself (one call less per iteration)
@@ -36,6 +42,10 @@ class IterationClock:
         self._decode_kv, self._prefix = decode_kv_tokens, prefill_prefix_tokens
         for model in self._context_models:
             model.set_context(decode_kv_tokens, prefill_prefix_tokens)
+
+    def set_offer(self, offered: list[tuple[int, int]]) -> None:
+        for model in self._offer_models:
+            model.set_offer(offered)
 
     def iteration_ms(self, n_decodes: int, chunk_tokens: int) -> float:
         """The time the iteration really takes (and, with correction, what it teaches)."""

@@ -101,6 +101,8 @@ class Engine:
         waiting_tokens = self._prompt_tokens(n) if waiting else 0
         if self.clock.reads_context:
             self.clock.set_context(self.kv.decode_kv, self.queue.head_prefix_tokens() if waiting_tokens else 0)
+            if self.clock.reads_offer:
+                self.clock.set_offer(self.queue.offer(waiting_tokens))
         chunk, infeasible = self.decide(n, waiting_tokens, budget_ms)
         if chunk < 0 or chunk > waiting_tokens:
             raise RuntimeError(f"policy {self.policy.name} chose chunk {chunk} with {waiting_tokens} prompt tokens waiting")

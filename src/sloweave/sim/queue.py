@@ -52,6 +52,18 @@ class PrefillQueue:
         head = self.waiting[0]
         return self.requests.prefill_total[head] - self.requests.remaining_prompt[head]
 
+    def offer(self, prompt_tokens: int) -> list[tuple[int, int]]:
+        """The prompts ``prompt_tokens`` (what the packing offers) come from, FCFS:
+        (remaining tokens, prefix already in the KV cache) each. O(prompts on offer)."""
+        r, out, left = self.requests, [], prompt_tokens
+        for request in self.waiting:
+            if left <= 0:
+                break
+            remaining = r.remaining_prompt[request]
+            out.append((remaining, r.prefill_total[request] - remaining))
+            left -= remaining
+        return out
+
     def take(self, chunk_tokens: int, engine) -> None:
         """Prefill ``chunk_tokens`` from the head onwards in iteration ``engine.iteration``.
 

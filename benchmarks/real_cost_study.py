@@ -1,0 +1,151 @@
+"""The capacity study on measured GPU costs: SLOWeave against densely tuned fixed budgets.
+
+For each cost preset (operator profiles of Llama-3-8B on one A100 and Llama-2-70B on two)
+and each input (the paper's workloads and the shared traces, the long-context Mooncake one
+included), the capacity search of ``sloweave capacity`` (highest load with >= 90 % of
+requests meeting both targets; per seed, then mean and spread) for, like for like:
+
+- ``sloweave`` (one prompt per iteration) against the best of a dense sweep of ``fixed-C``
+  (the paper's baseline, same engine);
+- ``sloweave-multi`` (several prompts per iteration) against the best of a dense sweep of
+  ``sarathi-B`` (vLLM's and Sarathi-Serve's token budget, same engine).
+
+TPOT targets are set per model from its own decode-only step (not the analytic model's):
+8B TP1 decodes in 12-21 ms, so 25 and 50 ms; 70B TP2 decodes in 57-110 ms, so 100 and
+150 ms. TTFT targets: the workloads' own (chat 1 s, mixed and bursty 2 s, long 5 s), the
+Azure conversation trace 1 s (a chat service), Mooncake 10 s (prompts of 12k tokens median,
+up to 191k: a 70B TP2 prefills about 3k tokens a second). KV memory is not limited here.
+
+    .venv/bin/python benchmarks/real_cost_study.py [--quick] [--out results/real_cost]
+
+Writes per input and preset the capacity table (CSV), the pairwise ratios (CSV), one
+summary (``summary.json``, strict JSON with the settings, the cost descriptions and the
+version) and ``summary.md``; prints progress and the tables.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+import warnings
+from importlib.metadata import version
+from pathlib import Path
+
+import pandas as pd
+
+from sloweave.core.profile_cost import profile_cost
+from sloweave.sim.traces import load_trace
+from sloweave.sim.workloads import WORKLOADS
+from sloweave.studies.capacity import CapacityStudy, SpecSource, capacity_frame, trace_source
+
+REPO = Path(__file__).resolve().parents[1]
+TRACES = REPO.parent / "shared" / "traces"
+FIXED = (32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 2048, 4096)
+SARATHI = (64, 96, 128, 192, 256, 384, 512, 768, 1024, 2048, 4096)
+PRESETS = {"llama3-8b-tp1-a100": (25.0, 50.0), "llama2-70b-tp2-a100": (100.0, 150.0)}
+INPUTS = {  # name -> (kind, TTFT ms)
+    "chat": ("workload", 1000.0),
+    "mixed": ("workload", 2000.0),
+    "long": ("workload", 5000.0),
+    "azure_conv": ("trace", 1000.0),
+    "mooncake": ("trace", 10000.0),
+}
+TRACE_FILES = {"azure_conv": "azure2023_conv.csv", "mooncake": "mooncake_synthetic.csv"}
+PAIRS = (("sloweave", "fixed-"), ("sloweave-multi", "sarathi-"))
+
+
+def source_for(name: str, seeds: int, requests: int):
+    kind, _ = INPUTS[name]
+    if kind == "workload":
+        return SpecSource(WORKLOADS[name], requests, tuple(range(seeds)))
+    trace = load_trace(TRACES / TRACE_FILES[name])
+    return trace_source(trace, seeds, requests_per_seed=requests)
+
+
+def pairwise(frame: pd.DataFrame, per_seed: dict) -> list[dict]:
+    """Each deadline-aware policy against the best of its baseline family, per TPOT target."""
+    rows = []
+    for tpot, at in frame.groupby("tpot_ms"):
+        for ours, family in PAIRS:
+            baselines = at[at["policy"].str.startswith(family) | at["policy"].isin(["full" if family == "fixed-" else "orca"])]
+            best = baselines.loc[baselines["capacity_rps"].idxmax()]
+            mine = at[at["policy"] == ours].iloc[0]
+            seed_ratios = [a / b for a, b in zip(per_seed[(ours, tpot)], per_seed[(best["policy"], tpot)]) if b > 0]
+            rows.append({
+                "tpot_ms": tpot, "policy": ours, "capacity_rps": mine["capacity_rps"], "std": mine["capacity_rps_std"],
+                "best_baseline": best["policy"], "baseline_capacity_rps": best["capacity_rps"], "baseline_std": best["capacity_rps_std"],
+                "ratio": mine["capacity_rps"] / best["capacity_rps"] if best["capacity_rps"] > 0 else None,
+                "ratio_seed_min": min(seed_ratios, default=None), "ratio_seed_max": max(seed_ratios, default=None),
+                "censored": mine["censored"] or best["censored"],
+                "edge_of_sweep": best["policy"] in (f"{family}{FIXED[0] if family == 'fixed-' else SARATHI[0]}", f"{family}4096"),
+            })
+    return rows
+
+
+def run_one(preset: str, name: str, args, cost) -> tuple[pd.DataFrame, list[dict], dict]:
+    tpots = PRESETS[preset]
+    policies = ["sloweave", "sloweave-multi", "full", "orca"] + [f"fixed-{c}" for c in FIXED] + [f"sarathi-{b}" for b in SARATHI]
+    source = source_for(name, args.seeds, args.requests)
+    study = CapacityStudy(source, policies, tpots, INPUTS[name][1], cost=cost, min_scale=1 / 1024, max_scale=64.0, steps_per_doubling=8)
+    started = time.perf_counter()
+    capacities = study.capacities()
+    frame = capacity_frame(capacities)
+    per_seed = {(c.policy, c.tpot_ms): [s.rps for s in c.seeds] for c in capacities}
+    rows = pairwise(frame, per_seed)
+    info = {"simulations": study.simulations, "seconds": round(time.perf_counter() - started, 1), "source": source.describe()}
+    return frame, rows, info
+
+
+def markdown(summary: list[dict]) -> str:
+    lines = ["| cost | input | TPOT ms | policy | capacity req/s | best baseline | its capacity | ratio (seeds min-max) |", "|---|---|---|---|---|---|---|---|"]
+    for r in summary:
+        edge = " (edge of sweep)" if r["edge_of_sweep"] else ""
+        lines.append(
+            f"| {r['preset']} | {r['input']} | {r['tpot_ms']:g} | {r['policy']} | {r['capacity_rps']:.3g} ± {r['std']:.2g} | {r['best_baseline']}{edge} | "
+            f"{r['baseline_capacity_rps']:.3g} ± {r['baseline_std']:.2g} | **{r['ratio']:.2f}x** ({r['ratio_seed_min']:.2f}-{r['ratio_seed_max']:.2f}) |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, default=REPO / "results" / "real_cost")
+    parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--requests", type=int, default=400, help="requests per seed (window)")
+    parser.add_argument("--preset", action="append", choices=sorted(PRESETS), help="default: both")
+    parser.add_argument("--input", action="append", choices=sorted(INPUTS), help="default: all")
+    parser.add_argument("--quick", action="store_true", help="2 seeds x 150 requests, chat and mixed only")
+    args = parser.parse_args()
+    if args.quick:
+        args.seeds, args.requests, args.input = 2, 150, args.input or ["chat", "mixed"]
+    args.out.mkdir(parents=True, exist_ok=True)
+    summary, costs = [], {}
+    for preset in args.preset or list(PRESETS):
+        cost = profile_cost(preset)
+        for name in args.input or list(INPUTS):
+            print(f"[{time.strftime('%H:%M:%S')}] {preset} x {name} ...", flush=True)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # extrapolation is counted in the cost's description
+                frame, rows, info = run_one(preset, name, args, cost)
+            frame.to_csv(args.out / f"capacity_{preset}_{name}.csv", index=False)
+            for row in rows:
+                summary.append({"preset": preset, "input": name, **row, **{k: v for k, v in info.items() if k != "source"}})
+            print(markdown([r for r in summary if r["preset"] == preset and r["input"] == name]), flush=True)
+            costs.setdefault(preset, cost.describe())  # first description; counts grow over the runs
+        costs[preset] = cost.describe()
+    pd.DataFrame(summary).to_csv(args.out / "pairwise.csv", index=False)
+    doc = {
+        "sloweave_version": version("sloweave"),
+        "settings": {"seeds": args.seeds, "requests_per_seed": args.requests, "tpot_ms": PRESETS, "inputs": INPUTS,
+                     "fixed_sweep": FIXED, "sarathi_sweep": SARATHI, "attainment_target": 0.9, "lattice_steps_per_doubling": 8},
+        "costs": costs,
+        "pairwise": summary,
+    }
+    (args.out / "summary.json").write_text(json.dumps(doc, indent=1, allow_nan=False, default=float))
+    (args.out / "summary.md").write_text(markdown(summary))
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
