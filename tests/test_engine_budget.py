@@ -198,3 +198,81 @@ def test_plugin_online_correction_builds_a_corrected_cost_and_rejects_a_non_bool
     assert PluginConfig.from_sources({}, environ={"SLOWEAVE_ONLINE_CORRECTION": "yes"}).online_correction is True
     with pytest.raises(PluginConfigError, match="online_correction must be true or false"):
         PluginConfig.from_sources({"sloweave": {"online_correction": "false"}}, environ={})
+
+
+# ---- the plug-in's cost: the same specs as the commands' --cost (sloweave.core.costs) ----------
+
+
+def test_plugin_cost_takes_a_preset_or_an_operator_profile_folder(tmp_path):
+    import warnings
+
+    from sloweave.core.operator_profiles import preset_folder
+    from sloweave.core.profile_cost import ProfileCost, profile_cost
+
+    reference = profile_cost("llama2-70b-tp2-a100")
+    for spec in ("llama2-70b-tp2-a100", str(preset_folder("llama2-70b-tp2-a100"))):
+        cost, margin = PluginConfig(cost=spec, margin_fraction=0.1).build_cost_and_margin()
+        assert isinstance(cost, ProfileCost) and cost(8, 512) == pytest.approx(reference(8, 512))
+        assert margin(8, 512) == pytest.approx(0.1 * reference(8, 512))
+    env = PluginConfig.from_sources({}, environ={"SLOWEAVE_COST": "llama3-8b-tp1-a100"})
+    resolved = env.resolved_cost()
+    assert resolved.label == "llama3-8b-tp1-a100" and "not measured" in resolved.description["attention"]
+    # the controller gives it the step's KV context
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # extrapolation past the profiles is counted, and warned about
+        cost, _ = env.build_cost_and_margin()
+        c = BudgetController(make_policy_for_engine(cost, None, 4096), default_tpot_ms=50.0, max_budget_tokens=8192)
+        for i in range(8):
+            c.on_token(f"r{i}", 0.0)
+        short = c.plan_step(StepState(now_ms=0.0, decode_tokens=8, pending_prompt_tokens=8192, decode_kv_tokens=8 * 100))
+        long = c.plan_step(StepState(now_ms=0.0, decode_tokens=8, pending_prompt_tokens=8192, decode_kv_tokens=8 * 4000))
+    assert 0 < long.chunk_tokens <= short.chunk_tokens and short.predicted_ms <= 50.0
+
+
+def test_plugin_online_correction_wraps_a_profile_cost_as_its_prior():
+    from sloweave.core.calibration import CalibratedCost
+    from sloweave.core.profile_cost import ProfileCost
+
+    cost, _ = PluginConfig(cost="llama3-8b-tp1-a100", online_correction=True).build_cost_and_margin()
+    assert isinstance(cost, CalibratedCost) and isinstance(cost.base, ProfileCost)  # as_contextual keeps it as is
+    cost.set_context(16 * 2000, 500)
+    assert cost(16, 256) == pytest.approx(cost.base.predict(16, 256, 16 * 2000, 500))  # no step measured yet: the prior
+    for _ in range(20):
+        cost.calibrator.observe(16, 256, cost.base.predict(16, 256, 16 * 2000, 500), 1.5 * cost.base.predict(16, 256, 16 * 2000, 500))
+    assert cost(16, 256) == pytest.approx(1.5 * cost.base.predict(16, 256, 16 * 2000, 500), rel=0.01)
+
+
+def test_plugin_cost_errors_name_the_spec(tmp_path):
+    with pytest.raises(PluginConfigError, match="a preset .*llama3-8b-tp1-a100.*'nope'"):
+        PluginConfig(cost="nope")
+    with pytest.raises(PluginConfigError, match="profile_margin needs cost set to a step-time profile file"):
+        PluginConfig(cost="llama3-8b-tp1-a100", profile_margin=True)
+    empty = tmp_path / "profiles"
+    empty.mkdir()
+    with pytest.raises(PluginConfigError, match=f"sloweave config: cost {empty}.*model.json"):
+        PluginConfig(cost=str(empty)).build_cost_and_margin()
+
+
+def test_the_controller_hands_a_piece_aware_cost_the_prompts_on_offer():
+    import warnings
+    from pathlib import Path
+
+    from sloweave.core.profile_cost import profile_cost
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        cost = profile_cost(str(Path(__file__).parent / "fixtures" / "profiles" / "tiny"))
+    policy = make_policy_for_engine(cost, None, 4096)
+    c = BudgetController(policy, default_tpot_ms=6.0, max_budget_tokens=8192)
+    c.on_token("a", 0.0)
+    offer = ((40, 10), (30, 0), (50, 0))
+    plan = c.plan_step(StepState(now_ms=0.0, decode_tokens=1, pending_prompt_tokens=120, decode_kv_tokens=65,
+                                 prefill_prefix_tokens=10, prompts_on_offer=offer))
+    # the plan's prediction prices the chunk piece by piece over the offer (each its own request)
+    pieces, left = [], plan.chunk_tokens
+    for remaining, prefix in offer:
+        if left <= 0:
+            break
+        pieces.append((min(left, remaining), prefix))
+        left -= remaining
+    assert len(pieces) > 1 and plan.predicted_ms == pytest.approx(cost.predict_pieces(1, 65, pieces), rel=1e-12)

@@ -166,3 +166,12 @@ def test_derived_attention_scales_by_heads_per_gpu(tmp_path):
     d_decode = derived.predict(2, 0, 128, 0) - derived.predict(2, 0, 0, 0)
     s_decode = source.predict(2, 0, 128, 0) - source.predict(2, 0, 0, 0)
     assert d_decode == pytest.approx(2 * s_decode)
+
+
+def test_a_policys_own_check_is_not_counted_as_queries_past_the_profile():
+    cost = profile_cost("llama2-70b-tp2-a100")
+    SLOWeave(cost=cost)  # checks T up to 4096 tokens next to 512 decodes (past 128 profiled)
+    assert cost.describe()["out_of_range_queries"] == {}
+    with pytest.warns(UserWarning):
+        cost.predict(300, 0, 300 * 100, 0)
+    assert cost.out_of_range["decode_batch"] == 1

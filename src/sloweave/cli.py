@@ -11,7 +11,8 @@ from pathlib import Path
 
 import click
 
-from sloweave.core.cost import AnalyticCost, ConstantMargin, NoisyCost, RelativeMargin, ZeroMargin
+from sloweave.core.cost import ConstantMargin, NoisyCost, RelativeMargin, ZeroMargin
+from sloweave.core.costs import cost_option
 from sloweave.core.policy import DEFAULT_MAX_CHUNK_TOKENS, SLOWeave, make_policy
 from sloweave.sim.workloads import WORKLOADS, WorkloadError, get_workload_spec
 
@@ -72,8 +73,10 @@ def decide(n_decodes: int, waiting_tokens: int, budget_ms: float, max_chunk: int
 @click.option("--noise-sigma", type=click.FloatRange(min=0), default=0.0, show_default=True, help="actual time = predicted x lognormal(0, sigma)")
 @click.option("--margin", "margin_kind", type=click.Choice(["none", "constant", "relative"]), default="none", show_default=True)
 @click.option("--margin-value", type=click.FloatRange(min=0), default=0.0, show_default=True, help="ms (constant) or fraction of T (relative)")
+@cost_option()
+@click.option("--kv-memory-gib", type=float, default=None, callback=_positive, help="KV cache size in GiB (all GPUs): a capacity in tokens from the profiled model's KV bytes per token; needs a preset or profile folder as --cost")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), default=None, help="write requests.csv, iterations.csv, prefills.csv, metrics.json, decision_metrics.json")
-def simulate(workload, policy_name, max_batch_size, tpot_ms, ttft_ms, num_requests, seed, rate_scale, max_chunk, noise_sigma, margin_kind, margin_value, out_dir) -> None:
+def simulate(workload, policy_name, max_batch_size, tpot_ms, ttft_ms, num_requests, seed, rate_scale, max_chunk, noise_sigma, margin_kind, margin_value, cost, kv_memory_gib, out_dir) -> None:
     """Simulate one workload under one policy and print its metrics."""
     from sloweave.core.decision_metrics import write_simulation_summary
     from sloweave.studies.reproduce import write_single_run
@@ -81,7 +84,14 @@ def simulate(workload, policy_name, max_batch_size, tpot_ms, ttft_ms, num_reques
     from sloweave.sim.engine import simulate as run_simulation
 
     spec = get_workload_spec(workload)
-    cost = AnalyticCost()
+    resolved = cost
+    cost = resolved.model
+    kv_capacity_tokens = None
+    if kv_memory_gib is not None:
+        try:
+            kv_capacity_tokens = resolved.kv_tokens_in(kv_memory_gib)
+        except ValueError as err:
+            raise click.BadParameter(str(err), param_hint="--kv-memory-gib") from None
     try:
         policy = make_policy(policy_name, cost, _margin(margin_kind, margin_value, cost), max_chunk)
     except ValueError as err:
@@ -91,13 +101,28 @@ def simulate(workload, policy_name, max_batch_size, tpot_ms, ttft_ms, num_reques
         wl = spec.generate(num_requests, seed, rate_scale)
     except WorkloadError as err:
         raise click.UsageError(str(err)) from None
-    result = run_simulation(wl, policy, tpot_ms=tpot_ms, actual_cost=actual, max_batch_size=max_batch_size)
+    result = run_simulation(wl, policy, tpot_ms=tpot_ms, actual_cost=actual, max_batch_size=max_batch_size, kv_capacity_tokens=kv_capacity_tokens)
     metrics = evaluate(result, ttft_ms or spec.ttft_ms, tpot_ms)
-    click.echo(json.dumps({"workload": workload, "policy": policy.name, "tpot_ms": tpot_ms, **metrics.as_dict()}, indent=2))
+    if not resolved.is_analytic:
+        for line in resolved.summary_lines():
+            click.echo(line, err=True)
+    printed = {"workload": workload, "policy": policy.name, "tpot_ms": tpot_ms, "cost": resolved.label, **metrics.as_dict()}
+    if kv_capacity_tokens is not None:
+        printed["kv_capacity_tokens"] = kv_capacity_tokens
+    click.echo(json.dumps(printed, indent=2))
     if out_dir is not None:
-        write_single_run(result, per_request_frame(result), metrics, out_dir)
-        # the scheduler's decisions under the names the vLLM plug-in exports (issue 8)
-        write_simulation_summary(result, out_dir, getattr(policy, "predicted_ms", cost))
+        run_info = {
+            "cost": resolved.description,
+            "kv_memory_gib": kv_memory_gib,
+            "kv_capacity_tokens": kv_capacity_tokens,
+        }
+        if kv_capacity_tokens is not None:
+            run_info["kv_bytes_per_token"] = resolved.profile_cost.shape.kv_bytes_per_token
+        write_single_run(result, per_request_frame(result), metrics, out_dir, run_info)
+        # the scheduler's decisions under the names the vLLM plug-in exports (issue 8); a cost
+        # that reads the KV context cannot be re-asked afterwards (the run records no context)
+        reads_context = getattr(cost, "set_context", None) is not None
+        write_simulation_summary(result, out_dir, None if reads_context else getattr(policy, "predicted_ms", cost))
         click.echo(f"wrote {out_dir}/requests.csv, iterations.csv, prefills.csv, metrics.json, decision_metrics.json")
 
 

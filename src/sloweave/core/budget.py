@@ -45,6 +45,8 @@ class StepState:
     # KV context, for fitted cost models whose step time grows with the KV read
     decode_kv_tokens: int = 0
     prefill_prefix_tokens: int = 0
+    # the prompts the chunk would come from, in the engine's order: (remaining tokens, prefix)
+    prompts_on_offer: tuple[tuple[int, int], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -137,6 +139,9 @@ class BudgetController:
         set_context = getattr(self.policy.cost, "set_context", None)
         if set_context is not None:
             set_context(state.decode_kv_tokens, state.prefill_prefix_tokens)
+        set_offer = getattr(self.policy.cost, "set_offer", None)
+        if set_offer is not None:
+            set_offer(list(state.prompts_on_offer) or None)
         # The simulator's decision path: the policy, then the aging rule.
         chunk, infeasible, aged = decide_step(
             self.policy, state.decode_tokens, state.pending_prompt_tokens, budget_ms, self.aging, state.oldest_prompt_waiting_ms

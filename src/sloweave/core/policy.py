@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import re
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import NamedTuple, Protocol
 
@@ -83,9 +84,11 @@ class SLOWeave:
         _check_max_prefills(self.max_prefills)
         if self.repair_non_monotone:
             object.__setattr__(self, "cost", MonotoneRepair(self.cost, self.max_chunk_tokens))
-        check_monotone_in_chunk(self.cost, self.max_chunk_tokens)
-        # delta is added to T, so T + delta must be monotone too or the search is wrong.
-        check_monotone_in_chunk(lambda n, c: self.cost(n, c) + self.margin(n, c), self.max_chunk_tokens)
+        # A cost that counts queries past its data (ProfileCost) does not count the check's.
+        with getattr(self.cost, "uncounted", nullcontext)():
+            check_monotone_in_chunk(self.cost, self.max_chunk_tokens)
+            # delta is added to T, so T + delta must be monotone too or the search is wrong.
+            check_monotone_in_chunk(lambda n, c: self.cost(n, c) + self.margin(n, c), self.max_chunk_tokens)
         # Hot-path helpers, fixed at construction: the decision is called every iteration.
         cost, margin = self.cost, self.margin
         predicted = cost if isinstance(margin, ZeroMargin) else (lambda n, c: cost(n, c) + margin(n, c))

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import warnings
 from collections import Counter
+from contextlib import contextmanager
 from collections.abc import Sequence
 
 import numpy as np
@@ -84,6 +85,7 @@ class ProfileCost(ContextualCost):
         self.layers = profiles.shape.num_layers
         self.cpu_overhead = cpu_overhead and profiles.cpu is not None
         self.out_of_range: Counter = Counter()
+        self._counting = True
         self._build_token_ops(nccl_launch_ms)
         self._build_decode()
         self._build_prefill()
@@ -95,8 +97,7 @@ class ProfileCost(ContextualCost):
 
     def _check_monotone(self) -> None:
         """Monotone in the chunk by construction; checked anyway, in and beyond the profiled range."""
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
+        with self.uncounted():
             for kv, prefix in ((0, 0), (200_000, 1000), (2_000_000, 10_000), (0, 100_000)):
                 self.set_context(kv, prefix)
                 try:
@@ -104,7 +105,6 @@ class ProfileCost(ContextualCost):
                 except ValueError as err:
                     raise ProfileError(f"{self.profiles.where}: {err}") from None
         self.set_context(0, 0)
-        self.out_of_range.clear()
         self._decode_key = None
 
     # ---- tables ---------------------------------------------------------------------------
@@ -317,7 +317,7 @@ class ProfileCost(ContextualCost):
             return base + self._prefill_b * (chunk - self.chunk_max) + self._prefill_g * (
                 self._pairs(chunk, prefix) - self._pairs(self.chunk_max, prefix)
             )
-        if chunk > self._prefill_row_end[self._row_b]:
+        if chunk > self._prefill_row_end[self._row_b if self._row_w else self._row_a]:
             self._beyond("prefill_chunk_at_prefix", f"a {chunk}-token chunk on a {prefix}-token prefix, past the profiled chunk + prefix")
         k, u = divmod(chunk / CHUNK_STEP, 1.0)
         k = int(k)
@@ -335,7 +335,18 @@ class ProfileCost(ContextualCost):
             return self._cpu[batch] if batch else 0.0
         return self._cpu[-1] + self._cpu_slope * (batch - len(self._cpu) + 1)
 
+    @contextmanager
+    def uncounted(self):
+        """Queries inside this block (a policy's own monotonicity check) are neither counted nor warned."""
+        self._counting = False
+        try:
+            yield
+        finally:
+            self._counting = True
+
     def _beyond(self, what: str, detail: str) -> None:
+        if not self._counting:
+            return
         if not self.out_of_range[what]:
             warnings.warn(f"{self.profiles.where}: {detail}: extrapolated linearly (counted in out_of_range)", stacklevel=3)
         self.out_of_range[what] += 1

@@ -4,6 +4,13 @@ Every configuration runs on the same requests (same seeds) at every TPOT target;
 reports the mean over seeds of per-run metrics and each configuration's goodput relative to
 its reference (greedy SLOWeave, or the same policy in the same changed world). See
 docs/beyond-paper.md for what each option does and what we found.
+
+``--cost`` (default ``analytic``) sets the machine model of every configuration: the policy's
+prediction and the actual iteration time. The analytic model ignores the KV context, so the
+ctx rows swap in its context-aware sibling (``ContextAnalyticCost``) as the actual time; a
+preset, an operator-profile folder or a step-time profile reads the KV context itself, so every
+row runs in that context-aware world, ctx-aware (and greedy) predict with the model itself and
+ctx-blind predicts with the same model asked at zero context.
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ from tqdm import tqdm
 from sloweave.core.admission import AdmissionControl
 from sloweave.core.cost import AnalyticCost
 from sloweave.core.context_cost import ContextAnalyticCost
+from sloweave.core.costs import ResolvedCost, analytic_description, context_models, cost_option
 from sloweave.sim.metrics import evaluate_run
 from sloweave.sim.tiers import assign_tiers, default_tiers, tier_report
 from sloweave.studies.reproduce import _markdown
@@ -102,9 +110,17 @@ def trace_source(path: Path, seeds: int, window_s: float, rate_scale: float) -> 
     return Source("azure-trace", TRACE_TTFT_MS, tuple(workloads))
 
 
-def run_config(config: Config, workload: Workload, tpot_ms: float, ttft_ms: float):
-    cost = ContextAnalyticCost() if config.context_world else None
-    policy = SLOWeave(cost=cost if config.context_aware else AnalyticCost(), max_prefills=config.max_prefills, lookahead=config.lookahead)
+def run_config(config: Config, workload: Workload, tpot_ms: float, ttft_ms: float, resolved: ResolvedCost | None = None):
+    """One configuration's run; ``resolved`` is the machine model (None or analytic: the paper's)."""
+    if resolved is None or resolved.is_analytic:
+        cost = ContextAnalyticCost() if config.context_world else None
+        policy_cost = cost if config.context_aware else AnalyticCost()
+    elif config.context_world:
+        cost, blind = context_models(resolved)
+        policy_cost = cost if config.context_aware else blind
+    else:
+        cost, policy_cost = None, resolved.model  # the actual time is the policy's own model
+    policy = SLOWeave(cost=policy_cost, max_prefills=config.max_prefills, lookahead=config.lookahead)
     return simulate(
         workload,
         policy,
@@ -118,7 +134,9 @@ def run_config(config: Config, workload: Workload, tpot_ms: float, ttft_ms: floa
     )
 
 
-def run_ablation(sources: list[Source], configs: tuple[Config, ...], tpot_targets: tuple[float, ...], progress: bool = True) -> tuple[pd.DataFrame, pd.DataFrame]:
+def run_ablation(
+    sources: list[Source], configs: tuple[Config, ...], tpot_targets: tuple[float, ...], progress: bool = True, cost: ResolvedCost | None = None
+) -> tuple[pd.DataFrame, pd.DataFrame]:
     """Per-seed rows of every (source, seed, TPOT, config), and the tier study's per-seed rows."""
     total = sum(len(s.workloads) for s in sources) * (len(configs) * len(tpot_targets) + 3)
     bar = tqdm(total=total, desc="ablation", unit="run", disable=not progress)
@@ -127,23 +145,27 @@ def run_ablation(sources: list[Source], configs: tuple[Config, ...], tpot_target
         for seed, workload in enumerate(source.workloads):
             for tpot in tpot_targets:
                 for config in configs:
-                    result = run_config(config, workload, tpot, source.ttft_ms)
+                    result = run_config(config, workload, tpot, source.ttft_ms, cost)
                     rows.append({"source": source.name, "seed": seed, "tpot_ms": tpot, "config": config.name, **evaluate_run(result, source.ttft_ms, tpot)})
                     bar.update()
-            tier_rows += _tier_runs(source, seed, workload)
+            tier_rows += _tier_runs(source, seed, workload, cost)
             bar.update(3)
     bar.close()
     return pd.DataFrame(rows), pd.DataFrame(tier_rows)
 
 
-def _tier_runs(source: Source, seed: int, workload: Workload) -> list[dict]:
+def _tier_runs(source: Source, seed: int, workload: Workload, cost: ResolvedCost | None = None) -> list[dict]:
     """A 10 ms interactive tier mixed with a 50 ms batch tier, three ways."""
     tiered = assign_tiers(workload, default_tiers(source.ttft_ms), seed)
+
+    def sloweave() -> SLOWeave:
+        return SLOWeave() if cost is None or cost.is_analytic else SLOWeave(cost=cost.model)
+
     runs = {
-        "single target 10 ms": simulate(tiered.untiered(), SLOWeave(), tpot_ms=10.0),
-        "per-request tiers": simulate(tiered.workload, SLOWeave(), tpot_ms=10.0),
+        "single target 10 ms": simulate(tiered.untiered(), sloweave(), tpot_ms=10.0),
+        "per-request tiers": simulate(tiered.workload, sloweave(), tpot_ms=10.0),
         "per-request tiers + admit-reject": simulate(
-            tiered.workload, SLOWeave(), tpot_ms=10.0, admission=AdmissionControl("reject"), ttft_ms=tiered.ttft_ms
+            tiered.workload, sloweave(), tpot_ms=10.0, admission=AdmissionControl("reject"), ttft_ms=tiered.ttft_ms
         ),
     }
     rows = []
@@ -241,8 +263,13 @@ def plot_ablation(table: pd.DataFrame, path: Path) -> None:
     plt.close(fig)
 
 
-def write_ablation(runs: pd.DataFrame, tiers: pd.DataFrame, configs: tuple[Config, ...], out_dir: Path, meta: dict) -> dict:
+def write_ablation(runs: pd.DataFrame, tiers: pd.DataFrame, configs: tuple[Config, ...], out_dir: Path, meta: dict, cost: ResolvedCost | None = None) -> dict:
+    """Every output file; ``cost`` (None: analytic) is recorded in ablation.json and named in ablation.md."""
     out_dir.mkdir(parents=True, exist_ok=True)
+    analytic = cost is None or cost.is_analytic
+    cost_text = "analytic cost unless a ctx row says otherwise" if analytic else f"cost {cost.label} (context-aware; see the module docstring for the ctx rows)"
+    cost_lines = [] if analytic else [f"- {line}" for line in cost.summary_lines()] + [""]
+    meta = {**meta, "cost": analytic_description() if cost is None else cost.description}
     table = ablation_table(runs, configs)
     wide = wide_goodput(table)
     tier_means = tiers.groupby(["source", "setup", "tier"], sort=False)[["attainment", "goodput_rps"]].mean().reset_index()
@@ -255,8 +282,9 @@ def write_ablation(runs: pd.DataFrame, tiers: pd.DataFrame, configs: tuple[Confi
         "# sloweave ablate",
         "",
         f"{meta['seeds']} seeds; {meta['num_requests']} requests per synthetic seed; trace: {meta.get('trace') or 'not used'}; "
-        f"analytic cost unless a ctx row says otherwise; {meta['elapsed_s']:.0f} s wall.",
+        f"{cost_text}; {meta['elapsed_s']:.0f} s wall.",
         "",
+        *cost_lines,
         "## Goodput, req/s (x relative to the `vs` configuration), mean over seeds",
         "",
         _markdown(wide),
@@ -300,7 +328,8 @@ def write_ablation(runs: pd.DataFrame, tiers: pd.DataFrame, configs: tuple[Confi
 @click.option("--no-trace", is_flag=True, help="skip the real trace")
 @click.option("--trace-rate-scale", type=click.FloatRange(min=0, min_open=True), default=TRACE_RATE_SCALE, show_default=True)
 @click.option("--trace-window-s", type=click.FloatRange(min=0, min_open=True), default=None, help=f"[default: {TRACE_WINDOW_S:g}, --quick: {QUICK_TRACE_WINDOW_S:g}]")
-def ablate(out_dir, seeds, num_requests, quick, workloads, config_names, trace_path, no_trace, trace_rate_scale, trace_window_s) -> None:
+@cost_option()
+def ablate(out_dir, seeds, num_requests, quick, workloads, config_names, trace_path, no_trace, trace_rate_scale, trace_window_s, cost: ResolvedCost) -> None:
     """Ablation of the options beyond the paper: CSV, Markdown, JSON and a plot under --out."""
     from sloweave.sim.traces import TraceError
 
@@ -321,7 +350,7 @@ def ablate(out_dir, seeds, num_requests, quick, workloads, config_names, trace_p
             sources.append(trace_source(trace_path, seeds, trace_window_s, trace_rate_scale))
         except TraceError as err:
             raise click.UsageError(f"{err} (pass --no-trace to run without the real trace)") from None
-    runs, tiers = run_ablation(sources, configs, TPOT_TARGETS_MS)
+    runs, tiers = run_ablation(sources, configs, TPOT_TARGETS_MS, cost=cost)
     meta = {
         "seeds": seeds,
         "num_requests": num_requests,
@@ -329,7 +358,10 @@ def ablate(out_dir, seeds, num_requests, quick, workloads, config_names, trace_p
         "tpot_targets_ms": list(TPOT_TARGETS_MS),
         "elapsed_s": time.perf_counter() - started,
     }
-    out = write_ablation(runs, tiers, configs, out_dir, meta)
+    out = write_ablation(runs, tiers, configs, out_dir, meta, cost)
+    if not cost.is_analytic:
+        for line in cost.summary_lines():
+            click.echo(line)
     click.echo(_markdown(out["wide"]))
     for row in out["goal"]:
         click.echo(f"goal {row['source']} {row['tpot_ms']:g} ms: best/greedy = {row['ratio']:.2f}x (need >= {row['needed']:.2f}x): {'met' if row['met'] else 'NOT met'}")

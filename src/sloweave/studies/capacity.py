@@ -39,6 +39,7 @@ import numpy as np
 import pandas as pd
 
 from sloweave.core.cost import AnalyticCost, CostModel
+from sloweave.core.costs import ResolvedCost, analytic_description, cost_option
 from sloweave.sim.metrics import RunMetrics, summarize
 from sloweave.core.policy import DEFAULT_MAX_CHUNK_TOKENS
 from sloweave.studies.replay import DEFAULT_TRACE_TTFT_MS, _pyplot, build_policy, plot_cdfs, policy_style, run_policy
@@ -550,8 +551,12 @@ def _check_positive(label: str, value: float | None) -> None:
         raise click.BadParameter(f"must be a finite number > 0, got {value!r}", param_hint=label)
 
 
-def run_capacity(study: CapacityStudy, out_dir: Path, meta: dict) -> dict:
-    """Search, curves, CDFs; write every output file under ``out_dir``; return the JSON payload."""
+def run_capacity(study: CapacityStudy, out_dir: Path, meta: dict, cost: ResolvedCost | None = None) -> dict:
+    """Search, curves, CDFs; write every output file under ``out_dir``; return the JSON payload.
+
+    ``cost`` is what ``study.cost`` was resolved from; its description is read after the
+    simulations (a profile cost's out-of-range counts). None: the study's analytic model.
+    """
     out_dir.mkdir(parents=True, exist_ok=True)
     capacities = study.capacities()
     table = capacity_frame(capacities)
@@ -600,12 +605,20 @@ def run_capacity(study: CapacityStudy, out_dir: Path, meta: dict) -> dict:
         "attainment_target": study.attainment_target,
         "lattice": {"steps_per_doubling": study.steps, "min_scale": study.scale(study.min_k), "max_scale": study.scale(study.max_k)},
         "simulations": study.simulations,
+        "cost": cost.description if cost is not None else _describe(study.cost),
         "cdf_rate_scale": {f"{t:g}": s for t, s in cdf_loads.items()},
         "capacity": table.to_dict(orient="records"),
         "relative_to_best_fixed": relative.to_dict(orient="records"),
     }
     (out_dir / "capacity.json").write_text(json.dumps(payload, indent=2, default=float) + "\n")
     return payload
+
+
+def _describe(cost: CostModel) -> dict:
+    if isinstance(cost, AnalyticCost):
+        return analytic_description(cost)
+    describe = getattr(cost, "describe", None)
+    return describe() if describe is not None else {"cost_model": type(cost).__name__}
 
 
 @click.command()
@@ -628,8 +641,9 @@ def run_capacity(study: CapacityStudy, out_dir: Path, meta: dict) -> dict:
 @click.option("--max-scale", type=float, default=256.0, show_default=True)
 @click.option("--max-chunk", type=click.IntRange(min=1), default=DEFAULT_MAX_CHUNK_TOKENS, show_default=True)
 @click.option("--quick", is_flag=True, help="3 seeds instead of 5, a lattice of 8 instead of 16 steps per doubling, fewer curve points")
+@cost_option()
 @click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), default=Path("results/capacity"), show_default=True)
-def capacity(trace_path, workload, fmt, policies, tpot_targets, ttft_ms, attainment, seeds, window_s, whole_trace, num_requests, max_prompt_tokens, arrivals, rate_rps, steps_per_doubling, min_scale, max_scale, max_chunk, quick, out_dir) -> None:
+def capacity(trace_path, workload, fmt, policies, tpot_targets, ttft_ms, attainment, seeds, window_s, whole_trace, num_requests, max_prompt_tokens, arrivals, rate_rps, steps_per_doubling, min_scale, max_scale, max_chunk, quick, cost: ResolvedCost, out_dir) -> None:
     """Highest load (arrival-rate scale) at which each policy keeps SLO attainment >= the target."""
     if (trace_path is None) == (workload is None):
         raise click.UsageError("give exactly one of --trace PATH or --workload NAME")
@@ -674,6 +688,7 @@ def capacity(trace_path, workload, fmt, policies, tpot_targets, ttft_ms, attainm
             steps_per_doubling=steps_per_doubling,
             min_scale=min_scale,
             max_scale=max_scale,
+            cost=cost.model,
             max_chunk_tokens=max_chunk,
             curve_points_per_doubling=2 if quick else 4,
             progress=True,
@@ -685,10 +700,13 @@ def capacity(trace_path, workload, fmt, policies, tpot_targets, ttft_ms, attainm
         click.echo(f"NOTE: arrivals are GENERATED (Poisson, {rate_rps:g} req/s at scale 1), not read from {trace_path}", err=True)
     if description.get("num_prompts_capped"):
         click.echo(f"NOTE: {description['num_prompts_capped']} prompt(s) capped at {max_prompt_tokens} tokens", err=True)
-    options = {k: str(v) if isinstance(v, Path) else v for k, v in click.get_current_context().params.items()}
+    options = {k: str(v) if isinstance(v, Path) else (v.spec if isinstance(v, ResolvedCost) else v) for k, v in click.get_current_context().params.items()}
     meta = {"command": "capacity", "options": options, "policies": policies, "max_chunk_tokens": max_chunk}
-    payload = run_capacity(study, out_dir, meta)
+    payload = run_capacity(study, out_dir, meta, cost)
     table = pd.DataFrame(payload["capacity"])
+    if not cost.is_analytic:
+        for line in cost.summary_lines():
+            click.echo(line)
     show = table[["policy", "tpot_ms", "capacity_scale", "capacity_scale_std", "capacity_rps", "capacity_rps_std", "censored"]]
     click.echo(show.to_string(index=False, float_format=lambda v: f"{v:.3f}"))
     relative = pd.DataFrame(payload["relative_to_best_fixed"])

@@ -14,6 +14,7 @@ import numpy as np
 import pandas as pd
 
 from sloweave.core.cost import AnalyticCost, CostModel
+from sloweave.core.costs import ResolvedCost, cost_option
 from sloweave.sim.metrics import RunMetrics, per_request_frame, run_duration_ms, slo_met, summarize
 from sloweave.core.policy import DEFAULT_MAX_CHUNK_TOKENS, Policy, make_policy
 from sloweave.sim.engine import simulate
@@ -164,8 +165,9 @@ def describe_report(report: ReplayReport) -> str:
 @click.option("--tpot-ms", type=float, default=25.0, show_default=True)
 @click.option("--ttft-ms", type=float, default=DEFAULT_TRACE_TTFT_MS, show_default=True)
 @click.option("--max-chunk", type=click.IntRange(min=1), default=DEFAULT_MAX_CHUNK_TOKENS, show_default=True)
+@cost_option()
 @click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), default=Path("results/replay"), show_default=True)
-def replay(trace_path, fmt, start_s, end_s, duration_s, rate_scale, max_prompt_tokens, max_requests, arrivals, rate_rps, seed, policies, tpot_ms, ttft_ms, max_chunk, out_dir) -> None:
+def replay(trace_path, fmt, start_s, end_s, duration_s, rate_scale, max_prompt_tokens, max_requests, arrivals, rate_rps, seed, policies, tpot_ms, ttft_ms, max_chunk, cost: ResolvedCost, out_dir) -> None:
     """Replay a request trace under each policy; write requests.csv, metrics.csv/json and CDF plots."""
     for label, value in (("--tpot-ms", tpot_ms), ("--ttft-ms", ttft_ms)):
         if not (math.isfinite(value) and value > 0):
@@ -175,11 +177,11 @@ def replay(trace_path, fmt, start_s, end_s, duration_s, rate_scale, max_prompt_t
         trace = load_trace(trace_path, fmt)
         workload, report = replay_workload(trace, options)
         for name in policies:
-            build_policy(name, AnalyticCost(), max_chunk)
+            build_policy(name, cost.model, max_chunk)
     except (TraceError, ValueError) as err:
         raise click.UsageError(str(err)) from None
     click.echo(describe_report(report), err=True)
-    requests, metrics = replay_policies(workload, list(policies), tpot_ms, ttft_ms, max_chunk_tokens=max_chunk, progress=True)
+    requests, metrics = replay_policies(workload, list(policies), tpot_ms, ttft_ms, cost.model, max_chunk_tokens=max_chunk, progress=True)
 
     out_dir.mkdir(parents=True, exist_ok=True)
     table = pd.DataFrame([{"policy": name, "tpot_ms": tpot_ms, "ttft_ms": ttft_ms, **m.as_dict()} for name, m in metrics.items()])
@@ -191,6 +193,7 @@ def replay(trace_path, fmt, start_s, end_s, duration_s, rate_scale, max_prompt_t
         "tpot_ms": tpot_ms,
         "ttft_ms": ttft_ms,
         "max_chunk_tokens": max_chunk,
+        "cost": cost.description,
         "metrics": {name: m.as_dict() for name, m in metrics.items()},
     }
     (out_dir / "replay.json").write_text(json.dumps(payload, indent=2) + "\n")
@@ -206,5 +209,8 @@ def replay(trace_path, fmt, start_s, end_s, duration_s, rate_scale, max_prompt_t
         tpot_ms,
     )
     columns = ["policy", "attainment", "goodput_rps", "p99_ttft_ms", "p99_tpot_ms", "num_pending"]
+    if not cost.is_analytic:
+        for line in cost.summary_lines():
+            click.echo(line)
     click.echo(table[columns].to_string(index=False, float_format=lambda v: f"{v:.3f}"))
     click.echo(f"wrote {out_dir}/metrics.csv, replay.json, requests.csv, cdf_ttft.png, cdf_p99_tpot.png")

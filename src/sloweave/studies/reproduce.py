@@ -18,7 +18,8 @@ import numpy as np
 import pandas as pd
 from tqdm import tqdm
 
-from sloweave.core.cost import AnalyticCost
+from sloweave.core.cost import AnalyticCost, CostModel
+from sloweave.core.costs import ResolvedCost, analytic_description, cost_option
 from sloweave.sim.metrics import RunMetrics, per_request_frame, run_duration_ms, summarize
 from sloweave.core.policy import DEFAULT_MAX_CHUNK_TOKENS, SLOWeave, make_policy
 from sloweave.sim.engine import SimResult, simulate
@@ -77,7 +78,8 @@ class StudyConfig:
     tpot_targets_ms: tuple[float, ...] = TPOT_TARGETS_MS
     static_policies: tuple[str, ...] = PAPER_STATIC_POLICIES + EXTRA_STATIC_POLICIES
     max_chunk_tokens: int = DEFAULT_MAX_CHUNK_TOKENS
-    cost: AnalyticCost = field(default_factory=AnalyticCost)
+    # The machine model of every run: the policies' prediction and the actual iteration time.
+    cost: CostModel = field(default_factory=AnalyticCost)
 
     def __post_init__(self) -> None:
         if self.seeds < 1:
@@ -108,7 +110,7 @@ def run_study(config: StudyConfig, progress: bool = True) -> tuple[pd.DataFrame,
     The sample runs (SLOWeave at 25 ms, seed 0, per workload) feed the time-series plot.
     """
     sloweave = SLOWeave(cost=config.cost, max_chunk_tokens=config.max_chunk_tokens)
-    statics = [make_policy(name) for name in config.static_policies]
+    statics = [make_policy(name, config.cost) for name in config.static_policies]
     jobs = [(w, s) for w in config.workloads for s in range(config.seeds)]
     rows: list[dict] = []
     samples: dict[str, SimResult] = {}
@@ -246,8 +248,14 @@ def plot_chunk_timeline(result: SimResult, path: Path, window_s: float = 5.0) ->
     plt.close(fig)
 
 
-def write_study(runs: pd.DataFrame, samples: dict[str, SimResult], config: StudyConfig, out_dir: Path, elapsed_s: float) -> dict[str, pd.DataFrame]:
+def write_study(
+    runs: pd.DataFrame, samples: dict[str, SimResult], config: StudyConfig, out_dir: Path, elapsed_s: float, cost: ResolvedCost | None = None
+) -> dict[str, pd.DataFrame]:
+    """Every output file; ``cost`` is what made the runs (None: the analytic model of ``config``)."""
     out_dir.mkdir(parents=True, exist_ok=True)
+    analytic = cost is None or cost.is_analytic
+    cost_text = "analytic cost model" if analytic else f"cost model {cost.label}"
+    cost_lines = [] if analytic else [f"- {line}" for line in cost.summary_lines()] + [""]
     means = mean_over_seeds(runs)
     t3 = table3(means)
     t4 = table4(means, PAPER_STATIC_POLICIES)
@@ -261,9 +269,10 @@ def write_study(runs: pd.DataFrame, samples: dict[str, SimResult], config: Study
     report = [
         "# sloweave reproduce",
         "",
-        f"{config.seeds} seeds x {config.num_requests} requests per workload; analytic cost model; "
+        f"{config.seeds} seeds x {config.num_requests} requests per workload; {cost_text}; "
         f"mean of per-seed results; {elapsed_s:.1f} s wall time.",
         "",
+        *cost_lines,
         f"## Table 3: TPOT {TABLE3_TPOT_MS:g} ms (paper's values beside ours where SPEC.md has them)",
         "",
         _markdown(t3_paper),
@@ -288,6 +297,7 @@ def write_study(runs: pd.DataFrame, samples: dict[str, SimResult], config: Study
                 "workloads": {w: {"rate_rps": get_workload_spec(w).rate_rps, "ttft_ms": get_workload_spec(w).ttft_ms} for w in config.workloads},
                 "tpot_targets_ms": list(config.tpot_targets_ms),
                 "elapsed_s": elapsed_s,
+                "cost": cost.description if cost is not None else _describe(config.cost),
                 "table4": t4.to_dict(orient="records"),
                 "table4_extended": t4x.to_dict(orient="records"),
             },
@@ -300,7 +310,15 @@ def write_study(runs: pd.DataFrame, samples: dict[str, SimResult], config: Study
     return {"table3": t3_paper, "table4": t4_paper, "table4_extended": t4x_paper}
 
 
-def write_single_run(result: SimResult, requests: pd.DataFrame, metrics: RunMetrics, out_dir: Path) -> None:
+def _describe(cost: CostModel) -> dict:
+    if isinstance(cost, AnalyticCost):
+        return analytic_description(cost)
+    describe = getattr(cost, "describe", None)
+    return describe() if describe is not None else {"cost_model": type(cost).__name__}
+
+
+def write_single_run(result: SimResult, requests: pd.DataFrame, metrics: RunMetrics, out_dir: Path, extra: dict | None = None) -> None:
+    """``requests.csv``, ``iterations.csv``, ``prefills.csv`` and ``metrics.json`` (with ``extra``: what made the run)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     requests.to_csv(out_dir / "requests.csv", index=False)
     pd.DataFrame(
@@ -316,7 +334,7 @@ def write_single_run(result: SimResult, requests: pd.DataFrame, metrics: RunMetr
     pd.DataFrame(
         {"iteration": result.prefill_iter, "request": result.prefill_request, "tokens": result.prefill_tokens}
     ).to_csv(out_dir / "prefills.csv", index=False)
-    (out_dir / "metrics.json").write_text(json.dumps(metrics.as_dict(), indent=2))
+    (out_dir / "metrics.json").write_text(json.dumps({**metrics.as_dict(), **(extra or {})}, indent=2))
 
 
 @click.command()
@@ -325,17 +343,21 @@ def write_single_run(result: SimResult, requests: pd.DataFrame, metrics: RunMetr
 @click.option("--requests", "num_requests", type=click.IntRange(min=1), default=None, help=f"requests per workload and seed [default: {DEFAULT_REQUESTS}, --quick: {QUICK_REQUESTS}]")
 @click.option("--quick", is_flag=True, help=f"{QUICK_REQUESTS} requests per run instead of {DEFAULT_REQUESTS}")
 @click.option("--workload", "workloads", multiple=True, type=click.Choice(list(WORKLOADS)), help="repeatable; default: all four")
-def reproduce(out_dir: Path, seeds: int, num_requests: int | None, quick: bool, workloads: tuple[str, ...]) -> None:
+@cost_option()
+def reproduce(out_dir: Path, seeds: int, num_requests: int | None, quick: bool, workloads: tuple[str, ...], cost: ResolvedCost) -> None:
     """Reproduce the paper's study: Table 3 (25 ms) and Table 4 (10/25/50 ms), with plots."""
     if num_requests is None:
         num_requests = QUICK_REQUESTS if quick else DEFAULT_REQUESTS
-    config = StudyConfig(workloads=workloads or tuple(WORKLOADS), seeds=seeds, num_requests=num_requests)
+    config = StudyConfig(workloads=workloads or tuple(WORKLOADS), seeds=seeds, num_requests=num_requests, cost=cost.model)
     started = time.perf_counter()
     runs, samples = run_study(config)
     elapsed = time.perf_counter() - started
-    tables = write_study(runs, samples, config, out_dir, elapsed)
+    tables = write_study(runs, samples, config, out_dir, elapsed, cost)
     pd.set_option("display.width", 200)
     pd.set_option("display.max_columns", 20)
+    if not cost.is_analytic:
+        for line in cost.summary_lines():
+            click.echo(line)
     for name, frame in tables.items():
         click.echo(f"\n== {name} ==")
         click.echo(frame.to_string(index=False, float_format=lambda v: f"{v:.3f}"))

@@ -39,6 +39,7 @@ import pandas as pd
 
 from sloweave.studies.capacity import DEFAULT_ATTAINMENT, DEFAULT_WINDOW_S, CapacityStudy, LoadSource, SpecSource, trace_source
 from sloweave.core.cost import AnalyticCost, CostModel
+from sloweave.core.costs import KIND_STEP_PROFILE, ResolvedCost, cost_option
 from sloweave.core.policy import DEFAULT_MAX_CHUNK_TOKENS
 from sloweave.studies.replay import DEFAULT_TRACE_TTFT_MS, _pyplot
 from sloweave.sim.traces import FORMATS, TraceError, load_trace
@@ -412,13 +413,14 @@ def plot(result: TuneResult, path: Path) -> None:
     plt.close(fig)
 
 
-def write_outputs(result: TuneResult, engine: str, out_dir: Path, meta: dict | None = None) -> dict:
+def write_outputs(result: TuneResult, engine: str, out_dir: Path, meta: dict | None = None, notes: list[str] | tuple[str, ...] = ()) -> dict:
+    """tune.csv, tune.md (``notes`` under its title: e.g. the cost model's), tune.png and tune.json."""
     out_dir.mkdir(parents=True, exist_ok=True)
     full = pd.concat([result.table, pd.DataFrame([{**result.sloweave, "rule_of_thumb": False}])], ignore_index=True)
     full.to_csv(out_dir / "tune.csv", index=False)
     advice = recommendation(result, engine)
     (out_dir / "tune.md").write_text(
-        f"# sloweave tune: {result.source.get('name')}\n\n" + markdown_table(result) + "\n" + "\n".join(f"- {line}" for line in advice) + "\n"
+        f"# sloweave tune: {result.source.get('name')}\n\n" + "".join(f"{line}\n\n" for line in notes) + markdown_table(result) + "\n" + "\n".join(f"- {line}" for line in advice) + "\n"
     )
     plot(result, out_dir / "tune.png")
     payload = {
@@ -456,18 +458,25 @@ def _json_default(value):
 # --------------------------------------------------------------------------- command
 
 
-def _cost_from_profile(path: Path, kind: str, context_tokens: float | None, source: LoadSource) -> tuple[CostModel, dict]:
-    from sloweave.core.fit import FixedContextCost, fit_profile_file
+def mean_context_tokens(source: LoadSource) -> float:
+    """The workload's mean KV context per decode: its mean prompt plus half its mean output."""
+    frames = [source.workload(seed, 1.0) for seed in range(source.num_seeds)]
+    prompts = np.concatenate([w.prompt_tokens for w in frames])
+    outputs = np.concatenate([w.output_tokens for w in frames])
+    return float(prompts.mean() + outputs.mean() / 2)
 
-    fitted = fit_profile_file(path).cost(kind)
-    if context_tokens is None:
-        # The simulator does not track KV context: give each decode the workload's mean
-        # context, its prompt plus half its output (the advice in sloweave.core.fit).
-        frames = [source.workload(seed, 1.0) for seed in range(source.num_seeds)]
-        prompts = np.concatenate([w.prompt_tokens for w in frames])
-        outputs = np.concatenate([w.output_tokens for w in frames])
-        context_tokens = float(prompts.mean() + outputs.mean() / 2)
-    return FixedContextCost(fitted, context_tokens), {"profile": str(path), "kind": kind, "context_per_decode_tokens": context_tokens}
+
+def step_profile_cost(resolved: ResolvedCost, kind: str, context_tokens: float | None, source: LoadSource) -> ResolvedCost:
+    """A step-time profile as tune has always used it: the fitted ``kind`` at a fixed KV context
+    per decode (by default the workload's mean context, the advice in sloweave.core.fit)."""
+    return resolved.step_profile(kind, mean_context_tokens(source) if context_tokens is None else context_tokens)
+
+
+def _cost_from_profile(path: Path, kind: str, context_tokens: float | None, source: LoadSource) -> tuple[CostModel, dict]:
+    from sloweave.core.costs import resolve_cost
+
+    resolved = step_profile_cost(resolve_cost(str(path)), kind, context_tokens, source)
+    return resolved.model, resolved.description
 
 
 @click.command()
@@ -481,9 +490,9 @@ def _cost_from_profile(path: Path, kind: str, context_tokens: float | None, sour
 @click.option("--attainment", type=click.FloatRange(min=0, max=1, min_open=True), default=DEFAULT_ATTAINMENT, show_default=True)
 @click.option("--budget", "budgets", type=click.IntRange(min=1), multiple=True, help="repeat for a custom sweep [default: 256 ... 8192, powers of two and 1.5x between]")
 @click.option("--load-scale", type=float, default=None, help="load for the goodput comparison, as a rate scale [default: the best budget's capacity]")
-@click.option("--cost", "cost_path", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None, help="step-time profile (sloweave profile) instead of the analytic model")
-@click.option("--cost-kind", type=click.Choice(["regression", "table"]), default="regression", show_default=True)
-@click.option("--context-tokens", type=float, default=None, help="KV context per decode for a profile cost [default: mean prompt + half the mean output]")
+@cost_option()
+@click.option("--cost-kind", type=click.Choice(["regression", "table"]), default="regression", show_default=True, help="model fitted from a step-time profile file")
+@click.option("--context-tokens", type=float, default=None, help="KV context per decode for a step-time profile file [default: mean prompt + half the mean output]")
 @click.option("--seeds", type=click.IntRange(min=1), default=None, help="seeds / trace windows [default: 5; --quick 3]")
 @click.option("--requests", "num_requests", type=click.IntRange(min=1), default=None, help="requests per seed of a workload [default: 2000; --quick 800]")
 @click.option("--window-s", type=float, default=DEFAULT_WINDOW_S, show_default=True, help="trace window length")
@@ -492,10 +501,15 @@ def _cost_from_profile(path: Path, kind: str, context_tokens: float | None, sour
 @click.option("--refine/--no-refine", default=True, show_default=True, help="one more round between the best budget and its neighbours")
 @click.option("--quick", is_flag=True, help="3 seeds, 800 requests, 6 budgets (powers of two), lattice step 9 %")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), default=Path("results/tune"), show_default=True)
-def tune_command(workload, trace_path, fmt, engine, rule, tpot_ms, ttft_ms, attainment, budgets, load_scale, cost_path, cost_kind, context_tokens, seeds, num_requests, window_s, min_scale, max_chunk, refine, quick, out_dir) -> None:
+def tune_command(workload, trace_path, fmt, engine, rule, tpot_ms, ttft_ms, attainment, budgets, load_scale, cost, cost_kind, context_tokens, seeds, num_requests, window_s, min_scale, max_chunk, refine, quick, out_dir) -> None:
     """Sweep the fixed token budget of an engine and print the value to set."""
     if (trace_path is None) == (workload is None):
         raise click.UsageError("give exactly one of --workload NAME or --trace PATH")
+    if cost.kind != KIND_STEP_PROFILE:
+        given = click.get_current_context().get_parameter_source
+        for name, label in (("cost_kind", "--cost-kind"), ("context_tokens", "--context-tokens")):
+            if given(name) == click.core.ParameterSource.COMMANDLINE:
+                raise click.BadParameter(f"applies to a step-time profile file only, not --cost {cost.spec}", param_hint=label)
     for label, value in (("--tpot-ms", tpot_ms), ("--ttft-ms", ttft_ms), ("--load-scale", load_scale), ("--window-s", window_s), ("--context-tokens", context_tokens), ("--min-scale", min_scale)):
         if value is not None and not (math.isfinite(value) and value > 0):
             raise click.BadParameter(f"must be a finite number > 0, got {value!r}", param_hint=label)
@@ -511,16 +525,15 @@ def tune_command(workload, trace_path, fmt, engine, rule, tpot_ms, ttft_ms, atta
             spec = WORKLOADS[workload]
             source = SpecSource(spec, num_requests or (800 if quick else 2000), tuple(range(seeds)))
             ttft_ms = ttft_ms or spec.ttft_ms
-        cost, cost_info = AnalyticCost(), {"model": "analytic (the paper's)"}
-        if cost_path is not None:
-            cost, cost_info = _cost_from_profile(cost_path, cost_kind, context_tokens, source)
+        if cost.kind == KIND_STEP_PROFILE:
+            cost = step_profile_cost(cost, cost_kind, context_tokens, source)
         result = tune(
             source,
             rule,
             budgets,
             tpot_ms,
             ttft_ms,
-            cost,
+            cost.model,
             attainment,
             load_scale,
             steps_per_doubling=8 if quick else 16,
@@ -531,8 +544,11 @@ def tune_command(workload, trace_path, fmt, engine, rule, tpot_ms, ttft_ms, atta
         )
     except (TraceError, WorkloadError, ValueError) as err:
         raise click.UsageError(str(err)) from None
-    options = {k: str(v) if isinstance(v, Path) else v for k, v in click.get_current_context().params.items()}
-    payload = write_outputs(result, engine, out_dir, {"command": "tune", "options": options, "cost": cost_info})
+    options = {k: str(v) if isinstance(v, Path) else (v.spec if isinstance(v, ResolvedCost) else v) for k, v in click.get_current_context().params.items()}
+    notes = [] if cost.is_analytic else cost.summary_lines()
+    payload = write_outputs(result, engine, out_dir, {"command": "tune", "options": options, "cost": cost.description}, notes)
+    for line in notes:
+        click.echo(line)
     click.echo(markdown_table(result))
     for line in payload["advice"]:
         click.echo(line)

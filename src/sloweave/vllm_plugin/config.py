@@ -7,12 +7,12 @@ Sources, later ones win: defaults, environment variables ``SLOWEAVE_*``, and vLL
 |---|---|---|---|
 | tpot_ms | SLOWEAVE_TPOT_MS | 25 | default TPOT target; a request overrides it with `extra_args={"sloweave_tpot_ms": D}` |
 | max_chunk_tokens | SLOWEAVE_MAX_CHUNK_TOKENS | 4096 | C_max (also capped by `--max-num-batched-tokens`) |
-| cost | SLOWEAVE_COST | analytic | `analytic`, or a profile file (CSV/JSON) from `sloweave profile` / the GPU profiler |
-| cost_kind | SLOWEAVE_COST_KIND | regression | model fitted from a profile: `regression` or `table` |
+| cost | SLOWEAVE_COST | analytic | `analytic`, an operator-profile preset (`llama2-70b-tp2-a100`, `llama3-8b-tp1-a100`) or folder (Vidur's CSVs + `model.json`), or a step-time profile file (CSV/JSON) from `sloweave profile` / the GPU profiler; the same specs as the commands' `--cost` (`sloweave.core.costs.resolve_cost`); with `online_correction` it is the prior that measured step times correct |
+| cost_kind | SLOWEAVE_COST_KIND | regression | model fitted from a step-time profile file: `regression` or `table` |
 | analytic | - | paper's | coefficients of the analytic model (`base_ms`, `decode_base_ms`, ...) |
 | margin_ms | SLOWEAVE_MARGIN_MS | 0 | constant safety margin |
 | margin_fraction | SLOWEAVE_MARGIN_FRACTION | 0 | margin proportional to the prediction |
-| profile_margin | SLOWEAVE_PROFILE_MARGIN | false | use the profile's P99 residual margin (needs a profile) |
+| profile_margin | SLOWEAVE_PROFILE_MARGIN | false | use the profile's P99 residual margin (needs a step-time profile file) |
 | aging_ms | SLOWEAVE_AGING_MS | 2000 | a prompt waiting this long without progress gets a chunk anyway (`0`: off) |
 | aging_chunk_tokens | SLOWEAVE_AGING_CHUNK_TOKENS | 256 | size of that forced chunk |
 | online_correction | SLOWEAVE_ONLINE_CORRECTION | false | correct the cost model from measured step times (core calibration) |
@@ -57,10 +57,16 @@ class PluginConfig:
             _checked(non_negative_number, getattr(self, name), name)
         if self.cost_kind not in ("regression", "table"):
             raise PluginConfigError(f"sloweave config: cost_kind must be 'regression' or 'table', got {self.cost_kind!r}")
-        if self.cost != "analytic" and not os.path.isfile(self.cost):
-            raise PluginConfigError(f"sloweave config: cost must be 'analytic' or an existing profile file, got {self.cost!r}")
-        if self.profile_margin and self.cost == "analytic":
-            raise PluginConfigError("sloweave config: profile_margin needs cost set to a profile file")
+        if not isinstance(self.cost, str) or not (self.cost == "analytic" or self.cost in _presets() or os.path.exists(self.cost)):
+            raise PluginConfigError(
+                f"sloweave config: cost must be 'analytic', a preset ({', '.join(_presets())}), an operator-profile folder "
+                f"or an existing profile file, got {self.cost!r}"
+            )
+        if self.profile_margin and not os.path.isfile(self.cost):
+            raise PluginConfigError(
+                "sloweave config: profile_margin needs cost set to a step-time profile file "
+                "(the analytic model, a preset and an operator-profile folder have no residual margin)"
+            )
         for name in ("profile_margin", "online_correction"):
             if not isinstance(getattr(self, name), bool):
                 raise PluginConfigError(f"sloweave config: {name} must be true or false, got {getattr(self, name)!r}")
@@ -89,28 +95,35 @@ class PluginConfig:
             raise PluginConfigError(f"sloweave config: {err}") from None
 
     def build_cost_and_margin(self) -> tuple[CostModel, Margin]:
-        """The cost model T(n, c) and margin delta(n, c) the plug-in decides with."""
-        if self.cost == "analytic":
-            try:
-                cost: CostModel = AnalyticCost(**self.analytic)
-            except TypeError as err:
-                raise PluginConfigError(f"sloweave config: analytic: {err}") from None
-            except ValueError as err:
-                raise PluginConfigError(f"sloweave config: analytic: {err}") from None
-        else:
-            from sloweave.core.fit import ProfileError, fit_profile_file
+        """The cost model T(n, c) and margin delta(n, c) the plug-in decides with.
 
-            try:
-                fitted = fit_profile_file(self.cost)
-                cost = fitted.cost(self.cost_kind)
-            except (ProfileError, ValueError) as err:
-                raise PluginConfigError(f"sloweave config: cost profile {self.cost}: {err}") from None
-            cost = self._corrected(cost)
-            if self.profile_margin:
-                return cost, _sum_margins(fitted.margin(cost), self._plain_margin(cost))
-            return cost, self._plain_margin(cost)
-        cost = self._corrected(cost)
+        ``analytic`` takes the ``analytic`` coefficients; any other spec goes through the core's
+        ``resolve_cost``: a preset or an operator-profile folder gives a ``ProfileCost``, a step-time
+        profile file its fitted ``cost_kind``. Both read the KV context the controller sets each step.
+        """
+        resolved = self.resolved_cost()
+        cost = self._corrected(resolved.model)
+        if self.profile_margin:
+            return cost, _sum_margins(resolved.fit.margin(cost), self._plain_margin(cost))
         return cost, self._plain_margin(cost)
+
+    def resolved_cost(self):
+        """The ``cost`` spec resolved by the core (``sloweave.core.costs.ResolvedCost``): its model,
+        label and the description a result records (which profiles; whether attention is derived)."""
+        from sloweave.core.costs import ANALYTIC, KIND_ANALYTIC, ResolvedCost, analytic_description, resolve_cost
+
+        if self.cost == ANALYTIC:
+            try:
+                analytic = AnalyticCost(**self.analytic)
+            except (TypeError, ValueError) as err:
+                raise PluginConfigError(f"sloweave config: analytic: {err}") from None
+            return ResolvedCost(analytic, ANALYTIC, ANALYTIC, KIND_ANALYTIC, analytic_description(analytic))
+        is_file = os.path.isfile(self.cost)
+        try:
+            return resolve_cost(self.cost, cost_kind=self.cost_kind if is_file else "regression")
+        except ValueError as err:
+            what = "cost profile" if is_file else "cost"
+            raise PluginConfigError(f"sloweave config: {what} {self.cost}: {err}") from None
 
     def _corrected(self, cost: CostModel) -> CostModel:
         """With online correction, the cost wrapped so measured step times correct it."""
@@ -127,6 +140,12 @@ class PluginConfig:
         if self.margin_fraction:
             margins.append(RelativeMargin(cost, self.margin_fraction))
         return _sum_margins(*margins)
+
+
+def _presets() -> tuple[str, ...]:
+    from sloweave.core.operator_profiles import PRESETS
+
+    return PRESETS
 
 
 @dataclass(frozen=True)

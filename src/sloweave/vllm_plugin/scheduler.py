@@ -167,7 +167,7 @@ class SLOWeaveSchedulerMixin:
 
     def _step_state(self, now_ms: float, decodes: list[Request], partial: list[Request]) -> StepState:
         limit = self.sloweave.policy.max_chunk_tokens
-        pending, oldest = 0, None
+        pending, oldest, offer = 0, None, []
         # Prompts in the order vLLM will prefill them: partial chunks, then the waiting queue.
         for request in [*partial, *self.waiting]:
             if pending >= limit:
@@ -176,6 +176,7 @@ class SLOWeaveSchedulerMixin:
             if remaining <= 0:
                 continue
             pending += remaining
+            offer.append((remaining, request.num_computed_tokens))
             if oldest is None:
                 oldest = request
         prefix_tokens = oldest.num_computed_tokens if oldest is not None else 0
@@ -189,6 +190,7 @@ class SLOWeaveSchedulerMixin:
             decoding_ids=tuple(r.request_id for r in decodes),
             decode_kv_tokens=sum(r.num_computed_tokens + 1 for r in decodes),
             prefill_prefix_tokens=prefix_tokens,
+            prompts_on_offer=tuple(offer),
         )
 
 
