@@ -93,6 +93,7 @@ class ProfileCost(ContextualCost):
         self._decode_key = None
         self._decode_ms = 0.0
         self._offer: list[tuple[int, int]] | None = None
+        self.prefill_prefix_tokens = -1  # forces the first set_context to place the prefix
         self._check_monotone()
 
     def _check_monotone(self) -> None:
@@ -205,7 +206,8 @@ class ProfileCost(ContextualCost):
 
     def set_context(self, decode_kv_tokens: int, prefill_prefix_tokens: int) -> None:
         self.decode_kv_tokens = int(decode_kv_tokens)
-        self._set_prefix(int(prefill_prefix_tokens))
+        if prefill_prefix_tokens != self.prefill_prefix_tokens:  # most iterations keep the head's prefix
+            self._set_prefix(int(prefill_prefix_tokens))
 
     def _set_prefix(self, prefix: int) -> None:
         self.prefill_prefix_tokens = prefix
@@ -236,7 +238,9 @@ class ProfileCost(ContextualCost):
             else:
                 attention, pieces = self._spread(chunk_tokens, offer)
                 per_layer += attention
-        return self.layers * per_layer + self._cpu_ms(n_decodes + pieces)
+        if self.cpu_overhead:
+            return self.layers * per_layer + self._cpu_ms(n_decodes + pieces)
+        return self.layers * per_layer
 
     def _spread(self, chunk_tokens: int, offer: list[tuple[int, int]]) -> tuple[float, int]:
         """Attention of a chunk spread FCFS over the prompts on offer, and how many it touches."""
