@@ -13,8 +13,12 @@ requests meeting both targets; per seed, then mean and spread) for, like for lik
 TPOT targets are set per model from its own decode-only step (not the analytic model's):
 8B TP1 decodes in 12-21 ms, so 25 and 50 ms; 70B TP2 decodes in 57-110 ms, so 100 and
 150 ms. TTFT targets: the workloads' own (chat 1 s, mixed and bursty 2 s, long 5 s), the
-Azure conversation trace 1 s (a chat service), Mooncake 10 s (prompts of 12k tokens median,
-up to 191k: a 70B TP2 prefills about 3k tokens a second). KV memory is not limited here.
+Azure conversation trace 1 s (a chat service), Mooncake 10 s on the 8B and 30 s on the 70B
+(prompts of 12k tokens median, 38.6k at P90, up to 191k: a 70B TP2 prefills about 3k tokens
+a second, so its P90 prompt alone takes 12 s). KV memory is not limited here.
+
+Each (preset, input) is written as soon as it is done (``pairwise_<preset>_<input>.json``) and
+reused by a later run unless ``--fresh``, so an interrupted study resumes.
 
     .venv/bin/python benchmarks/real_cost_study.py [--quick] [--out results/real_cost]
 
@@ -51,6 +55,7 @@ INPUTS = {  # name -> (kind, TTFT ms)
     "azure_conv": ("trace", 1000.0),
     "mooncake": ("trace", 10000.0),
 }
+TTFT_BY_PRESET = {("llama2-70b-tp2-a100", "mooncake"): 30000.0}
 TRACE_FILES = {"azure_conv": "azure2023_conv.csv", "mooncake": "mooncake_synthetic.csv"}
 PAIRS = (("sloweave", "fixed-"), ("sloweave-multi", "sarathi-"))
 
@@ -87,13 +92,14 @@ def run_one(preset: str, name: str, args, cost) -> tuple[pd.DataFrame, list[dict
     tpots = PRESETS[preset]
     policies = ["sloweave", "sloweave-multi", "full", "orca"] + [f"fixed-{c}" for c in FIXED] + [f"sarathi-{b}" for b in SARATHI]
     source = source_for(name, args.seeds, args.requests)
-    study = CapacityStudy(source, policies, tpots, INPUTS[name][1], cost=cost, min_scale=1 / 1024, max_scale=64.0, steps_per_doubling=8)
+    ttft_ms = TTFT_BY_PRESET.get((preset, name), INPUTS[name][1])
+    study = CapacityStudy(source, policies, tpots, ttft_ms, cost=cost, min_scale=1 / 1024, max_scale=64.0, steps_per_doubling=8)
     started = time.perf_counter()
     capacities = study.capacities()
     frame = capacity_frame(capacities)
     per_seed = {(c.policy, c.tpot_ms): [s.rps for s in c.seeds] for c in capacities}
     rows = pairwise(frame, per_seed)
-    info = {"simulations": study.simulations, "seconds": round(time.perf_counter() - started, 1), "source": source.describe()}
+    info = {"simulations": study.simulations, "seconds": round(time.perf_counter() - started, 1), "ttft_ms": ttft_ms, "source": source.describe()}
     return frame, rows, info
 
 
@@ -101,9 +107,11 @@ def markdown(summary: list[dict]) -> str:
     lines = ["| cost | input | TPOT ms | policy | capacity req/s | best baseline | its capacity | ratio (seeds min-max) |", "|---|---|---|---|---|---|---|---|"]
     for r in summary:
         edge = " (edge of sweep)" if r["edge_of_sweep"] else ""
+        ratio = "no policy reaches the target at any load searched" if r["ratio"] is None else (
+            f"**{r['ratio']:.2f}x** ({r['ratio_seed_min']:.2f}-{r['ratio_seed_max']:.2f})")
         lines.append(
             f"| {r['preset']} | {r['input']} | {r['tpot_ms']:g} | {r['policy']} | {r['capacity_rps']:.3g} ± {r['std']:.2g} | {r['best_baseline']}{edge} | "
-            f"{r['baseline_capacity_rps']:.3g} ± {r['baseline_std']:.2g} | **{r['ratio']:.2f}x** ({r['ratio_seed_min']:.2f}-{r['ratio_seed_max']:.2f}) |"
+            f"{r['baseline_capacity_rps']:.3g} ± {r['baseline_std']:.2g} | {ratio} |"
         )
     return "\n".join(lines) + "\n"
 
@@ -116,6 +124,7 @@ def main() -> None:
     parser.add_argument("--preset", action="append", choices=sorted(PRESETS), help="default: both")
     parser.add_argument("--input", action="append", choices=sorted(INPUTS), help="default: all")
     parser.add_argument("--quick", action="store_true", help="2 seeds x 150 requests, chat and mixed only")
+    parser.add_argument("--fresh", action="store_true", help="recompute every (preset, input), ignoring earlier results in --out")
     args = parser.parse_args()
     if args.quick:
         args.seeds, args.requests, args.input = 2, 150, args.input or ["chat", "mixed"]
@@ -124,15 +133,21 @@ def main() -> None:
     for preset in args.preset or list(PRESETS):
         cost = profile_cost(preset)
         for name in args.input or list(INPUTS):
+            done = args.out / f"pairwise_{preset}_{name}.json"
+            settings = {"seeds": args.seeds, "requests": args.requests}
+            if done.exists() and not args.fresh and json.loads(done.read_text())["settings"] == settings:
+                summary.extend(json.loads(done.read_text())["rows"])
+                print(f"{preset} x {name}: reusing {done.name}", flush=True)
+                continue
             print(f"[{time.strftime('%H:%M:%S')}] {preset} x {name} ...", flush=True)
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")  # extrapolation is counted in the cost's description
                 frame, rows, info = run_one(preset, name, args, cost)
             frame.to_csv(args.out / f"capacity_{preset}_{name}.csv", index=False)
-            for row in rows:
-                summary.append({"preset": preset, "input": name, **row, **{k: v for k, v in info.items() if k != "source"}})
-            print(markdown([r for r in summary if r["preset"] == preset and r["input"] == name]), flush=True)
-            costs.setdefault(preset, cost.describe())  # first description; counts grow over the runs
+            mine = [{"preset": preset, "input": name, **row, **{k: v for k, v in info.items() if k != "source"}} for row in rows]
+            done.write_text(json.dumps({"settings": settings, "rows": mine, "source": info["source"], "cost": cost.describe()}, indent=1, allow_nan=False))
+            summary.extend(mine)
+            print(markdown(mine), flush=True)
         costs[preset] = cost.describe()
     pd.DataFrame(summary).to_csv(args.out / "pairwise.csv", index=False)
     doc = {
