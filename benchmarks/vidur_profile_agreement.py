@@ -55,6 +55,7 @@ from profile_validation import isolated_cost, source_state, strict  # noqa: E402
 from vidur_side_by_side import (  # noqa: E402
     TRACE_DATE,
     ensure_vidur,
+    format_table,
     load_requests,
     our_workload,
     p99_gap,
@@ -347,17 +348,11 @@ def schedule_summary(label: str, iter_start, iter_end, ttft, p99, e2e) -> dict:
 
 
 def fmt(frame: pd.DataFrame, columns: list[str], percent: set[str] = frozenset()) -> str:
-    shown = frame[columns].copy().astype(object)
-    for c in columns:
-        if c in percent:
-            shown[c] = [("-" if pd.isna(v) else f"{100 * v:+.2f}%" if "signed" in c else f"{100 * v:.2f}%") for v in frame[c]]
-        elif frame[c].dtype.kind == "f":
-            shown[c] = [("-" if pd.isna(v) else f"{v:.4g}") for v in frame[c]]
-    widths = {c: max(len(c), *(len(str(v)) for v in shown[c])) for c in columns}
-    lines = ["  ".join(f"{c:<{widths[c]}}" for c in columns)]
-    for _, row in shown.iterrows():
-        lines.append("  ".join(f"{str(row[c]):<{widths[c]}}" for c in columns))
-    return "\n".join(lines)
+    """The side-by-side benchmark's table, with ``percent`` columns shown as percentages."""
+    shown = frame[columns].copy()
+    for c in percent & set(columns):
+        shown[c] = [("-" if pd.isna(v) else f"{100 * v:+.2f}%" if "signed" in c else f"{100 * v:.2f}%") for v in frame[c]]
+    return format_table(shown, columns)
 
 
 # ---------------------------------------------------------------------------------------

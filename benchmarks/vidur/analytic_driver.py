@@ -50,6 +50,7 @@ from vidur.execution_time_predictor import (  # noqa: E402
 from vidur.simulator import Simulator  # noqa: E402
 from vidur.types import ExecutionTimePredictorType  # noqa: E402
 from vidur.utils.random import set_seeds  # noqa: E402
+from vidur_timing import time_output_writing  # noqa: E402 (beside this driver)
 
 _T_IMPORTED = time.perf_counter()
 
@@ -136,17 +137,7 @@ def main() -> None:
     simulator = Simulator(config)
     t_setup = time.perf_counter()
 
-    # Time Vidur's event loop and its output writing separately: wrap (not replace) the
-    # simulator's own output step.
-    write_seconds = {}
-    write_output = simulator._write_output
-
-    def timed_write_output() -> None:
-        start = time.perf_counter()
-        write_output()
-        write_seconds["write"] = time.perf_counter() - start
-
-    simulator._write_output = timed_write_output
+    write_seconds = time_output_writing(simulator)  # the event loop and the output writing, apart
     simulator.run()
     t_done = time.perf_counter()
 

@@ -73,6 +73,7 @@ from vidur.execution_time_predictor.sklearn_execution_time_predictor import Mode
 from vidur.simulator import Simulator  # noqa: E402
 from vidur.types import ExecutionTimePredictorType  # noqa: E402
 from vidur.utils.random import set_seeds  # noqa: E402
+from vidur_timing import time_output_writing  # noqa: E402 (beside this driver)
 
 _T_IMPORTED = time.perf_counter()
 
@@ -240,15 +241,7 @@ def simulate(vidur_args) -> None:
     t_config = time.perf_counter()
     simulator = Simulator(config)  # builds the predictor: from its cache when trained before
     t_setup = time.perf_counter()
-    write_seconds = {}
-    write_output = simulator._write_output
-
-    def timed_write_output() -> None:
-        start = time.perf_counter()
-        write_output()
-        write_seconds["write"] = time.perf_counter() - start
-
-    simulator._write_output = timed_write_output
+    write_seconds = time_output_writing(simulator)  # the event loop and the output writing, apart
     calls = {"n": 0}
     schedulers = list(simulator.scheduler._replica_schedulers.values())
     predictor = schedulers[0]._execution_time_predictor
