@@ -246,3 +246,44 @@ def brute_force_best_fast(cost, n, waiting, budget, max_chunk):
         if cost(n, c) <= budget:
             return c
     return None
+
+
+class TiledCost:
+    """T(n, c) = 1 + 0.01 n + 0.01 (n + c) + a 2 ms ramp over the 8 tokens past every 128 (a GPU's tile
+    step, interpolated between profiled points as the profile cost does)."""
+
+    tile_edges = [128, 256, 384]
+
+    def __call__(self, n, c):
+        if not c:
+            return 1.0 + 0.01 * n
+        tokens = n + c
+        steps = sum(min(1.0, max(0.0, (tokens - edge) / 8)) for edge in self.tile_edges)
+        return 1.0 + 0.01 * n + 0.01 * tokens + 2.0 * steps
+
+
+def test_on_a_tiled_cost_the_chunk_that_prefills_fastest_is_taken_not_the_largest():
+    cost = TiledCost()
+    policy = SLOWeave(cost=cost)
+    # n = 8, budget 3.41 ms: the largest fitting chunk is 124 (132 tokens, 3.40 ms: half a tile step
+    # for 4 tokens); 120 (128 tokens, 2.36 ms) prefills faster: 50.8 against 36.5 tokens per ms
+    assert policy._largest_fitting(8, 5000, 3.41).chunk_tokens == 124
+    assert policy.decide(8, 5000, 3.41) == (120, False)
+    # far from an edge the largest chunk is the fastest too
+    assert policy.decide(8, 5000, 2.2) == policy._largest_fitting(8, 5000, 2.2)
+    # the whole remaining prompt fits: it is finished, whatever the rate
+    assert policy.decide(8, 124, 3.41) == (124, False)
+    # never past the deadline, never larger than the largest fitting chunk, never slower than it
+    for n in (1, 8, 60, 120, 200):
+        for budget in (3.5, 5.0, 6.5, 8.0, 9.9):
+            largest = policy._largest_fitting(n, 10_000, budget)
+            chunk, infeasible = policy.decide(n, 10_000, budget)
+            assert chunk <= largest.chunk_tokens and infeasible == largest.infeasible
+            if chunk:
+                assert cost(n, chunk) <= budget and chunk / cost(n, chunk) >= largest.chunk_tokens / cost(n, largest.chunk_tokens)
+
+
+def test_a_cost_without_tile_edges_keeps_the_largest_fitting_chunk():
+    policy = SLOWeave(cost=AnalyticCost())
+    for n, budget in ((4, 10.0), (64, 25.0), (200, 40.0)):
+        assert policy.decide(n, 4096, budget) == policy._largest_fitting(n, 4096, budget)

@@ -10,6 +10,7 @@ policy object decide in the simulator, the CPU runtime and the vLLM plug-in.
 
 from __future__ import annotations
 
+import bisect
 import math
 import re
 from contextlib import nullcontext
@@ -96,11 +97,40 @@ class SLOWeave:
         constant = isinstance(margin, (ZeroMargin, ConstantMargin))
         object.__setattr__(self, "_constant_margin_ms", margin(0, 0) if constant else 0.0)
         object.__setattr__(self, "_estimate", getattr(cost, "chunk_estimate", None) if constant else None)
+        edges = getattr(cost, "tile_edges", None)
+        object.__setattr__(self, "_tile_edges", list(edges) if edges else None)
 
     def predicted_ms(self, n_decodes: int, chunk_tokens: int) -> float:
         return self._predicted(n_decodes, chunk_tokens)
 
     def decide(self, n_decodes: int, waiting_tokens: int, budget_ms: float) -> Decision:
+        decision = self._largest_fitting(n_decodes, waiting_tokens, budget_ms)
+        chunk = decision.chunk_tokens
+        if self._tile_edges is None or not chunk or chunk >= min(self.max_chunk_tokens, waiting_tokens):
+            return decision  # nothing to weigh, or the whole prompt fits: finishing it serves TTFT best
+        return Decision(self._best_rate(n_decodes, chunk))
+
+    def _best_rate(self, n_decodes: int, chunk: int) -> int:
+        """The chunk <= ``chunk`` that prefills fastest, c / (T(n, c) + delta(n, c)).
+
+        On a linear cost that is the largest one. On a GPU's measured cost the token-parallel
+        kernels run in tiles, so T jumps just past each tile edge; the largest chunk that fits
+        can land just past one and pay the jump with a few tokens. The edges come from the cost
+        model (``tile_edges``: profiled token counts after which the per-token time rises); the
+        nearest ones below the iteration's tokens are weighed against the largest chunk.
+        """
+        edges = self._tile_edges
+        i = bisect.bisect_left(edges, n_decodes + chunk)
+        best, best_rate = chunk, chunk / self._predicted(n_decodes, chunk)
+        for edge in edges[max(0, i - 3) : i]:
+            c = edge - n_decodes
+            if c > 0:
+                rate = c / self._predicted(n_decodes, c)
+                if rate > best_rate:
+                    best, best_rate = c, rate
+        return best
+
+    def _largest_fitting(self, n_decodes: int, waiting_tokens: int, budget_ms: float) -> Decision:
         upper = min(self.max_chunk_tokens, waiting_tokens)
         if n_decodes == 0:
             return Decision(upper)

@@ -127,6 +127,11 @@ class ProfileCost(ContextualCost):
         per_layer[0] = 0.0  # no tokens, no work
         self._tokens = per_layer.tolist()
         self._tokens_slope = slope
+        # Tile edges: profiled token counts after which the per-token time rises (kernels run in
+        # tiles, so the time jumps just past each edge); the policy weighs chunks ending there.
+        points = [int(t) for t in grid if t >= 1]
+        per_token = [self._tokens[t] / t for t in points]
+        self.tile_edges = [t for t, here, after in zip(points, per_token, per_token[1:]) if after > here]
 
     def _build_decode(self) -> None:
         decode = self.profiles.decode
