@@ -111,24 +111,23 @@ class SLOWeave:
         return Decision(self._best_rate(n_decodes, chunk))
 
     def _best_rate(self, n_decodes: int, chunk: int) -> int:
-        """The chunk <= ``chunk`` that prefills fastest, c / (T(n, c) + delta(n, c)).
+        """``chunk``, or the chunk ending at the tile edge just below it if that prefills faster,
+        c / (T(n, c) + delta(n, c)).
 
-        On a linear cost that is the largest one. On a GPU's measured cost the token-parallel
-        kernels run in tiles, so T jumps just past each tile edge; the largest chunk that fits
-        can land just past one and pay the jump with a few tokens. The edges come from the cost
-        model (``tile_edges``: profiled token counts after which the per-token time rises); the
-        nearest ones below the iteration's tokens are weighed against the largest chunk.
+        On a linear cost the largest chunk is the fastest. On a GPU's measured cost the
+        token-parallel kernels run in tiles, so T jumps just past each tile edge, and the largest
+        chunk that fits can land just past one and pay the jump with a few tokens. The edges come
+        from the cost model (``tile_edges``: profiled token counts after which the per-token time
+        rises); one more cost query per decision.
         """
-        edges = self._tile_edges
-        i = bisect.bisect_left(edges, n_decodes + chunk)
-        best, best_rate = chunk, chunk / self._predicted(n_decodes, chunk)
-        for edge in edges[max(0, i - 3) : i]:
-            c = edge - n_decodes
-            if c > 0:
-                rate = c / self._predicted(n_decodes, c)
-                if rate > best_rate:
-                    best, best_rate = c, rate
-        return best
+        i = bisect.bisect_left(self._tile_edges, n_decodes + chunk)
+        if i == 0:
+            return chunk
+        edge_chunk = self._tile_edges[i - 1] - n_decodes
+        if edge_chunk <= 0:
+            return chunk
+        faster = edge_chunk * self._predicted(n_decodes, chunk) > chunk * self._predicted(n_decodes, edge_chunk)
+        return edge_chunk if faster else chunk
 
     def _largest_fitting(self, n_decodes: int, waiting_tokens: int, budget_ms: float) -> Decision:
         upper = min(self.max_chunk_tokens, waiting_tokens)
