@@ -20,7 +20,6 @@ imported only when it is used).
 
 from __future__ import annotations
 
-import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -28,6 +27,7 @@ from sloweave.core.cost import AnalyticCost, CostModel
 from sloweave.core.fit import ContextualCost, FitResult, FixedContextCost, ProfileError, fit_profile_file
 from sloweave.core.operator_profiles import PRESETS
 from sloweave.core.profile_cost import ProfileCost, profile_cost
+from sloweave.core.validate import finite_number
 
 ANALYTIC = "analytic"
 # What ResolvedCost.kind says.
@@ -113,8 +113,7 @@ class ResolvedCost:
                 f"cost {self.spec!r} has no model shape, so no KV size per token: "
                 f"use a preset ({', '.join(PRESETS)}) or an operator-profile folder"
             )
-        if not (isinstance(gib, (int, float)) and math.isfinite(gib) and gib > 0):
-            raise ValueError(f"KV memory must be a finite number of GiB > 0, got {gib!r}")
+        finite_number(gib, "KV memory", unit=" of GiB")
         tokens = profile.shape.kv_tokens_in(gib)
         if tokens < 1:
             raise ValueError(
@@ -194,8 +193,8 @@ def _no_step_options(spec: str, cost_kind: str, context_tokens: float | None) ->
 def _step_profile(spec: str, fit: FitResult, cost_kind: str, context_tokens: float | None) -> ResolvedCost:
     if cost_kind not in STEP_PROFILE_KINDS:
         raise ValueError(f"cost {spec!r}: unknown fitted kind {cost_kind!r}; choose {' or '.join(STEP_PROFILE_KINDS)}")
-    if context_tokens is not None and not (math.isfinite(context_tokens) and context_tokens >= 0):
-        raise ValueError(f"cost {spec!r}: the KV context per decode must be a finite number of tokens >= 0, got {context_tokens!r}")
+    if context_tokens is not None:
+        finite_number(context_tokens, f"cost {spec!r}: the KV context per decode", positive=False, unit=" of tokens")
     try:
         fitted: ContextualCost = fit.cost(cost_kind)
     except ProfileError as err:

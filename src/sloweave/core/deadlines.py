@@ -20,7 +20,7 @@ class DeadlineTracker:
     """Earliest next-token deadline over the active requests, times in milliseconds."""
 
     def __init__(self, default_tpot_ms: float) -> None:
-        _check_target(default_tpot_ms, "default_tpot_ms")
+        positive_ms(default_tpot_ms, "default_tpot_ms")
         self.default_tpot_ms = float(default_tpot_ms)
         # request id -> (deadline_ms, version); the heap holds (deadline_ms, version, id).
         self._current: dict[Hashable, tuple[float, int]] = {}
@@ -39,7 +39,7 @@ class DeadlineTracker:
         if request_id in self._current:
             raise ValueError(f"request {request_id!r} is already tracked")
         target = self.default_tpot_ms if tpot_ms is None else float(tpot_ms)
-        _check_target(target, f"tpot_ms of request {request_id!r}")
+        positive_ms(target, f"tpot_ms of request {request_id!r}")
         self._targets[request_id] = target
         self._push(request_id, last_token_ms + target)
 
@@ -91,7 +91,3 @@ class DeadlineTracker:
 def budget_until(deadline_ms: float, now_ms: float) -> float:
     """The time budget from ``now_ms`` to a deadline: max(0, d - s), rounded to the nanosecond."""
     return max(0.0, round(deadline_ms - now_ms, 6))
-
-
-def _check_target(value: float, name: str) -> None:
-    positive_ms(value, name)

@@ -92,8 +92,8 @@ def load_profiles(spec: str | Path) -> OperatorProfiles:
     folder = preset_folder(str(spec)) if str(spec) in PRESETS else Path(spec)
     if not folder.is_dir():
         raise ProfileError(f"profile folder {folder} does not exist (presets: {', '.join(PRESETS)})")
-    shape, model = _read_model(folder)
-    mlp = _read_mlp(folder / "mlp.csv", shape)
+    shape, model, mlp_rows = _read_model(folder)
+    mlp = _read_mlp(mlp_rows, folder / "mlp.csv", shape)
     attention = model.get("attention", "measured")
     if attention == "measured":
         decode, prefill = _read_attention(folder / "attention.csv", shape)
@@ -114,7 +114,8 @@ def load_profiles(spec: str | Path) -> OperatorProfiles:
 # ----------------------------------------------------------------------------- the files
 
 
-def _read_model(folder: Path) -> tuple[ModelShape, dict]:
+def _read_model(folder: Path) -> tuple[ModelShape, dict, pd.DataFrame]:
+    """The model's shape (model.json and the shape columns of mlp.csv), model.json, and mlp.csv's rows."""
     path = folder / "model.json"
     if not path.exists():
         raise ProfileError(f"{folder}: no model.json (it names the model and gives num_layers and tensor_parallel)")
@@ -129,7 +130,7 @@ def _read_model(folder: Path) -> tuple[ModelShape, dict]:
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ProfileError(f"{path}: {key} must be a whole number >= 1, got {value!r}")
     shape_columns = ("n_head", "n_kv_head", "n_embd", "num_tokens", "num_tensor_parallel_workers")
-    mlp = _read_csv(folder / "mlp.csv", shape_columns, counts=shape_columns)
+    mlp = _read_csv(folder / "mlp.csv", shape_columns + tuple(median(op) for op in TOKEN_OPS), counts=shape_columns)
     for column in ("n_head", "n_kv_head", "n_embd"):
         if mlp[column].nunique() != 1:
             raise ProfileError(f"{folder / 'mlp.csv'}: {column} takes several values; one model per folder")
@@ -137,7 +138,7 @@ def _read_model(folder: Path) -> tuple[ModelShape, dict]:
         str(model.get("name", folder.name)), model["num_layers"], int(mlp["n_embd"].iloc[0]),
         int(mlp["n_head"].iloc[0]), int(mlp["n_kv_head"].iloc[0]), model["tensor_parallel"],
     )
-    return shape, model
+    return shape, model, mlp
 
 
 def _read_csv(path: Path, columns: tuple[str, ...], counts: tuple[str, ...] = ()) -> pd.DataFrame:
@@ -172,9 +173,9 @@ def _check_numbers(frame: pd.DataFrame, column: str, path: Path, kind: str, rows
     frame[column] = values
 
 
-def _read_mlp(path: Path, shape: ModelShape) -> pd.DataFrame:
+def _read_mlp(frame: pd.DataFrame, path: Path, shape: ModelShape) -> pd.DataFrame:
+    """Per-layer token-parallel time by token count at the model's tensor parallelism (``frame``: mlp.csv)."""
     columns = tuple(median(op) for op in TOKEN_OPS)
-    frame = _read_csv(path, ("num_tokens", "num_tensor_parallel_workers") + columns, counts=("num_tokens", "num_tensor_parallel_workers"))
     for column in columns:
         _check_numbers(frame, column, path, kind="time")
     mine = frame[frame["num_tensor_parallel_workers"] == shape.tensor_parallel]
@@ -215,7 +216,7 @@ def _derived_attention(source: str, folder: Path, shape: ModelShape) -> tuple[pd
     Prefill attention is compute-bound: time x (query heads per GPU x head size).
     """
     source_folder = preset_folder(source) if source in PRESETS else (folder / source).resolve()
-    source_shape, _ = _read_model(source_folder)
+    source_shape, _, _ = _read_model(source_folder)
     decode, prefill = _read_attention(source_folder / "attention.csv", source_shape)
 
     def per_gpu(heads: int, s: ModelShape) -> float:

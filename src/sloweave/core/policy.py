@@ -50,10 +50,6 @@ def _check_max_prefills(value: int | None) -> None:
         raise ValueError(f"max_prefills must be 1 (one prompt per iteration) or None (several), got {value!r}")
 
 
-def _check_chunk(value: int, what: str) -> int:
-    return positive_tokens(value, what)
-
-
 @dataclass(frozen=True)
 class SLOWeave:
     """The largest prefill chunk whose predicted iteration time meets the earliest deadline.
@@ -81,7 +77,7 @@ class SLOWeave:
         return self.max_chunk_tokens
 
     def __post_init__(self) -> None:
-        _check_chunk(self.max_chunk_tokens, "max_chunk_tokens")
+        positive_tokens(self.max_chunk_tokens, "max_chunk_tokens")
         _check_max_prefills(self.max_prefills)
         if self.repair_non_monotone:
             object.__setattr__(self, "cost", MonotoneRepair(self.cost, self.max_chunk_tokens))
@@ -224,7 +220,7 @@ class Aging:
 
     def __post_init__(self) -> None:
         positive_ms(self.aging_ms, "aging_ms")
-        _check_chunk(self.chunk_tokens, "aging chunk_tokens")
+        positive_tokens(self.chunk_tokens, "aging chunk_tokens")
 
     def apply(self, chunk_tokens: int, waiting_tokens: int, waited_ms: float) -> tuple[int, bool]:
         """(chunk, forced): the policy's chunk, or the aging chunk when the head starves."""
@@ -294,7 +290,7 @@ class FixedChunk:
     chunk_tokens: int
 
     def __post_init__(self) -> None:
-        _check_chunk(self.chunk_tokens, "Fixed-C chunk size")
+        positive_tokens(self.chunk_tokens, "Fixed-C chunk size")
 
     @property
     def name(self) -> str:
@@ -325,7 +321,7 @@ class TokenBudget:
     max_prefills: int | None = 1
 
     def __post_init__(self) -> None:
-        _check_chunk(self.budget_tokens, "token budget")
+        positive_tokens(self.budget_tokens, "token budget")
         _check_max_prefills(self.max_prefills)
 
     @property

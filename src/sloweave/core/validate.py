@@ -6,25 +6,32 @@ import math
 from numbers import Integral, Real
 
 
+def finite_number(value, name: str, *, positive: bool = True, unit: str = "", otherwise: str = "") -> float:
+    """A finite number > 0 (``positive``) or >= 0; ``unit`` (" of GiB") and ``otherwise`` (" or None")
+    only shape the message: "<name> must be a finite number<unit> > 0<otherwise>, got <value>"."""
+    if isinstance(value, bool) or not isinstance(value, Real) or not (math.isfinite(value) and (value > 0 if positive else value >= 0)):
+        raise ValueError(f"{name} must be a finite number{unit} {'>' if positive else '>='} 0{otherwise}, got {value!r}")
+    return float(value)
+
+
 def positive_ms(value, name: str) -> float:
     """A finite number of milliseconds > 0 (a TPOT target, an aging threshold, ...)."""
-    if isinstance(value, bool) or not isinstance(value, Real) or not (math.isfinite(value) and value > 0):
-        raise ValueError(f"{name} must be a finite number of milliseconds > 0, got {value!r}")
-    return float(value)
+    return finite_number(value, name, unit=" of milliseconds")
 
 
 def positive_number(value, name: str) -> float:
     """A finite number > 0 (in whatever unit ``name`` says)."""
-    if isinstance(value, bool) or not isinstance(value, Real) or not (math.isfinite(value) and value > 0):
-        raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
-    return float(value)
+    return finite_number(value, name)
 
 
 def non_negative_number(value, name: str) -> float:
     """A finite number >= 0 (a margin, an off-able threshold)."""
-    if isinstance(value, bool) or not isinstance(value, Real) or not (math.isfinite(value) and value >= 0):
-        raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
-    return float(value)
+    return finite_number(value, name, positive=False)
+
+
+def positive_fraction(value, name: str) -> float:
+    """A finite number > 0 for an option that may also be None (a slack factor, a headroom share)."""
+    return finite_number(value, name, otherwise=" or None")
 
 
 def whole_number(value, name: str, minimum: int = 1, unit: str = "") -> int:
@@ -39,10 +46,3 @@ def positive_tokens(value, name: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise ValueError(f"{name} must be a positive whole number of tokens, got {value!r}")
     return value
-
-
-def positive_fraction(value, name: str) -> float:
-    """A finite number > 0 (a slack factor, a headroom share)."""
-    if isinstance(value, bool) or not isinstance(value, Real) or not (math.isfinite(value) and value > 0):
-        raise ValueError(f"{name} must be a finite number > 0 or None, got {value!r}")
-    return float(value)

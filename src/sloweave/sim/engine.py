@@ -138,7 +138,7 @@ class Engine:
             self.deadlines.started(request, self.end_ms, self.iteration, last_iter)
 
     def result(self) -> SimResult:
-        r, refused = self.requests, self.memory.limited or isinstance(self.arrivals.gate, AdmissionGate)
+        r, gated = self.requests, isinstance(self.arrivals.gate, AdmissionGate)
         return SimResult(
             workload=self.workload,
             policy_name=self.policy.name,
@@ -147,8 +147,8 @@ class Engine:
             first_token_iter=np.asarray(r.first_token_iter, dtype=np.int64),
             finished=np.asarray(r.finish_iter, dtype=np.int64) != NOT_STARTED,
             horizon_ms=self.horizon_ms,
-            rejected_reason=np.asarray(r.rejected_reason, dtype=object) if refused else None,
-            deferred_reason=np.asarray(r.deferred_reason, dtype=object) if isinstance(self.arrivals.gate, AdmissionGate) else None,
+            rejected_reason=np.asarray(r.rejected_reason, dtype=object) if gated or self.memory.limited else None,
+            deferred_reason=np.asarray(r.deferred_reason, dtype=object) if gated else None,
             slo_exceptions=tuple(getattr(self.decide, "exceptions", ())),
             preemptions=self.memory.preemptions,
             recompute_tokens=self.memory.recompute_tokens,
