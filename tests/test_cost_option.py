@@ -3,14 +3,13 @@
 import json
 import warnings
 
-import pandas as pd
 import pytest
 from click.testing import CliRunner
 
 from sloweave.cli import main
 from sloweave.core.cost import AnalyticCost
 from sloweave.core.costs import ContextBlindCost, ResolvedCost, context_models, resolve_cost
-from sloweave.core.fit import FixedContextCost, ProfileError, RegressionCost, write_profile
+from sloweave.core.fit import FixedContextCost, ProfileError, RegressionCost
 from sloweave.core.operator_profiles import PRESETS, preset_folder
 from sloweave.core.profile_cost import ProfileCost, profile_cost
 
@@ -25,18 +24,6 @@ def _quiet_extrapolation():
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
         yield
-
-
-def step_profile(path):
-    """A small step-time profile (the format `sloweave profile` writes), timed by the analytic model."""
-    analytic = AnalyticCost()
-    rows = [
-        dict(n_decodes=n, chunk_tokens=c, decode_kv_tokens=n * 300, prefill_prefix_tokens=0, step_ms=analytic(n, c), split="fit")
-        for n in (0, 1, 4, 16, 64)
-        for c in (0, 64, 256, 1024, 4096)
-        if n or c
-    ]
-    return write_profile(pd.DataFrame(rows), path)
 
 
 # ----------------------------------------------------------------------------- resolve_cost
@@ -83,8 +70,8 @@ def test_a_profile_folder_and_the_kv_capacity_of_its_model():
         resolved.kv_tokens_in(0)
 
 
-def test_a_step_time_profile_file_is_fitted_as_tune_always_did(tmp_path):
-    path = step_profile(tmp_path / "profile.csv")
+def test_a_step_time_profile_file_is_fitted_as_tune_always_did(tmp_path, analytic_step_profile):
+    path = analytic_step_profile
     resolved = resolve_cost(str(path))
     assert resolved.kind == "step-time-profile" and isinstance(resolved.model, RegressionCost)
     assert resolved.description["profile"] == str(path) and resolved.description["kind"] == "regression"
@@ -208,8 +195,8 @@ def test_tune_with_a_preset_and_its_options_for_files_only(tmp_path):
     assert bad.exit_code == 2 and "--context-tokens" in bad.output and "step-time profile file only" in bad.output
 
 
-def test_tune_keeps_a_step_time_profile_at_a_fixed_context(tmp_path):
-    path = step_profile(tmp_path / "profile.csv")
+def test_tune_keeps_a_step_time_profile_at_a_fixed_context(tmp_path, analytic_step_profile):
+    path = analytic_step_profile
     out = tmp_path / "tune"
     args = ["tune", "--workload", "chat", "--quick", "--seeds", "1", "--requests", "60", "--no-refine", "--budget", "512"]
     invoke([*args, "--cost", str(path), "--context-tokens", "250", "--out", str(out)])
@@ -234,8 +221,8 @@ def test_reproduce_with_a_preset(tmp_path):
     assert "not measured" in (out / "report.md").read_text()
 
 
-def test_simulate_with_a_step_time_profile_reads_the_simulators_kv_context(tmp_path):
-    path = step_profile(tmp_path / "profile.csv")
+def test_simulate_with_a_step_time_profile_reads_the_simulators_kv_context(tmp_path, analytic_step_profile):
+    path = analytic_step_profile
     out = tmp_path / "sim"
     result = invoke(["simulate", "--workload", "chat", "--requests", "60", "--cost", str(path), "--out", str(out)])
     cost = json.loads((out / "metrics.json").read_text())["cost"]

@@ -153,21 +153,9 @@ def test_cli_refuses_bad_input():
     assert bad.exit_code == 2 and "--tpot-ms" in bad.output
 
 
-def test_cli_with_a_step_time_profile_as_the_cost_model(tmp_path):
+def test_cli_with_a_step_time_profile_as_the_cost_model(tmp_path, analytic_step_profile):
     """A profile (the format `sloweave profile` writes) is fitted and wrapped as a plain T(n, c)."""
-    import pandas as pd
-
-    from sloweave.core.cost import AnalyticCost
-    from sloweave.core.fit import write_profile
-
-    analytic = AnalyticCost()
-    rows = [
-        dict(n_decodes=n, chunk_tokens=c, decode_kv_tokens=n * 300, prefill_prefix_tokens=0, step_ms=analytic(n, c), split="fit")
-        for n in (0, 1, 4, 16, 64)
-        for c in (0, 64, 256, 1024, 4096)
-        if n or c
-    ]
-    profile = write_profile(pd.DataFrame(rows), tmp_path / "profile.csv")
+    profile = analytic_step_profile
     out = tmp_path / "tune"
     args = ["tune", "--workload", "chat", "--requests", "200", "--seeds", "1", "--quick", "--no-refine"]
     args += ["--budget", "256", "--budget", "1024", "--cost", str(profile), "--out", str(out)]
