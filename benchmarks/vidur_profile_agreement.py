@@ -53,13 +53,14 @@ import pandas as pd
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from profile_validation import isolated_cost, source_state, strict  # noqa: E402
 from vidur_side_by_side import (  # noqa: E402
-    TRACE_DATE,
     ensure_vidur,
     format_table,
+    output_args,
     load_requests,
     our_workload,
     p99_gap,
     read_vidur_outputs,
+    trace_replay_args,
     venv_python,
     write_vidur_trace,
 )
@@ -280,15 +281,7 @@ def vidur_sim_args(trace_csv: Path, time_scale: float, max_tokens: int, compute:
         "--replica_config_device", "a100",
         "--replica_config_network_device", "a100_pairwise_nvlink",
         "--replica_config_tensor_parallel_size", "2",
-        "--cache_config_num_blocks", str(10**9),
-        "--cache_config_watermark_blocks_fraction", "0",
-        "--request_generator_config_type", "trace_replay",
-        "--trace_request_generator_config_trace_file", str(trace_csv),
-        "--trace_request_generator_config_date", TRACE_DATE,
-        "--trace_request_generator_config_prefill_scale_factor", "1",
-        "--trace_request_generator_config_decode_scale_factor", "1",
-        "--trace_request_generator_config_time_scale_factor", repr(time_scale),
-        "--trace_request_generator_config_max_tokens", str(max_tokens),
+        *trace_replay_args(trace_csv, time_scale, max_tokens),
         "--execution_time_predictor_config_type", "random_forrest",
         rf + "model_profiling_dataset", str(compute),
         rf + "network_profiling_dataset", str(network),
@@ -297,12 +290,8 @@ def vidur_sim_args(trace_csv: Path, time_scale: float, max_tokens: int, compute:
         "--replica_scheduler_config_type", "sarathi",
         "--sarathi_scheduler_config_chunk_size", str(SARATHI_BUDGET),
         "--sarathi_scheduler_config_batch_size_cap", str(BATCH_CAP),
-        "--metrics_config_output_dir", str(out_dir),
-        "--no-metrics_config_store_plots",
     ]
-    if lean:
-        args += ["--no-metrics_config_write_metrics", "--no-metrics_config_enable_chrome_trace"]
-    return ["simulate", "--"] + args
+    return ["simulate", "--"] + args + output_args(out_dir, lean)
 
 
 # ---------------------------------------------------------------------------------------

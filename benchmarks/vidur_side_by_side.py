@@ -188,6 +188,16 @@ def vidur_args(scheduler: str, trace_csv: Path, time_scale: float, max_tokens: i
         "--replica_config_model_name", "meta-llama/Llama-3-8B",
         "--replica_config_device", "h100",
         "--replica_config_tensor_parallel_size", "8",
+        *trace_replay_args(trace_csv, time_scale, max_tokens),
+        # the analytic predictor (registered by the driver under Vidur's DUMMY key)
+        "--execution_time_predictor_config_type", "dummy",
+    ]
+    return args + SCHEDULERS[scheduler][1] + output_args(out_dir, lean)
+
+
+def trace_replay_args(trace_csv: Path, time_scale: float, max_tokens: int) -> list[str]:
+    """Vidur replaying our trace as is, with its KV-cache limits off."""
+    return [
         # KV-cache limits off: a billion blocks and no watermark, so no admission stalls and
         # no preemption/restarts.
         "--cache_config_num_blocks", str(10**9),
@@ -201,12 +211,12 @@ def vidur_args(scheduler: str, trace_csv: Path, time_scale: float, max_tokens: i
         "--trace_request_generator_config_decode_scale_factor", "1",
         "--trace_request_generator_config_time_scale_factor", repr(time_scale),
         "--trace_request_generator_config_max_tokens", str(max_tokens),
-        # the analytic predictor (registered by the driver under Vidur's DUMMY key)
-        "--execution_time_predictor_config_type", "dummy",
-        "--metrics_config_output_dir", str(out_dir),
-        "--no-metrics_config_store_plots",
     ]
-    args += SCHEDULERS[scheduler][1]
+
+
+def output_args(out_dir: Path, lean: bool) -> list[str]:
+    """Vidur's outputs (no plots); ``lean``: no metrics and no chrome trace either."""
+    args = ["--metrics_config_output_dir", str(out_dir), "--no-metrics_config_store_plots"]
     if lean:
         args += ["--no-metrics_config_write_metrics", "--no-metrics_config_enable_chrome_trace"]
     return args

@@ -37,7 +37,6 @@ import time
 
 _T_START = time.perf_counter()
 
-import json  # noqa: E402
 import sys  # noqa: E402
 from dataclasses import dataclass, field  # noqa: E402
 
@@ -50,7 +49,7 @@ from vidur.execution_time_predictor import (  # noqa: E402
 from vidur.simulator import Simulator  # noqa: E402
 from vidur.types import ExecutionTimePredictorType  # noqa: E402
 from vidur.utils.random import set_seeds  # noqa: E402
-from vidur_timing import time_output_writing  # noqa: E402 (beside this driver)
+from vidur_timing import phase_seconds, report, time_output_writing  # noqa: E402 (beside this driver)
 
 _T_IMPORTED = time.perf_counter()
 
@@ -153,22 +152,14 @@ def main() -> None:
                 "num_stages": replica_scheduler._num_stages,
             }
         )
-    write_s = write_seconds.get("write", 0.0)
     result = {
         "output_dir": config.metrics_config.output_dir,
         "iterations": predictor.num_calls if predictor is not None else None,
-        "import_s": _T_IMPORTED - _T_START,
-        "config_s": t_config - _T_IMPORTED,
-        "setup_s": t_setup - t_config,
-        "loop_s": (t_done - t_setup) - write_s,
-        "write_s": write_s,
-        "total_s": t_done - _T_START,
+        **phase_seconds(_T_START, _T_IMPORTED, t_config, t_setup, t_done, write_seconds),
         "replicas": replica_limits,
         "end_time_s": simulator._time,
     }
-    with open(f"{config.metrics_config.output_dir}/timing.json", "w") as f:
-        json.dump(result, f, indent=1)
-    print("VIDUR_RESULT " + json.dumps(result), flush=True)
+    report(result, config.metrics_config.output_dir)
 
 
 if __name__ == "__main__":

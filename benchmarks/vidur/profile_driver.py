@@ -73,7 +73,7 @@ from vidur.execution_time_predictor.sklearn_execution_time_predictor import Mode
 from vidur.simulator import Simulator  # noqa: E402
 from vidur.types import ExecutionTimePredictorType  # noqa: E402
 from vidur.utils.random import set_seeds  # noqa: E402
-from vidur_timing import time_output_writing  # noqa: E402 (beside this driver)
+from vidur_timing import phase_seconds, report, time_output_writing  # noqa: E402 (beside this driver)
 
 _T_IMPORTED = time.perf_counter()
 
@@ -254,23 +254,15 @@ def simulate(vidur_args) -> None:
     predictor.get_execution_time = counted  # counts iterations (one attribute lookup more per batch)
     simulator.run()
     t_done = time.perf_counter()
-    write_s = write_seconds.get("write", 0.0)
     result = {
         "output_dir": config.metrics_config.output_dir,
         "iterations": calls["n"],
-        "import_s": _T_IMPORTED - _T_START,
-        "config_s": t_config - _T_IMPORTED,
-        "setup_s": t_setup - t_config,
-        "loop_s": (t_done - t_setup) - write_s,
-        "write_s": write_s,
-        "total_s": t_done - _T_START,
+        **phase_seconds(_T_START, _T_IMPORTED, t_config, t_setup, t_done, write_seconds),
         "end_time_s": simulator._time,
         "replicas": [{"batch_size_cap": s._config.batch_size_cap, "num_blocks": s._cache_config.num_blocks,
                       "num_stages": s._num_stages} for s in schedulers],
     }
-    with open(f"{config.metrics_config.output_dir}/timing.json", "w") as f:
-        json.dump(result, f, indent=1)
-    print("VIDUR_RESULT " + json.dumps(result), flush=True)
+    report(result, config.metrics_config.output_dir)
 
 
 def main() -> None:
