@@ -21,7 +21,7 @@ from sloweave.studies.capacity import (
     SeedCapacity,
     SpecSource,
     capacity,
-    relative_to_best_fixed,
+    pairwise_ratios,
     trace_source,
 )
 from sloweave.studies.replay import replay
@@ -71,18 +71,27 @@ def test_capacity_flips_exactly_where_the_server_saturates():
 
 
 def test_capacity_with_queueing_allowance_matches_hand_computation():
-    """TTFT 50 ms, 10 requests, 90 % target: request 8 must pass, 10 + 8 (10 - g) <= 50 => g >= 5 ms => 200 req/s."""
-    s = study(periodic_source(0.020), ttft_ms=50.0, policies=("full",))
-    assert s.metrics("full", 0, 32, 25.0).attainment == pytest.approx(0.9)  # scale 4: g = 5 ms
-    # scale 2 ** (33/16): g = 4.89 ms, TTFT_i <= 50 for i <= 7 only
-    assert s.metrics("full", 0, 33, 25.0).attainment == pytest.approx(0.8)
+    """TTFT 50 ms, 100 requests, 90 % target: request 89 must pass, 10 + 89 (10 - g) <= 50
+    => g >= 10 - 40/89 ms => scale <= 2.094, whose lattice point below is 2 ** (17/16) = 2.089."""
+    s = study(periodic_source(0.020, n=100), ttft_ms=50.0, policies=("full",))
+    # at 2 ** (17/16), g = 9.576 ms: TTFT_i = 10 + 0.424 i <= 50 for i <= 94
+    assert s.metrics("full", 0, 17, 25.0).attainment == pytest.approx(0.95)
+    # at 2 ** (18/16), g = 9.170 ms: for i <= 48 only
+    assert s.metrics("full", 0, 18, 25.0).attainment == pytest.approx(0.49)
     (cap,) = s.capacities()
-    assert cap.capacity_scale == 4.0
-    assert cap.capacity_rps == pytest.approx(200.0)
-    # A stricter target moves the answer: 95 % needs all 10 requests, 10 + 9 (10 - g) <= 50 => g >= 50/9 ms,
-    # i.e. scale <= 3.6, whose lattice point below is 2 ** (29/16) = 3.51.
-    (strict,) = study(periodic_source(0.020), ttft_ms=50.0, policies=("full",), attainment_target=0.95).capacities()
-    assert strict.capacity_scale == 2 ** (29 / 16)
+    assert cap.capacity_scale == 2 ** (17 / 16) and cap.seeds[0].censored == ""
+    assert cap.capacity_rps == pytest.approx(50.0 * 2 ** (17 / 16))
+
+
+def test_a_run_that_fits_inside_one_ttft_target_has_no_capacity():
+    """10 requests, TTFT 50 ms: at scale 4 (g = 5 ms) all arrive within 45 ms and request 8's
+    TTFT is 10 + 8 x 5 = 50 ms, so 90 % pass at 200 req/s although the server does 100:
+    the answer measures the run's length. It is flagged and reported as no capacity."""
+    s = study(periodic_source(0.020), ttft_ms=50.0, policies=("full",))
+    assert s.metrics("full", 0, 32, 25.0).attainment == pytest.approx(0.9)
+    (cap,) = s.capacities()
+    assert cap.seeds[0].k == 32 and cap.seeds[0].censored == "too-short"
+    assert not cap.measurable and np.isnan(cap.capacity_rps) and cap.row()["censored"] == "too-short"
 
 
 def test_seeds_are_searched_separately_and_rounded_down_to_the_lattice():
@@ -102,8 +111,9 @@ def test_seeds_are_searched_separately_and_rounded_down_to_the_lattice():
 def test_censored_answers_are_flagged():
     below = study(periodic_source(0.020), ttft_ms=5.0, policies=("full",)).capacities()[0]
     assert below.seeds[0].censored == "below-min" and below.capacity_scale == 0.0 and below.capacity_rps == 0.0
-    above = study(periodic_source(0.020), ttft_ms=1e6, policies=("full",), max_scale=4.0).capacities()[0]
-    assert above.seeds[0].censored == "above-max" and above.capacity_scale == 4.0
+    # every gap >= 13 ms > the 10 ms service time: no load searched fails
+    above = study(periodic_source(0.020, n=100), ttft_ms=200.0, policies=("full",), max_scale=1.5).capacities()[0]
+    assert above.seeds[0].censored == "above-max" and above.capacity_scale == 2 ** (10 / 16)
     assert above.row()["censored"] == "above-max"
 
 
@@ -111,7 +121,8 @@ class ThresholdStudy(CapacityStudy):
     """A study whose attainment passes exactly up to lattice index ``answer``."""
 
     def __init__(self, answer: int, **kw):
-        super().__init__(periodic_source(0.02), ["full"], [25.0], 1000.0, cost=ConstantCost(), **kw)
+        # a TTFT target shorter than any run, so no answer is too short to count
+        super().__init__(periodic_source(0.02), ["full"], [25.0], 0.1, cost=ConstantCost(), **kw)
         self.answer = answer
         self.calls = 0
 
@@ -143,20 +154,36 @@ def test_static_policy_runs_are_shared_across_tpot_targets():
     assert {tpot for policy, _, _, tpot in keys if policy == "sloweave"} == {10.0, 25.0, 50.0}
 
 
-def test_relative_to_best_fixed_picks_the_best_fixed_chunk_per_target():
+def test_pairwise_ratios_compare_each_sloweave_with_the_best_of_its_own_rule():
     def cap(policy, *scales):
         seeds = tuple(SeedCapacity(i, 0, s, 10.0 * s, "") for i, s in enumerate(scales))
         return Capacity("src", policy, 25.0, 1000.0, 0.9, seeds, 2 ** (1 / 16))
 
-    table = relative_to_best_fixed(
-        [cap("sloweave", 2.0, 3.0), cap("fixed-256", 1.0, 1.5), cap("fixed-1024", 1.5, 2.0), cap("full", 2.5, 2.5)]
+    table = pairwise_ratios(
+        [cap("sloweave", 2.0, 3.0), cap("fixed-256", 1.0, 1.5), cap("fixed-1024", 1.5, 2.0), cap("full", 2.5, 2.5),
+         cap("sloweave-multi", 3.0, 3.0), cap("sarathi-512", 2.0, 4.0), cap("sarathi-2048", 1.0, 1.0)]
     )
-    (row,) = table.to_dict(orient="records")
-    assert row["best_fixed"] == "fixed-1024"
-    assert row["ratio"] == pytest.approx(2.5 / 1.75)
-    assert row["ratio_seed_min"] == pytest.approx(4 / 3) and row["ratio_seed_max"] == pytest.approx(1.5)
-    assert row["best_static"] == "full" and row["ratio_vs_best_static"] == pytest.approx(1.0)
-    assert row["sloweave_capacity_rps"] == pytest.approx(25.0)
+    rows = {r["policy"]: r for r in table.to_dict(orient="records")}
+    one = rows["sloweave"]
+    # the best fixed chunk, never another rule (full prefill is not a fixed budget)
+    assert one["baseline_rule"] == "fixed" and one["best_baseline"] == "fixed-1024" and one["budgets_swept"] == 2
+    assert one["ratio"] == pytest.approx(2.5 / 1.75)
+    assert one["ratio_seed_min"] == pytest.approx(4 / 3) and one["ratio_seed_max"] == pytest.approx(1.5)
+    assert one["capacity_rps"] == pytest.approx(25.0)
+    multi = rows["sloweave-multi"]
+    # sloweave-multi against vLLM's rule only, even where a fixed chunk is worse
+    assert multi["baseline_rule"] == "sarathi" and multi["best_baseline"] == "sarathi-512"
+    assert multi["ratio"] == pytest.approx(1.0) and multi["ratio_seed_min"] == pytest.approx(0.75)
+    assert len(table) == 2  # no budget-B policies: no sloweave-vs-budget row
+
+
+def test_pairwise_ratio_is_empty_where_the_run_was_too_short():
+    short = tuple(SeedCapacity(i, 0, 4.0, 40.0, "too-short") for i in range(2))
+    fine = tuple(SeedCapacity(i, 0, 2.0, 20.0, "") for i in range(2))
+    caps = [Capacity("src", "sloweave", 25.0, 1000.0, 0.9, short, 1.05), Capacity("src", "fixed-512", 25.0, 1000.0, 0.9, fine, 1.05)]
+    (row,) = pairwise_ratios(caps).to_dict(orient="records")
+    assert np.isnan(row["ratio"]) and np.isnan(row["capacity_rps"]) and "too short" in row["note"]
+    assert caps[0].row()["capacity_rps"] != caps[0].row()["capacity_rps"]  # NaN, not 40 req/s
 
 
 def test_spec_source_scales_the_generator_rate():
@@ -201,7 +228,7 @@ def test_capacity_command_writes_the_table_plots_and_json(tmp_path):
     full = table[table["policy"] == "full"].set_index("tpot_ms")["capacity_scale"]
     assert full[50.0] >= full[10.0]
     relative = pd.read_csv(out / "relative.csv")
-    assert list(relative["best_fixed"]) == ["fixed-256", "fixed-256"]
+    assert list(relative["best_baseline"]) == ["fixed-256", "fixed-256"] and set(relative["policy"]) == {"sloweave"}
     curves = pd.read_csv(out / "curves.csv")
     assert {"attainment", "goodput_rps", "rate_rps"} <= set(curves.columns)
     assert set(curves["policy"]) == {"sloweave", "full", "fixed-256"}
@@ -219,7 +246,7 @@ def test_capacity_command_writes_the_table_plots_and_json(tmp_path):
 def test_capacity_command_rejects_bad_sources(tmp_path):
     runner = CliRunner()
     both = runner.invoke(capacity, ["--trace", str(SMALL_TRACE), "--workload", "chat", "--out", str(tmp_path)])
-    assert both.exit_code != 0 and "exactly one" in both.output
+    assert both.exit_code != 0 and "not both" in both.output
     lengths = runner.invoke(capacity, ["--trace", str(FIXTURES / "lengths_only.csv"), "--out", str(tmp_path)])
     assert lengths.exit_code != 0 and "no arrival times" in lengths.output
     bad = runner.invoke(capacity, ["--trace", str(FIXTURES / "bad_unsorted.csv"), "--out", str(tmp_path)])

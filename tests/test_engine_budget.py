@@ -276,3 +276,135 @@ def test_the_controller_hands_a_piece_aware_cost_the_prompts_on_offer():
         pieces.append((min(left, remaining), prefix))
         left -= remaining
     assert len(pieces) > 1 and plan.predicted_ms == pytest.approx(cost.predict_pieces(1, 65, pieces), rel=1e-12)
+
+
+# ---- self-correction: the core's one piece (core.calibration.self_correcting) -----------------
+
+
+def _self_correcting_run(correct: bool, steps: int = 80, bias: float = 1.25):
+    """Four decodes and a long prompt; every step really takes ``bias`` x the analytic model x
+    seeded noise of up to 5 %. Returns the controller, its self-correction and per step
+    (plan, margin at planning, measured ms)."""
+    import numpy as np
+
+    from sloweave.core.calibration import self_correcting
+
+    cost = AnalyticCost()
+    correction = self_correcting(cost) if correct else None
+    policy = make_policy_for_engine(correction.cost, correction.margin, 4096) if correct else make_policy_for_engine(cost, None, 4096)
+    c = BudgetController(policy, default_tpot_ms=10.0, max_budget_tokens=8192, correction=correction.calibrator if correct else None)
+    ids = ("a", "b", "c", "d")
+    for request_id in ids:
+        c.on_token(request_id, 0.0)
+    rng = np.random.default_rng(0)
+    now, record = 0.0, []
+    for _ in range(steps):
+        plan = c.plan_step(StepState(now_ms=now, decode_tokens=4, pending_prompt_tokens=5000, decoding_ids=ids))
+        margin = policy.margin(4, plan.chunk_tokens)
+        assert plan.predicted_ms == pytest.approx(policy.cost(4, plan.chunk_tokens) + margin)  # T' + delta decided
+        c.on_scheduled(plan, list(ids))
+        measured = bias * cost(4, plan.chunk_tokens) * float(rng.uniform(1.0, 1.05))
+        now += measured
+        c.on_step_done(now, list(ids))
+        record.append((plan, margin, measured))
+    return c, correction, record
+
+
+def test_the_controller_self_corrects_a_biased_model_and_its_margin_turns_positive():
+    """The steps take 1.25x the model: with the core's self-correction the controller learns the
+    bias (from the BASE model's predictions), its adaptive margin is zero until 50 steps were
+    measured (no profile, no fallback) and positive after, and its chunks shrink until the real
+    step fits the deadline again; the uncorrected controller overruns every step."""
+    from sloweave.core.calibration import DEFAULT_MARGIN_QUANTILE, AdaptiveMargin
+
+    c, correction, record = _self_correcting_run(correct=True)
+    assert isinstance(correction.margin, AdaptiveMargin) and correction.margin.quantile == DEFAULT_MARGIN_QUANTILE
+    assert c.policy.cost is correction.cost and c.policy.margin is correction.margin and c.correction is correction.calibrator
+    # fed the base prediction, the factor is the bias (times the noise's mean); fed the corrected
+    # one it would chase its own tail
+    assert correction.calibrator.factor(4, True) == pytest.approx(1.25 * 1.025, rel=0.03)
+    min_steps = correction.margin.min_steps
+    assert all(margin == 0.0 for _, margin, _ in record[:min_steps])
+    assert all(margin > 0.0 for _, margin, _ in record[min_steps:])
+    _, _, plain = _self_correcting_run(correct=False)
+    plain_chunk = plain[-1][0].chunk_tokens
+    assert abs(plain_chunk - 1355) <= 1 and all(measured > 10.0 for _, _, measured in plain[-20:])
+    late = record[-20:]
+    assert all(p.chunk_tokens < plain_chunk for p, _, _ in late)
+    assert all(measured <= 10.0 for _, _, measured in late)  # the real steps fit again
+    # with its margin on, the chunk is smaller than the corrected cost alone would allow
+    assert all(p.chunk_tokens < record[min_steps - 1][0].chunk_tokens for p, _, _ in late)
+
+
+def test_the_controller_learns_from_the_step_the_engine_ran_not_the_plan():
+    """An engine may schedule less than the budget (a cap on running requests, KV blocks): the
+    correction must compare the step that ran with its own prediction."""
+    from sloweave.core.calibration import self_correcting
+
+    correction = self_correcting(AnalyticCost())
+    c = BudgetController(make_policy_for_engine(correction.cost, correction.margin, 4096), 10.0, 8192, correction=correction.calibrator)
+    c.on_token("a", 0.0)
+    now = 0.0
+    for _ in range(10):
+        plan = c.plan_step(StepState(now_ms=now, decode_tokens=1, pending_prompt_tokens=5000, decoding_ids=("a",)))
+        assert plan.chunk_tokens > 200
+        c.on_scheduled(plan, ["a"], ran_tokens=(1, 200))  # the engine ran only 200 prompt tokens
+        now += 1.25 * AnalyticCost()(1, 200)
+        c.on_step_done(now, ["a"])
+    assert correction.calibrator.factor(1, True) == pytest.approx(1.25)  # against the plan: far below 1
+
+
+def _step_time_profile(tmp_path):
+    import itertools
+
+    import numpy as np
+    import pandas as pd
+
+    rows, rng, cost = [], np.random.default_rng(1), AnalyticCost()
+    for n, c, context, _ in itertools.product([0, 2, 4, 8, 16, 32], [0, 128, 512, 1024, 2048, 4096], [64, 512], range(3)):
+        if n or c:
+            kv = n * (context + 1)
+            step = (cost(n, c) + 0.0002 * kv) * rng.uniform(0.97, 1.06)
+            rows.append({"n_decodes": n, "chunk_tokens": c, "decode_kv_tokens": kv, "prefill_prefix_tokens": 0, "step_ms": step, "context_tokens": context})
+    path = tmp_path / "profile.csv"
+    pd.DataFrame(rows).to_csv(path, index=False)
+    return path
+
+
+def test_plugin_online_correction_decides_with_the_cores_self_correction(tmp_path):
+    import numpy as np
+
+    from sloweave.core.calibration import DEFAULT_MARGIN_QUANTILE, AdaptiveMargin, SelfCorrection
+    from sloweave.core.fit import ResidualMargin, fit_profile_file
+
+    # analytic prior: no fallback until the window fills; margin_ms / margin_fraction add on top
+    decision = PluginConfig(online_correction=True).build_decision()
+    correction = decision.correction
+    assert isinstance(correction, SelfCorrection) and decision.cost is correction.cost and decision.margin is correction.margin
+    assert isinstance(decision.margin, AdaptiveMargin) and decision.margin.quantile == DEFAULT_MARGIN_QUANTILE
+    assert decision.margin(4, 512) == 0.0
+    stacked = PluginConfig(online_correction=True, margin_ms=0.5, margin_fraction=0.1).build_decision()
+    for _ in range(60):  # 1.25x slower, with a 2 % spread
+        for k in (1.0, 1.02):
+            base = stacked.correction.cost.base.predict(4, 512, 0, 0)
+            stacked.correction.calibrator.observe(4, 512, base, 1.25 * k * base)
+    adaptive = stacked.correction.margin(4, 512)
+    assert adaptive > 0.0
+    assert stacked.margin(4, 512) == pytest.approx(adaptive + 0.5 + 0.1 * stacked.cost(4, 512))
+    # a step-time profile file: the profile's residual margin is the fallback, read through the corrected cost
+    path = _step_time_profile(tmp_path)
+    decision = PluginConfig(cost=str(path), online_correction=True).build_decision()
+    fallback = decision.correction.margin.fallback
+    assert isinstance(fallback, ResidualMargin) and fallback.cost is decision.cost
+    np.testing.assert_array_equal(fallback.fractions, fit_profile_file(path).margin_fractions)
+    assert decision.margin(4, 512) == pytest.approx(fallback.fraction(4, 512) * decision.cost(4, 512)) and decision.margin(4, 512) > 0
+    # no correction: no SelfCorrection, the plain margins as before
+    assert PluginConfig(cost=str(path), profile_margin=True).build_decision().correction is None
+
+
+def test_plugin_refuses_profile_margin_with_online_correction(tmp_path):
+    path = _step_time_profile(tmp_path)
+    with pytest.raises(PluginConfigError, match="profile_margin and online_correction exclude each other"):
+        PluginConfig(cost=str(path), profile_margin=True, online_correction=True)
+    with pytest.raises(PluginConfigError, match="exclude each other"):
+        PluginConfig.from_sources({"sloweave": {"cost": str(path), "online_correction": True}}, environ={"SLOWEAVE_PROFILE_MARGIN": "1"})

@@ -14,7 +14,8 @@ from transformers.generation.continuous_batching.scheduler import SCHEDULER_MAPP
 from sloweave.cli import main
 from sloweave.core.fit import fit_profile, read_profile, write_profile
 from sloweave.core.policy import make_policy
-from sloweave.core.calibration import AdaptiveMargin, CalibratedCost, OnlineCalibrator, ScaledCost
+from sloweave.core.calibration import DEFAULT_MARGIN_QUANTILE, AdaptiveMargin, CalibratedCost, OnlineCalibrator, ScaledCost, SelfCorrection
+from sloweave.core.fit import ResidualMargin
 from sloweave.runtime.engine import Engine
 from sloweave.runtime.experiment import build_policy, run_policy, scaled_workload
 from sloweave.runtime.model import load_model
@@ -176,6 +177,34 @@ def test_run_command_end_to_end(profile_frame, tmp_path):
     assert (summary["measured_num_finished"] == 6).all()
     assert summary.loc[summary["policy"] == "fixed-32", "goodput_vs_best_fixed"].iloc[0] in (1.0, pytest.approx(1.0))
     assert (out_dir / "summary.png").stat().st_size > 0
+
+
+def test_runtime_policy_setup_uses_the_cores_self_correction(fitted):
+    """``build_policy`` takes the core's ``self_correcting`` piece (the simulator's and the
+    plug-in's): its calibrated cost, calibrator and adaptive margin at DEFAULT_MARGIN_QUANTILE,
+    with the profile's residual table (read through the corrected cost) as the fallback."""
+    setup = build_policy("sloweave", fitted, use_margin=True, calibrate=True, max_chunk_tokens=256, stale_factor=0.5)
+    correction = setup.correction
+    assert isinstance(correction, SelfCorrection)
+    assert setup.cost is correction.cost is setup.policy.cost and setup.calibrator is correction.calibrator
+    assert setup.margin is correction.margin is setup.policy.margin
+    assert isinstance(setup.margin, AdaptiveMargin) and setup.margin.quantile == DEFAULT_MARGIN_QUANTILE
+    assert isinstance(setup.margin.fallback, ResidualMargin) and setup.margin.fallback.cost is setup.cost
+    np.testing.assert_array_equal(setup.margin.fallback.fractions, fitted.margin_fractions)
+    assert isinstance(correction.cost.base, ScaledCost) and correction.cost.base.factor == 0.5
+    setup.cost.set_context(400, 0)
+    assert setup.margin.fraction(4, 64) == fitted.margin(setup.cost).fraction(4, 64)  # the fallback, before min_steps
+    for _ in range(setup.margin.min_steps):  # the machine is 3x slower than the stale model, and noiseless
+        predicted = setup.cost.base.predict(4, 64, 400, 0)
+        setup.calibrator.observe(4, 64, predicted, 3.0 * predicted)
+    assert setup.cost(4, 64) == pytest.approx(3.0 * setup.cost.base.predict(4, 64, 400, 0))
+    assert setup.margin.fraction(4, 64) == pytest.approx(setup.calibrator.residual_quantile(DEFAULT_MARGIN_QUANTILE))
+    # without a margin: the same correction, no margin; without calibration: the profile's table
+    bare = build_policy("sloweave", fitted, use_margin=False, calibrate=True)
+    assert isinstance(bare.correction, SelfCorrection) and bare.margin is None and bare.calibrator is bare.correction.calibrator
+    static = build_policy("sloweave", fitted, use_margin=True, calibrate=False)
+    assert static.correction is None and static.calibrator is None and isinstance(static.margin, ResidualMargin)
+    assert build_policy("fixed-32", fitted).correction is None
 
 
 def test_adaptive_margin_follows_the_recent_residuals(fitted):

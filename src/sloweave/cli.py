@@ -7,14 +7,17 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import replace
 from pathlib import Path
 
 import click
 
-from sloweave.core.cost import ConstantMargin, NoisyCost, RelativeMargin, ZeroMargin
+from sloweave.core.cost import ConstantMargin, RelativeMargin, ZeroMargin
 from sloweave.core.costs import cost_option
 from sloweave.core.policy import DEFAULT_MAX_CHUNK_TOKENS, SLOWeave, make_policy
-from sloweave.sim.workloads import WORKLOADS, WorkloadError, get_workload_spec
+from sloweave.sim.options import engine_options
+from sloweave.sim.workloads import ALL_WORKLOADS, WorkloadError, get_workload_spec
+from sloweave.studies.outputs import strict_json
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -61,60 +64,60 @@ def decide(n_decodes: int, waiting_tokens: int, budget_ms: float, max_chunk: int
 
 
 @main.command()
-@click.option("--workload", type=click.Choice(list(WORKLOADS)), default="mixed", show_default=True)
+@click.option("--workload", type=click.Choice(list(ALL_WORKLOADS)), default="mixed", show_default=True)
 @click.option("--policy", "policy_name", default="sloweave", show_default=True, help="sloweave, sloweave-multi, full, orca, fixed-C, budget-B or sarathi-B")
-@click.option("--max-batch", "max_batch_size", type=click.IntRange(min=1), default=None, help="cap on started requests (decoding or part-prefilled)")
 @click.option("--tpot-ms", type=float, default=25.0, show_default=True, callback=_positive)
 @click.option("--ttft-ms", type=float, default=None, callback=_positive, help="default: the workload's target")
 @click.option("--requests", "num_requests", type=click.IntRange(min=1), default=2000, show_default=True)
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--rate-scale", type=float, default=1.0, show_default=True, callback=_positive, help="multiplies the arrival rate")
 @click.option("--max-chunk", type=click.IntRange(min=1), default=DEFAULT_MAX_CHUNK_TOKENS, show_default=True)
-@click.option("--noise-sigma", type=click.FloatRange(min=0), default=0.0, show_default=True, help="actual time = predicted x lognormal(0, sigma)")
 @click.option("--margin", "margin_kind", type=click.Choice(["none", "constant", "relative"]), default="none", show_default=True)
 @click.option("--margin-value", type=click.FloatRange(min=0), default=0.0, show_default=True, help="ms (constant) or fraction of T (relative)")
+@engine_options()
 @cost_option()
 @click.option("--kv-memory-gib", type=float, default=None, callback=_positive, help="KV cache size in GiB (all GPUs): a capacity in tokens from the profiled model's KV bytes per token; needs a preset or profile folder as --cost")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), default=None, help="write requests.csv, iterations.csv, prefills.csv, metrics.json, decision_metrics.json")
-def simulate(workload, policy_name, max_batch_size, tpot_ms, ttft_ms, num_requests, seed, rate_scale, max_chunk, noise_sigma, margin_kind, margin_value, cost, kv_memory_gib, out_dir) -> None:
+def simulate(workload, policy_name, tpot_ms, ttft_ms, num_requests, seed, rate_scale, max_chunk, margin_kind, margin_value, engine, cost, kv_memory_gib, out_dir) -> None:
     """Simulate one workload under one policy and print its metrics."""
     from sloweave.core.decision_metrics import write_simulation_summary
     from sloweave.studies.reproduce import write_single_run
     from sloweave.sim.metrics import evaluate, per_request_frame
-    from sloweave.sim.engine import simulate as run_simulation
 
     spec = get_workload_spec(workload)
     resolved = cost
     cost = resolved.model
-    kv_capacity_tokens = None
     if kv_memory_gib is not None:
+        if engine.kv_capacity_tokens is not None:
+            raise click.UsageError("give --kv-memory-gib or --kv-capacity-tokens, not both")
         try:
-            kv_capacity_tokens = resolved.kv_tokens_in(kv_memory_gib)
+            engine = replace(engine, kv_capacity_tokens=resolved.kv_tokens_in(kv_memory_gib))
         except ValueError as err:
             raise click.BadParameter(str(err), param_hint="--kv-memory-gib") from None
+    kv_capacity_tokens = engine.kv_capacity_tokens
     try:
         policy = make_policy(policy_name, cost, _margin(margin_kind, margin_value, cost), max_chunk)
     except ValueError as err:
         raise click.BadParameter(str(err), param_hint="--policy") from None
-    actual = NoisyCost(cost, noise_sigma, seed=seed + 1_000_003) if noise_sigma > 0 else cost
     try:
         wl = spec.generate(num_requests, seed, rate_scale)
     except WorkloadError as err:
         raise click.UsageError(str(err)) from None
-    result = run_simulation(wl, policy, tpot_ms=tpot_ms, actual_cost=actual, max_batch_size=max_batch_size, kv_capacity_tokens=kv_capacity_tokens)
+    result = engine.simulate(wl, policy, tpot_ms, ttft_ms or spec.ttft_ms, cost, noise_seed=seed)
     metrics = evaluate(result, ttft_ms or spec.ttft_ms, tpot_ms)
     if not resolved.is_analytic:
         for line in resolved.summary_lines():
             click.echo(line, err=True)
-    printed = {"workload": workload, "policy": policy.name, "tpot_ms": tpot_ms, "cost": resolved.label, **metrics.as_dict()}
+    printed = {"workload": workload, "policy": policy.name, "tpot_ms": tpot_ms, "cost": resolved.label, "engine": engine.describe(), **metrics.as_dict()}
     if kv_capacity_tokens is not None:
         printed["kv_capacity_tokens"] = kv_capacity_tokens
-    click.echo(json.dumps(printed, indent=2))
+    click.echo(strict_json(printed), nl=False)
     if out_dir is not None:
         run_info = {
             "cost": resolved.description,
             "kv_memory_gib": kv_memory_gib,
             "kv_capacity_tokens": kv_capacity_tokens,
+            "engine": engine.describe(),
         }
         if kv_capacity_tokens is not None:
             run_info["kv_bytes_per_token"] = resolved.profile_cost.shape.kv_bytes_per_token
@@ -123,7 +126,7 @@ def simulate(workload, policy_name, max_batch_size, tpot_ms, ttft_ms, num_reques
         # that reads the KV context cannot be re-asked afterwards (the run records no context)
         reads_context = getattr(cost, "set_context", None) is not None
         write_simulation_summary(result, out_dir, None if reads_context else getattr(policy, "predicted_ms", cost))
-        click.echo(f"wrote {out_dir}/requests.csv, iterations.csv, prefills.csv, metrics.json, decision_metrics.json")
+        click.echo(f"wrote {out_dir}/requests.csv, iterations.csv, prefills.csv, metrics.json, decision_metrics.json", err=True)
 
 
 def _register_optional_commands() -> None:

@@ -179,6 +179,14 @@ def test_bad_configuration_fails_at_start_up(config, message):
         build_scheduler(SLOWeaveScheduler, additional_config={"sloweave": config})
 
 
+def test_profile_margin_with_online_correction_fails_at_start_up(tmp_path):
+    """The adaptive margin replaces the profile's (it starts from it by itself): asking for both is refused."""
+    profile = tmp_path / "profile.csv"
+    profile.write_text("n_decodes,chunk_tokens,step_ms\n")
+    with pytest.raises(PluginConfigError, match="sloweave vLLM plug-in: .*profile_margin and online_correction exclude each other"):
+        build_scheduler(SLOWeaveScheduler, additional_config={"sloweave": {"cost": str(profile), "profile_margin": True, "online_correction": True}})
+
+
 def test_vllm_default_scheduler_runs_in_the_same_harness():
     """Baseline: vLLM's own scheduler with a fixed budget spends it all on one long prompt."""
     plain = OfflineEngine(build_scheduler(Scheduler, max_num_batched_tokens=2048), step_ms=lambda d, p: COST(d, p))
@@ -243,3 +251,88 @@ def test_online_correction_learns_real_step_times_inside_vllms_scheduler(overlap
     plan = scheduler.last_plan
     assert plan.chunk_tokens > 0 and plan.predicted_ms <= plan.budget_ms + 1e-9
     assert 1.5 * COST(4, plan.chunk_tokens) <= 10.0 + 1e-6  # the chunk now fits the real step time
+
+
+def _biased_run(cls, overlap, online_correction, steps=90, bias=1.25, **scheduler_args):
+    """Four long decodes and long prompts, one after the other; every step vLLM runs takes
+    ``bias`` x the analytic model x seeded noise of up to 5 %. Returns the scheduler, the steps
+    run and, per plan, (steps measured so far, the margin and cost it was decided with, plan)."""
+    scheduler = build_scheduler(cls, max_num_batched_tokens=8192, additional_config={"sloweave": {"tpot_ms": 10.0, "online_correction": online_correction}}, **scheduler_args)
+    rng = np.random.default_rng(0)
+    eng = OfflineEngine(scheduler, step_ms=lambda d, p: bias * COST(d, p) * float(rng.uniform(1.0, 1.05)), overlap=overlap)
+    controller, planned = scheduler.sloweave, []
+    plan_step = controller.plan_step
+
+    def recording_plan_step(state):  # what the decision saw, at the time it was taken
+        plan = plan_step(state)
+        seen = len(controller.correction.recent_residuals) if controller.correction is not None else 0
+        policy = controller.policy
+        planned.append((seen, policy.margin(plan.decode_tokens, plan.chunk_tokens), policy.cost(plan.decode_tokens, plan.chunk_tokens), plan))
+        return plan
+
+    controller.plan_step = recording_plan_step
+    for _ in range(4):
+        eng.add(make_request(300, 400))
+    steps_run = []
+    for _ in range(steps):
+        if not scheduler.waiting and not any(r.num_computed_tokens < r.num_prompt_tokens for r in scheduler.running):
+            eng.add(make_request(8000, 2))
+        steps_run.append(eng.step())
+    return scheduler, steps_run, planned
+
+
+@pytest.mark.parametrize("cls, overlap", [(SLOWeaveScheduler, False), (SLOWeaveAsyncScheduler, True)])
+def test_online_correction_self_corrects_with_the_adaptive_margin_inside_vllms_scheduler(cls, overlap):
+    """online_correction: the controller decides with the core's SelfCorrection. The steps vLLM
+    runs take 1.25x the model (and up to 5 % noise); the calibrator learns the bias from the
+    measured step times, the adaptive margin is zero until 50 steps were measured (analytic
+    prior: no fallback) and positive after, and the chunks shrink below the uncorrected
+    plug-in's until the real step fits the deadline again."""
+    from sloweave.core.calibration import DEFAULT_MARGIN_QUANTILE, AdaptiveMargin, SelfCorrection
+
+    scheduler, steps, planned = _biased_run(cls, overlap, online_correction=True)
+    correction = scheduler.sloweave_correction
+    assert isinstance(correction, SelfCorrection)
+    controller = scheduler.sloweave
+    assert controller.policy.cost is correction.cost and controller.policy.margin is correction.margin
+    assert controller.correction is correction.calibrator
+    assert isinstance(correction.margin, AdaptiveMargin) and correction.margin.quantile == DEFAULT_MARGIN_QUANTILE
+    assert correction.calibrator.factor(4, True) == pytest.approx(1.25 * 1.025, rel=0.03)
+    # the margin: none before min_steps measured steps, positive after; the plan is T' + delta
+    min_steps = correction.margin.min_steps
+    early = [margin for seen, margin, _, _ in planned if seen < min_steps]
+    later = [margin for seen, margin, _, plan in planned if seen >= min_steps and plan.decode_tokens]
+    assert early and all(margin == 0.0 for margin in early)
+    assert len(later) > 20 and all(margin > 0.0 for margin in later)
+    for _, margin, cost, plan in planned:
+        assert plan.predicted_ms == pytest.approx(cost + margin)
+    late = [s for s in steps[-20:] if s.decode_tokens == 4 and s.prefill_tokens]
+    assert late and all(s.end_ms - s.start_ms <= 10.0 for s in late)  # the real steps fit again
+
+    plain_scheduler, plain_steps, _ = _biased_run(cls, overlap, online_correction=False)
+    assert plain_scheduler.sloweave_correction is None and plain_scheduler.sloweave.correction is None
+    plain_late = [s for s in plain_steps[-20:] if s.decode_tokens == 4 and s.prefill_tokens]
+    assert plain_late and all(s.end_ms - s.start_ms > 10.0 for s in plain_late)  # overruns, every one
+    assert max(s.prefill_tokens for s in late) < min(s.prefill_tokens for s in plain_late)
+
+
+def test_online_correction_learns_from_what_vllm_scheduled_not_from_the_budget():
+    """vLLM may schedule less than the plug-in's budget (here max_num_seqs keeps prompts
+    waiting): the calibrator compares the step vLLM ran with the model's prediction of that
+    step. Against the plan's (larger) chunk it would learn the model is 3x too slow."""
+    scheduler = build_scheduler(SLOWeaveScheduler, max_num_batched_tokens=8192, max_num_seqs=5, additional_config={"sloweave": {"tpot_ms": 10.0, "online_correction": True}})
+    eng = OfflineEngine(scheduler, step_ms=lambda d, p: 1.25 * COST(d, p))
+    for _ in range(4):
+        eng.add(make_request(300, 400))
+    for _ in range(3):
+        eng.step()
+    short_steps = 0
+    for _ in range(30):
+        if len(scheduler.waiting) < 5:
+            for _ in range(5):
+                eng.add(make_request(200, 2))
+        step = eng.step()
+        short_steps += step.prefill_tokens < scheduler.last_plan.chunk_tokens
+    assert short_steps > 20  # vLLM really took less than the budget
+    calibrator = scheduler.sloweave.correction
+    assert calibrator.factor(4, True) == pytest.approx(1.25) and calibrator.factor(4, False) == pytest.approx(1.25)

@@ -61,6 +61,9 @@ class StepPlan:
     aged: bool  # the chunk was forced by aging (an SLO exception)
     decode_tokens: int = 0
     base_predicted_ms: float = math.nan  # the uncorrected model's T(n, c) (online correction only)
+    # the step's KV context, to price the step the engine really ran if it differs from the plan
+    decode_kv_tokens: int = 0
+    prefill_prefix_tokens: int = 0
 
 
 @dataclass
@@ -79,6 +82,8 @@ class _InFlightStep:
     plan: StepPlan
     emitting: list[Hashable]  # requests that emit a token at its end
     applied: bool = False  # their predicted token time is in the deadline tracker
+    # online correction: (decode tokens, chunk tokens, base prediction) of the step that ran
+    observed: tuple[int, int, float] | None = None
 
 
 class BudgetController:
@@ -154,7 +159,10 @@ class BudgetController:
         base_ms = math.nan
         if self.correction is not None:
             base_ms = self.policy.cost.base.predict(state.decode_tokens, chunk, state.decode_kv_tokens, state.prefill_prefix_tokens)
-        plan = StepPlan(token_budget, chunk, start_ms, state.now_ms, budget_ms, predicted_ms, infeasible, aged, state.decode_tokens, base_ms)
+        plan = StepPlan(
+            token_budget, chunk, start_ms, state.now_ms, budget_ms, predicted_ms, infeasible, aged, state.decode_tokens, base_ms,
+            state.decode_kv_tokens, state.prefill_prefix_tokens,
+        )
         self.stats.steps += 1
         self.stats.infeasible_steps += infeasible
         if aged:
@@ -164,12 +172,22 @@ class BudgetController:
             )
         return plan
 
-    def on_scheduled(self, plan: StepPlan, emitting: list[Hashable]) -> None:
+    def on_scheduled(self, plan: StepPlan, emitting: list[Hashable], ran_tokens: tuple[int, int] | None = None) -> None:
         """The engine scheduled the step; ``emitting`` emit a token at its end.
 
-        Until its output returns the step is assumed to end as predicted.
+        Until its output returns the step is assumed to end as predicted. ``ran_tokens``:
+        the (decode, prefill) tokens the engine really scheduled, when known. The budget is an
+        upper bound and an engine may schedule less (a cap on running requests, KV blocks);
+        online correction then learns from the step that ran, not from the plan (a short step
+        measured against a long plan's prediction would teach it that the model is too slow).
         """
-        self._in_flight.append(_InFlightStep(plan.start_ms, plan.start_ms + plan.predicted_ms, plan, emitting))
+        observed = None
+        if self.correction is not None:
+            observed = (plan.decode_tokens, plan.chunk_tokens, plan.base_predicted_ms)
+            if ran_tokens is not None and tuple(ran_tokens) != observed[:2]:
+                n, c = (int(t) for t in ran_tokens)
+                observed = (n, c, self.policy.cost.base.predict(n, c, plan.decode_kv_tokens, plan.prefill_prefix_tokens))
+        self._in_flight.append(_InFlightStep(plan.start_ms, plan.start_ms + plan.predicted_ms, plan, emitting, observed=observed))
         if self.recorder is not None:
             # Recorded here, not in plan_step: only steps the engine really ran count. An
             # aged plan's SLO exception is the one plan_step just appended.
@@ -189,8 +207,10 @@ class BudgetController:
         done = self._in_flight.popleft()
         measured_ms = now_ms - done.start_ms
         self.stats.recent.append((done.plan.chunk_tokens, done.plan.budget_ms, done.plan.predicted_ms, measured_ms))
-        if self.correction is not None:
-            self.correction.observe(done.plan.decode_tokens, done.plan.chunk_tokens, done.plan.base_predicted_ms, measured_ms)
+        if done.observed is not None:
+            # the BASE model's prediction of the step that ran (the calibrator corrects it)
+            n, c, base_ms = done.observed
+            self.correction.observe(n, c, base_ms, measured_ms)
         if self.recorder is not None:
             self.recorder.on_step_done(done.plan, now_ms - done.start_ms)
         previous_end = now_ms

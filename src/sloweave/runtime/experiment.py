@@ -17,7 +17,7 @@ import pandas as pd
 from sloweave.core.fit import ContextualCost, FitResult, FixedContextCost, ResidualMargin
 from sloweave.sim.metrics import evaluate
 from sloweave.core.policy import SLOWeave, make_policy
-from sloweave.core.calibration import AdaptiveMargin, CalibratedCost, OnlineCalibrator, ScaledCost
+from sloweave.core.calibration import OnlineCalibrator, ScaledCost, SelfCorrection, self_correcting
 from sloweave.runtime.engine import Engine
 from sloweave.runtime.runner import MeasuredRun, RequestSpec, run_requests
 from sloweave.sim.engine import simulate
@@ -53,6 +53,9 @@ class PolicySetup:
     cost: ContextualCost | None
     margin: object | None
     calibrator: OnlineCalibrator | None
+    # online correction (SLOWeave with ``calibrate``): the core's one piece, as the simulator
+    # (``EngineOptions(correction=True)``) and the vLLM plug-in (``online_correction``) use it
+    correction: SelfCorrection | None = None
 
 
 def build_policy(
@@ -75,15 +78,20 @@ def build_policy(
         base = ScaledCost(base, stale_factor)
     if name.strip().lower() != "sloweave":
         return PolicySetup(make_policy(name), base, None, None)
-    calibrator = OnlineCalibrator() if calibrate else None
-    cost = CalibratedCost(base, calibrator) if calibrator else base
-    margin = None
-    if use_margin:
-        # With recalibration on, the margin follows the recent residuals of the corrected
-        # model (starting from the profile's P99 table); without it, the profile's table.
-        margin = AdaptiveMargin(cost, fit.margin(cost)) if calibrator else fit.margin(cost)
-    policy = SLOWeave(cost=cost, margin=margin or _zero, max_chunk_tokens=max_chunk_tokens)
-    return PolicySetup(policy, cost, margin, calibrator)
+    if not calibrate:
+        margin = fit.margin(base) if use_margin else None  # the profile's P99 table
+        policy = SLOWeave(cost=base, margin=margin or _zero, max_chunk_tokens=max_chunk_tokens)
+        return PolicySetup(policy, base, margin, None)
+    # Recalibration on: the core's self-correction (``core.calibration.self_correcting``). The
+    # margin is its AdaptiveMargin, the DEFAULT_MARGIN_QUANTILE of the corrected model's recent
+    # residuals once enough steps are in, the profile's table (read through the corrected cost)
+    # before that.
+    fallback = fit.margin(base)
+    correction = self_correcting(base, fallback=fallback)
+    fallback.cost = correction.cost
+    margin = correction.margin if use_margin else None
+    policy = SLOWeave(cost=correction.cost, margin=margin or _zero, max_chunk_tokens=max_chunk_tokens)
+    return PolicySetup(policy, correction.cost, margin, correction.calibrator, correction)
 
 
 def _zero(n_decodes: int, chunk_tokens: int) -> float:

@@ -40,7 +40,7 @@ import numpy as np
 
 from sloweave.core.admission import AdmissionControl
 from sloweave.core.calibration import OnlineCalibrator
-from sloweave.core.cost import AnalyticCost, CostModel
+from sloweave.core.cost import AnalyticCost, CostModel, NoisyCost
 from sloweave.core.policy import Aging, Policy
 from sloweave.core.slo import SLOException
 from sloweave.core.validate import positive_ms, whole_number
@@ -216,7 +216,10 @@ def build_engine(workload, policy, tpot_ms=25.0, actual_cost=None, horizon_s=Non
     if admission is not None and admission.ttft_slack is not None and ttft_of is None:
         raise ValueError("admission control with a TTFT check needs ttft_ms (one target or one per request)")
     duration = actual_cost or getattr(policy, "cost", None) or AnalyticCost()
-    predicted = getattr(policy, "predicted_ms", None) or getattr(policy, "cost", None) or duration
+    # A static rule has no model of its own: its admission check predicts with the machine's
+    # model (never with the noisy clock, which would also draw from the noise stream).
+    model = duration.cost if isinstance(duration, NoisyCost) else duration
+    predicted = getattr(policy, "predicted_ms", None) or getattr(policy, "cost", None) or model
     deadlines = _deadline_source(tpot_ms, requests.tpot_ms, deadline_form, check_deadlines)
     queue = PrefillQueue(requests)
     # One prefill per iteration (the paper) or several, first-fit in FCFS order (Sarathi-Serve).

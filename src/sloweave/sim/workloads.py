@@ -201,8 +201,87 @@ WORKLOADS: dict[str, WorkloadSpec] = {
 }
 
 
-def get_workload_spec(name: str) -> WorkloadSpec:
+def get_workload_spec(name: str):
+    """A workload family or scenario by name (``ALL_WORKLOADS``)."""
     try:
-        return WORKLOADS[name]
+        return ALL_WORKLOADS[name]
     except KeyError:
-        raise WorkloadError(f"unknown workload {name!r}: choose one of {', '.join(WORKLOADS)}") from None
+        raise WorkloadError(f"unknown workload {name!r}: choose one of {', '.join(ALL_WORKLOADS)}") from None
+
+
+# --------------------------------------------------------------------------- scenarios
+
+
+def back_to_back_workloads(parts: list[Workload], name: str) -> Workload:
+    """``parts`` replayed one after another: each starts one mean gap after the previous ends.
+
+    Per-request TPOT targets are kept only when every part has them.
+    """
+    if not parts:
+        raise WorkloadError(f"{name}: nothing to put back to back")
+    arrivals, start = [], 0.0
+    for part in parts:
+        gap = part.span_s / max(1, len(part) - 1)
+        shifted = part.arrival_s - part.arrival_s[0] + start
+        arrivals.append(shifted)
+        start = float(shifted[-1]) + gap
+    has_targets = all(p.tpot_ms is not None for p in parts)
+    return Workload(
+        name=name,
+        arrival_s=np.concatenate(arrivals),
+        prompt_tokens=np.concatenate([p.prompt_tokens for p in parts]),
+        output_tokens=np.concatenate([p.output_tokens for p in parts]),
+        tpot_ms=np.concatenate([p.tpot_ms for p in parts]) if has_targets else None,
+        params={"parts": [p.name for p in parts], "requests_per_part": [len(p) for p in parts]},
+    )
+
+
+@dataclass(frozen=True)
+class PhasedSpec:
+    """A mix that changes over time: phases of the families above, back to back.
+
+    Each phase runs for the same time at its family's own rate, so it gets requests in
+    proportion to that rate; load scale s multiplies every phase's rate. One TTFT target
+    for the whole run: the loosest of the phases', so no phase is judged tighter than its
+    own family is. The operator's alternative is one fixed budget tuned once for it all.
+    """
+
+    name: str
+    phases: tuple[WorkloadSpec, ...]
+    description: str = ""
+
+    @property
+    def rate_rps(self) -> float:
+        return float(np.mean([p.rate_rps for p in self.phases]))
+
+    @property
+    def ttft_ms(self) -> float:
+        return max(p.ttft_ms for p in self.phases)
+
+    def phase_sizes(self, num_requests: int) -> list[int]:
+        rates = np.array([p.rate_rps for p in self.phases])
+        sizes = np.floor(num_requests * rates / rates.sum()).astype(int)
+        sizes[: num_requests - int(sizes.sum())] += 1  # the remainder to the first phases
+        return [int(n) for n in sizes]
+
+    def generate(self, num_requests: int, seed: int, rate_scale: float = 1.0) -> Workload:
+        if num_requests < len(self.phases):
+            raise WorkloadError(f"workload {self.name!r}: needs at least one request per phase ({len(self.phases)}), got {num_requests!r}")
+        # Each phase draws from its own stream (seed, phase): phases do not share draws.
+        parts = [
+            spec.generate(n, int(np.random.SeedSequence([seed, i]).generate_state(1)[0]), rate_scale)
+            for i, (spec, n) in enumerate(zip(self.phases, self.phase_sizes(num_requests)))
+        ]
+        wl = back_to_back_workloads(parts, self.name)
+        return Workload(wl.name, wl.arrival_s, wl.prompt_tokens, wl.output_tokens, None, {**wl.params, "seed": seed, "rate_scale": rate_scale})
+
+
+SCENARIOS: dict[str, PhasedSpec] = {
+    "drift": PhasedSpec(
+        name="drift",
+        phases=(WORKLOADS["chat"], WORKLOADS["long"], WORKLOADS["bursty"]),
+        description="chat, then long documents, then bursts (the chat, long and bursty families back to back, equal time each)",
+    ),
+}
+# Every workload a command can run: the paper's four families and the scenarios.
+ALL_WORKLOADS: dict[str, WorkloadSpec | PhasedSpec] = {**WORKLOADS, **SCENARIOS}

@@ -27,10 +27,9 @@ What a "seed" is depends on the source:
 
 from __future__ import annotations
 
-import json
 import math
 import sys
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Protocol
 
@@ -42,9 +41,12 @@ from sloweave.core.cost import AnalyticCost, CostModel
 from sloweave.core.costs import ResolvedCost, analytic_description, cost_option
 from sloweave.sim.metrics import RunMetrics, summarize
 from sloweave.core.policy import DEFAULT_MAX_CHUNK_TOKENS
+from sloweave.core.validate import whole_number
+from sloweave.studies.outputs import check_writable, write_result_json
 from sloweave.studies.replay import DEFAULT_TRACE_TTFT_MS, _pyplot, build_policy, plot_cdfs, policy_style, run_policy
 from sloweave.sim.traces import FORMATS, ReplayOptions, Trace, TraceError, load_trace, replay_workload, split_windows
-from sloweave.sim.workloads import WORKLOADS, Workload, WorkloadError, WorkloadSpec
+from sloweave.sim.options import DEFAULT_OPTIONS, EngineOptions, engine_options
+from sloweave.sim.workloads import ALL_WORKLOADS, Workload, WorkloadError, WorkloadSpec, back_to_back_workloads
 
 # Fixed chunks from 256 to C_max = 4096 bracket the best static chunk on every target we
 # measured (Fixed-64 is never close and is the slowest to simulate; pass --policy fixed-64 to add it).
@@ -55,7 +57,15 @@ DEFAULT_ATTAINMENT = 0.90
 # Attainment is a fraction of whole requests (e.g. 9/10); compare with a hair of slack so
 # that exactly meeting the target is never lost to float rounding.
 ATTAINMENT_TOLERANCE = 1e-12
-CAPACITY_COLUMNS = ["source", "policy", "tpot_ms", "ttft_ms", "attainment_target", "capacity_scale", "capacity_rps"]
+CAPACITY_COLUMNS = ["source", "policy", "tpot_ms", "ttft_ms", "attainment_target", "capacity_scale", "capacity_rps", "tuned_to"]
+
+# ``<rule>-tuned`` stands for the rule at its best budget, tuned per cell: a sweep over this
+# grid (steps of about 1.4x), then one round of geometric midpoints around the best.
+TUNED_RULES = ("fixed", "budget", "sarathi")
+TUNING_GRID_TOKENS = (64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096, 6144, 8192)
+# The comparisons made like for like: SLOWeave with one prompt per iteration against the
+# fixed chunk (and the one-prompt token budget); with several prompts, against vLLM's rule.
+PAIRS = (("sloweave", "fixed"), ("sloweave", "budget"), ("sloweave-multi", "sarathi"))
 
 
 # --------------------------------------------------------------------------- load sources
@@ -196,6 +206,25 @@ def trace_source(
     return ScaledWorkloads(trace.name, tuple(base), tuple(rates), tuple(labels), info)
 
 
+def back_to_back(sources: list[ScaledWorkloads]) -> ScaledWorkloads:
+    """Several traces replayed one after another: seed i is window i of each, in order.
+
+    Load scale s divides every arrival time, so the whole sequence runs s times faster.
+    The base rate is the joined workload's own (requests over its span).
+    """
+    if len({s.num_seeds for s in sources}) != 1:
+        raise WorkloadError("back-to-back traces need the same number of seeds (windows) each")
+    name = "+".join(s.name for s in sources)
+    base, rates = [], []
+    for seed in range(sources[0].num_seeds):
+        wl = back_to_back_workloads([s.base[seed] for s in sources], name)
+        base.append(wl)
+        rates.append(len(wl) / wl.span_s if wl.span_s > 0 else float("nan"))
+    labels = tuple(" then ".join(s.seed_labels[i] if s.seed_labels else str(i) for s in sources) for i in range(len(base)))
+    info = {"kind": "traces back to back; seed i is window i of each", "parts": [s.describe() for s in sources]}
+    return ScaledWorkloads(name, tuple(base), tuple(rates), labels, info)
+
+
 # --------------------------------------------------------------------------- search
 
 
@@ -205,7 +234,12 @@ class SeedCapacity:
     k: int | None  # highest passing lattice index (None: fails even at the lowest scale)
     scale: float  # capacity scale (0 when below the lowest scale searched)
     rps: float
-    censored: str  # "", "below-min" or "above-max"
+    censored: str  # "", "below-min", "above-max", "too-short" (";"-joined where several hold)
+
+
+# A run whose arrivals all fall inside one TTFT target does not build a queue: at that load
+# the capacity measures the run's length, not the server (the search would report any rate).
+TOO_SHORT = "too-short"
 
 
 @dataclass(frozen=True)
@@ -217,22 +251,27 @@ class Capacity:
     attainment_target: float
     seeds: tuple[SeedCapacity, ...]
     step_ratio: float  # s_(k+1) / s_k: each per-seed capacity is exact to this factor
+    tuned_to: str = ""  # a ``<rule>-tuned`` row: the budget the sweep chose for this cell
+
+    @property
+    def measurable(self) -> bool:
+        return not any(TOO_SHORT in s.censored for s in self.seeds)
 
     @property
     def capacity_scale(self) -> float:
-        return float(np.mean([s.scale for s in self.seeds]))
+        return float(np.mean([s.scale for s in self.seeds])) if self.measurable else math.nan
 
     @property
     def capacity_rps(self) -> float:
-        return float(np.mean([s.rps for s in self.seeds]))
+        return float(np.mean([s.rps for s in self.seeds])) if self.measurable else math.nan
 
     def _spread(self, values: list[float]) -> float:
         return float(np.std(values, ddof=1)) if len(values) > 1 else 0.0
 
     def row(self) -> dict:
-        scales = [s.scale for s in self.seeds]
-        rps = [s.rps for s in self.seeds]
-        censored = sorted({s.censored for s in self.seeds if s.censored})
+        scales = [s.scale if self.measurable else math.nan for s in self.seeds]
+        rps = [s.rps if self.measurable else math.nan for s in self.seeds]
+        censored = sorted({flag for s in self.seeds for flag in s.censored.split(";") if flag})
         return {
             "source": self.source,
             "policy": self.policy,
@@ -241,6 +280,7 @@ class Capacity:
             "attainment_target": self.attainment_target,
             "capacity_scale": self.capacity_scale,
             "capacity_rps": self.capacity_rps,
+            "tuned_to": self.tuned_to,
             "capacity_scale_std": self._spread(scales),
             "capacity_scale_min": float(np.min(scales)),
             "capacity_scale_max": float(np.max(scales)),
@@ -261,8 +301,46 @@ class _Run:
     duration_ms: float
 
 
+def round_to_64(tokens: float) -> int:
+    return max(64, int(round(tokens / 64.0)) * 64)
+
+
+def refined_budgets(best_tokens: int, swept: list[int]) -> list[int]:
+    """One refinement round: the geometric midpoints (multiples of 64) between the best
+    budget and its neighbours in the sweep, not already swept."""
+    swept = sorted(swept)
+    i = swept.index(best_tokens)
+    extra = {round_to_64(math.sqrt(best_tokens * swept[j])) for j in (i - 1, i + 1) if 0 <= j < len(swept)}
+    return sorted(extra - set(swept))
+
+
+def budget_of(policy: str, rule: str) -> int | None:
+    """The budget of ``<rule>-<tokens>``, else None."""
+    head, _, tail = policy.rpartition("-")
+    return int(tail) if head == rule and tail.isdigit() else None
+
+
+# The study a forked worker serves (set just before the pool forks; each worker has a copy).
+_WORKER_STUDY: CapacityStudy | None = None
+
+
+def _in_worker(method: str, task: tuple):
+    study = _WORKER_STUDY
+    before = set(study._runs)
+    try:
+        result = getattr(study, method)(*task)
+    except Exception as err:  # reported with its inputs, never dropped
+        raise RuntimeError(f"capacity task {method}{task} failed: {type(err).__name__}: {err}") from err
+    return result, {key: run for key, run in study._runs.items() if key not in before}
+
+
 class CapacityStudy:
-    """Simulations on the load lattice, cached; capacity searches and load curves on top."""
+    """Simulations on the load lattice, cached; capacity searches and load curves on top.
+
+    ``jobs`` > 1 runs independent searches and curve points in a pool of forked processes;
+    every search is a function of its own inputs only, so the results are the serial
+    run's, bit for bit, whatever the number of workers.
+    """
 
     def __init__(
         self,
@@ -278,6 +356,9 @@ class CapacityStudy:
         max_chunk_tokens: int = DEFAULT_MAX_CHUNK_TOKENS,
         curve_points_per_doubling: int = 4,
         progress: bool = False,
+        options: EngineOptions = DEFAULT_OPTIONS,
+        jobs: int = 1,
+        tpot_change_ms: float | None = None,
     ) -> None:
         if not 0.0 < attainment_target <= 1.0:
             raise ValueError(f"attainment target must be in (0, 1], got {attainment_target!r}")
@@ -289,9 +370,19 @@ class CapacityStudy:
             raise ValueError("SLO targets must be finite numbers of milliseconds > 0")
         if not policies or not tpot_targets_ms:
             raise ValueError("need at least one policy and one TPOT target")
+        whole_number(jobs, "jobs")
+        if tpot_change_ms is not None and not (math.isfinite(tpot_change_ms) and tpot_change_ms > 0):
+            raise ValueError(f"tpot_change_ms must be a finite number of milliseconds > 0, got {tpot_change_ms!r}")
+        # The operator changes the TPOT target mid-run: requests in the second half of each
+        # run are served (and judged) to this target, the first half to the searched one.
+        self.tpot_change_ms = tpot_change_ms
         self.source = source
+        self.options = options
+        self.jobs = int(jobs)
         self.cost = cost or AnalyticCost()
-        self.policies = {p.name: p for p in (build_policy(name, self.cost, max_chunk_tokens) for name in policies)}
+        self.max_chunk_tokens = max_chunk_tokens
+        self.tuned_rules, names = _expand_tuned(policies)
+        self.policies = {p.name: p for p in (build_policy(name, self.cost, max_chunk_tokens) for name in names)}
         self.tpot_targets_ms = tuple(float(t) for t in tpot_targets_ms)
         self.ttft_ms = float(ttft_ms)
         self.attainment_target = float(attainment_target)
@@ -302,20 +393,26 @@ class CapacityStudy:
         self.curve_points_per_doubling = curve_points_per_doubling
         self.progress = progress
         self._runs: dict[tuple, _Run] = {}
+        self.searched: dict[tuple[str, float], bool] = {}  # (policy, target) pairs a search covered
 
     # ---- lattice and cached simulations
 
     def scale(self, k: int) -> float:
         return 2.0 ** (k / self.steps)
 
+    def _key(self, policy: str, seed: int, k: int, tpot_ms: float) -> tuple:
+        # A static policy's schedule does not depend on the TPOT target (unless admission
+        # control reads it): one run serves all.
+        reads_target = self.policies[policy].uses_deadlines or self.options.admission
+        return (policy, seed, k, tpot_ms if reads_target else None)
+
     def run(self, policy: str, seed: int, k: int, tpot_ms: float) -> _Run:
-        pol = self.policies[policy]
-        # A static policy's schedule does not depend on the TPOT target: one run serves all.
-        sim_tpot = tpot_ms if pol.uses_deadlines else None
-        key = (policy, seed, k, sim_tpot)
+        key = self._key(policy, seed, k, tpot_ms)
         if key not in self._runs:
             workload = self.source.workload(seed, self.scale(k))
-            frame, duration_ms = run_policy(workload, pol, tpot_ms if sim_tpot is None else sim_tpot, self.cost)
+            if self.tpot_change_ms is not None:
+                workload = replace(workload, tpot_ms=self._targets(len(workload), tpot_ms))
+            frame, duration_ms = run_policy(workload, self.policies[policy], tpot_ms, self.cost, self.options, self.ttft_ms, noise_seed=seed)
             self._runs[key] = _Run(frame[["request", "ttft_ms", "p99_tpot_ms", "status"]], duration_ms)
         return self._runs[key]
 
@@ -325,11 +422,48 @@ class CapacityStudy:
 
     def metrics(self, policy: str, seed: int, k: int, tpot_ms: float) -> RunMetrics:
         run = self.run(policy, seed, k, tpot_ms)
-        return summarize(run.requests, run.duration_ms, self.ttft_ms, tpot_ms)
+        targets = tpot_ms if self.tpot_change_ms is None else self._targets(len(run.requests), tpot_ms)[run.requests["request"].to_numpy()]
+        return summarize(run.requests, run.duration_ms, self.ttft_ms, targets)
+
+    def _targets(self, num_requests: int, tpot_ms: float) -> np.ndarray:
+        targets = np.full(num_requests, float(tpot_ms))
+        targets[num_requests // 2 :] = self.tpot_change_ms
+        return targets
 
     def passes(self, policy: str, seed: int, k: int, tpot_ms: float) -> bool:
         attained = self.metrics(policy, seed, k, tpot_ms).attainment
         return attained >= self.attainment_target - ATTAINMENT_TOLERANCE
+
+    def _map(self, method: str, tasks: list[tuple], desc: str) -> list:
+        """``getattr(self, method)(*task)`` for every task, in task order; in a pool when jobs > 1."""
+        from tqdm import tqdm
+
+        bar = tqdm(total=len(tasks), desc=desc, unit="task", disable=not self.progress, file=sys.stderr)
+        if self.jobs == 1 or len(tasks) < 2:
+            results = []
+            for task in tasks:
+                results.append(getattr(self, method)(*task))
+                bar.update()
+                bar.set_postfix(sims=self.simulations)
+            bar.close()
+            return results
+        import multiprocessing
+        from concurrent.futures import ProcessPoolExecutor, as_completed
+
+        global _WORKER_STUDY
+        _WORKER_STUDY = self
+        try:
+            with ProcessPoolExecutor(min(self.jobs, len(tasks)), mp_context=multiprocessing.get_context("fork")) as pool:
+                futures = [pool.submit(_in_worker, method, task) for task in tasks]
+                for _ in as_completed(futures):
+                    bar.update()
+                outcomes = [f.result() for f in futures]
+        finally:
+            _WORKER_STUDY = None
+            bar.close()
+        for _, runs in outcomes:
+            self._runs.update(runs)
+        return [result for result, _ in outcomes]
 
     # ---- search
 
@@ -339,8 +473,26 @@ class CapacityStudy:
         Galloping search from ``start_k`` (steps of 1, 2, 4, ... lattice points until the
         attainment flips), then bisection. Without a start it begins at scale 1 with a
         step of one doubling; a start near the answer (the capacity just found for another
-        seed or target) needs only a few simulations.
+        target) needs only a few simulations.
         """
+        lo, hi = self._bracket(policy, tpot_ms, seed, start_k)
+        base_rate = self.source.base_rate_rps(seed)
+        if lo is None:
+            return SeedCapacity(seed, None, 0.0, 0.0, "below-min")
+        while hi is not None and hi - lo > 1:
+            mid = (lo + hi) // 2
+            if self.passes(policy, seed, mid, tpot_ms):
+                lo = mid
+            else:
+                hi = mid
+        scale = self.scale(lo)
+        censored = ["above-max"] if hi is None else []
+        if self._arrival_span_ms(seed, lo) <= self.ttft_ms:
+            censored.append(TOO_SHORT)
+        return SeedCapacity(seed, lo, scale, scale * base_rate, ";".join(censored))
+
+    def _bracket(self, policy: str, tpot_ms: float, seed: int, start_k: int | None) -> tuple[int | None, int | None]:
+        """(lo, hi) by galloping: lo passes, hi fails, lo < hi; None where the lattice ends first."""
 
         def ok(k: int) -> bool:
             return self.passes(policy, seed, k, tpot_ms)
@@ -349,61 +501,80 @@ class CapacityStudy:
             k, step = min(max(0, self.min_k), self.max_k), self.steps
         else:
             k, step = min(max(start_k, self.min_k), self.max_k), 1
-        lo = hi = None  # invariant once both are set: lo passes, hi fails, lo < hi
         if ok(k):
             lo = k
             while lo < self.max_k:
                 k = min(lo + step, self.max_k)
-                if ok(k):
-                    lo, step = k, step * 2
-                else:
-                    hi = k
-                    break
-        else:
-            hi = k
-            while hi > self.min_k:
-                k = max(hi - step, self.min_k)
-                if ok(k):
-                    lo = k
-                    break
-                hi, step = k, step * 2
-        base_rate = self.source.base_rate_rps(seed)
-        if lo is None:
-            return SeedCapacity(seed, None, 0.0, 0.0, "below-min")
-        if hi is None:
-            scale = self.scale(lo)
-            return SeedCapacity(seed, lo, scale, scale * base_rate, "above-max")
-        while hi - lo > 1:
-            mid = (lo + hi) // 2
-            if ok(mid):
-                lo = mid
-            else:
-                hi = mid
-        scale = self.scale(lo)
-        return SeedCapacity(seed, lo, scale, scale * base_rate, "")
+                if not ok(k):
+                    return lo, k
+                lo, step = k, step * 2
+            return lo, None
+        hi = k
+        while hi > self.min_k:
+            k = max(hi - step, self.min_k)
+            if ok(k):
+                return k, hi
+            hi, step = k, step * 2
+        return None, hi
+
+    def _arrival_span_ms(self, seed: int, k: int) -> float:
+        arrivals = self.source.workload(seed, self.scale(k)).arrival_s
+        return 1000.0 * float(arrivals[-1] - arrivals[0])
+
+    def search_targets(self, policy: str, seed: int, targets: tuple[float, ...]) -> list[SeedCapacity]:
+        """One policy and seed, the targets in the given order, each search starting where
+        the previous one ended (capacities of one policy and seed are close). Depends on
+        nothing but its arguments, so tasks can run in any order or process."""
+        found, last_k = [], None
+        for tpot in targets:
+            result = self.search_seed(policy, tpot, seed, last_k)
+            found.append(result)
+            if result.k is not None:
+                last_k = result.k
+        return found
+
+    def _search(self, cells: dict[str, tuple[float, ...]]) -> dict[tuple[str, float], list[SeedCapacity]]:
+        """Per-seed capacities of each policy at its targets (loosest first)."""
+        tasks = [(p, s, tuple(sorted(ts, reverse=True))) for p, ts in cells.items() for s in range(self.source.num_seeds)]
+        found: dict[tuple[str, float], list[SeedCapacity]] = {}
+        for (policy, _, targets), results in zip(tasks, self._map("search_targets", tasks, "capacity search")):
+            for tpot, result in zip(targets, results):
+                found.setdefault((policy, tpot), []).append(result)
+                self.searched[(policy, tpot)] = True
+        return found
 
     def capacities(self) -> list[Capacity]:
-        from tqdm import tqdm
+        found = self._search({p: self.tpot_targets_ms for p in self.policies})
+        for rule in self.tuned_rules:
+            # Refine each target's sweep around its best budget, then report the best.
+            extra: dict[str, list[float]] = {}
+            for tpot in self.tpot_targets_ms:
+                swept = {budget_of(p, rule): p for (p, t) in found if t == tpot and budget_of(p, rule) is not None}
+                best = self._best_budget(found, swept, tpot)
+                for b in refined_budgets(best, list(swept)):
+                    extra.setdefault(f"{rule}-{b}", []).append(tpot)
+            for name in extra:
+                self.policies.setdefault(name, build_policy(name, self.cost, self.max_chunk_tokens))
+            found.update(self._search({name: tuple(ts) for name, ts in extra.items()}))
+        step = 2.0 ** (1.0 / self.steps)
+        caps = [Capacity(self.source.name, p, t, self.ttft_ms, self.attainment_target, tuple(seeds), step) for (p, t), seeds in found.items()]
+        for rule in self.tuned_rules:
+            for tpot in self.tpot_targets_ms:
+                swept = {budget_of(p, rule): p for (p, t) in found if t == tpot and budget_of(p, rule) is not None}
+                best = swept[self._best_budget(found, swept, tpot)]
+                caps.append(replace(next(c for c in caps if c.policy == best and c.tpot_ms == tpot), policy=f"{rule}-tuned", tuned_to=best))
+        return caps
 
-        # Policy by policy, seed by seed, loosest target first: each search starts where the
-        # previous one of the same policy ended (capacities of one policy are close), and a
-        # static policy's runs are shared by all its targets. The order is fixed, so results
-        # are deterministic.
-        targets = sorted(self.tpot_targets_ms, reverse=True)
-        tasks = [(p, s, t) for p in self.policies for s in range(self.source.num_seeds) for t in targets]
-        found: dict[tuple[str, float], list[SeedCapacity]] = {(p, t): [] for t in self.tpot_targets_ms for p in self.policies}
-        last_k: dict[str, int] = {}
-        bar = tqdm(tasks, desc="capacity search", unit="search", disable=not self.progress, file=sys.stderr)
-        for policy, seed, tpot in bar:
-            result = self.search_seed(policy, tpot, seed, last_k.get(policy))
-            found[(policy, tpot)].append(result)
-            if result.k is not None:
-                last_k[policy] = result.k
-            bar.set_postfix(sims=self.simulations)
-        return [
-            Capacity(self.source.name, p, t, self.ttft_ms, self.attainment_target, tuple(seeds), 2.0 ** (1.0 / self.steps))
-            for (p, t), seeds in found.items()
-        ]
+    def _best_budget(self, found, swept: dict[int, str], tpot: float) -> int:
+        # Highest mean capacity; ties (one lattice step resolves nothing finer) go to the
+        # smaller budget, which protects TPOT more.
+        def capacity(b: int) -> float:
+            seeds = found[(swept[b], tpot)]
+            if any(TOO_SHORT in s.censored for s in seeds):
+                return -1.0  # not measured: ranks below every measured budget
+            return float(np.mean([s.rps for s in seeds]))
+
+        return max(swept, key=lambda b: (capacity(b), -b))
 
     # ---- curves
 
@@ -418,35 +589,34 @@ class CapacityStudy:
         first = lo - lo % stride  # align to the stride so points are shared with other runs
         return [k for k in range(first, hi + stride, stride) if self.min_k <= k <= self.max_k]
 
-    def curves(self, lattice: list[int]) -> pd.DataFrame:
-        """Attainment and goodput against load, every policy and TPOT target, mean and std over seeds."""
-        from tqdm import tqdm
+    def prefetch(self, points: list[tuple[str, int, float]]) -> None:
+        """Simulate every seed at the (policy, k, tpot) points not yet run (in the pool when jobs > 1)."""
+        keys = {}
+        for policy, k, tpot in points:
+            for seed in range(self.source.num_seeds):
+                key = self._key(policy, seed, k, tpot)
+                if key not in self._runs:
+                    keys.setdefault(key, (policy, seed, k, tpot))
+        self._map("run", list(keys.values()), "load points")
 
+    def curves(self, lattice: list[int], policies: list[str] | None = None) -> pd.DataFrame:
+        """Attainment and goodput against load, every policy and TPOT target, mean and std over seeds."""
         rows = []
         seeds = range(self.source.num_seeds)
         base_rates = [self.source.base_rate_rps(s) for s in seeds]
-        tasks = [(k, p, t) for k in lattice for p in self.policies for t in self.tpot_targets_ms]
-        for k, policy, tpot in tqdm(tasks, desc="load curves", unit="point", disable=not self.progress, file=sys.stderr):
+        points = [(p, k, t) for k in lattice for p in (policies or self.policies) for t in self.tpot_targets_ms]
+        self.prefetch(points)
+        for policy, k, tpot in points:
             per_seed = [self.metrics(policy, s, k, tpot) for s in seeds]
-            attain = [m.attainment for m in per_seed]
-            goodput = [m.goodput_rps for m in per_seed]
-            rows.append(
-                {
-                    "source": self.source.name,
-                    "policy": policy,
-                    "tpot_ms": tpot,
-                    "ttft_ms": self.ttft_ms,
-                    "rate_scale": self.scale(k),
-                    "rate_rps": float(np.mean([self.scale(k) * r for r in base_rates])),
-                    "attainment": float(np.mean(attain)),
-                    "attainment_std": float(np.std(attain, ddof=1)) if len(attain) > 1 else 0.0,
-                    "goodput_rps": float(np.mean(goodput)),
-                    "goodput_rps_std": float(np.std(goodput, ddof=1)) if len(goodput) > 1 else 0.0,
-                    "p99_ttft_ms": float(np.mean([m.p99_ttft_ms for m in per_seed])),
-                    "p99_tpot_ms": float(np.mean([m.p99_tpot_ms for m in per_seed])),
-                    "seeds": len(per_seed),
-                }
-            )
+            rows.append({
+                "source": self.source.name, "policy": policy, "tpot_ms": tpot, "ttft_ms": self.ttft_ms,
+                "rate_scale": self.scale(k), "rate_rps": float(np.mean([self.scale(k) * r for r in base_rates])),
+                **_mean_std("attainment", [m.attainment for m in per_seed]),
+                **_mean_std("goodput_rps", [m.goodput_rps for m in per_seed]),
+                "p99_ttft_ms": float(np.mean([m.p99_ttft_ms for m in per_seed])),
+                "p99_tpot_ms": float(np.mean([m.p99_tpot_ms for m in per_seed])),
+                "seeds": len(per_seed),
+            })
         return pd.DataFrame(rows)
 
     def requests_at(self, policy: str, k: int, tpot_ms: float) -> pd.DataFrame:
@@ -457,6 +627,25 @@ class CapacityStudy:
             frame.insert(0, "seed", seed)
             frames.append(frame)
         return pd.concat(frames, ignore_index=True)
+
+
+def _mean_std(name: str, values: list[float]) -> dict:
+    return {name: float(np.mean(values)), f"{name}_std": float(np.std(values, ddof=1)) if len(values) > 1 else 0.0}
+
+
+def _expand_tuned(policies) -> tuple[list[str], list[str]]:
+    """(tuned rules, policy names): ``<rule>-tuned`` becomes the rule at every grid budget."""
+    rules, names = [], []
+    for name in policies:
+        head, _, tail = str(name).strip().lower().rpartition("-")
+        if tail == "tuned":
+            if head not in TUNED_RULES:
+                raise ValueError(f"unknown tuned policy {name!r}: expected one of {', '.join(r + '-tuned' for r in TUNED_RULES)}")
+            rules.append(head)
+            names += [f"{head}-{b}" for b in TUNING_GRID_TOKENS]
+        else:
+            names.append(name)
+    return list(dict.fromkeys(rules)), list(dict.fromkeys(names))
 
 
 def capacity_frame(capacities: list[Capacity]) -> pd.DataFrame:
@@ -471,45 +660,52 @@ def seeds_frame(capacities: list[Capacity]) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
-def relative_to_best_fixed(capacities: list[Capacity]) -> pd.DataFrame:
-    """SLOWeave's capacity over the best fixed chunk's, per TPOT target.
+def pairwise_ratios(capacities: list[Capacity]) -> pd.DataFrame:
+    """Each SLOWeave variant over the best of its like-for-like rule, per TPOT target (``PAIRS``).
 
-    The best fixed chunk is chosen per target by mean capacity in req/s (the comparison a
-    user who tunes the chunk offline would make); ``ratio`` is the ratio of the two means.
-    Its spread uses the per-seed ratios (same seeds, so paired), skipping seeds where the
-    fixed chunk's capacity is 0; with one lattice step of resolution per seed, a per-seed
-    ratio is only known to about one step (``step_pct``).
+    The best budget of a rule is chosen per target by mean capacity in req/s (what a user
+    who tunes the budget offline would do; a ``<rule>-tuned`` row is that choice already);
+    ``ratio`` is the ratio of the two means. Its spread uses the per-seed ratios (same seeds
+    or windows, so paired), skipping seeds where the baseline's capacity is 0; a per-seed
+    ratio is only known to about one lattice step (``step_pct``). A cell whose run was too
+    short to build queues has no ratio (empty), and says so in ``note``.
     """
     rows = []
     for tpot in sorted({c.tpot_ms for c in capacities}):
         at = {c.policy: c for c in capacities if c.tpot_ms == tpot}
-        fixed = [c for name, c in at.items() if name.startswith("fixed-")]
-        static = [c for name, c in at.items() if name != "sloweave"]
-        if "sloweave" not in at or not fixed:
-            continue
-        ours = at["sloweave"]
-        best = max(fixed, key=lambda c: c.capacity_rps)
-        best_static = max(static, key=lambda c: c.capacity_rps)
-        paired = [a.scale / b.scale for a, b in zip(ours.seeds, best.seeds) if b.scale > 0]
-        rows.append(
-            {
-                "source": ours.source,
-                "tpot_ms": tpot,
-                "ttft_ms": ours.ttft_ms,
-                "sloweave_capacity_rps": ours.capacity_rps,
-                "best_fixed": best.policy,
-                "best_fixed_capacity_rps": best.capacity_rps,
-                "ratio": ours.capacity_rps / best.capacity_rps if best.capacity_rps > 0 else float("inf"),
-                "ratio_seed_mean": float(np.mean(paired)) if paired else float("nan"),
-                "ratio_seed_min": float(np.min(paired)) if paired else float("nan"),
-                "ratio_seed_max": float(np.max(paired)) if paired else float("nan"),
-                "best_static": best_static.policy,
-                "ratio_vs_best_static": (
-                    ours.capacity_rps / best_static.capacity_rps if best_static.capacity_rps > 0 else float("inf")
-                ),
-            }
-        )
+        for ours_name, rule in PAIRS:
+            rivals = [c for name, c in at.items() if budget_of(name, rule) is not None]
+            if ours_name not in at or not rivals:
+                continue
+            best = max(rivals, key=lambda c: (c.capacity_rps if c.measurable else -1.0, -budget_of(c.policy, rule)))
+            rows.append(_pair_row(at[ours_name], best, rule, len(rivals)))
     return pd.DataFrame(rows)
+
+
+def _pair_row(ours: Capacity, best: Capacity, rule: str, swept: int) -> dict:
+    measurable = ours.measurable and best.measurable
+    paired = [a.scale / b.scale for a, b in zip(ours.seeds, best.seeds) if b.scale > 0] if measurable else []
+    return {
+        "source": ours.source,
+        "tpot_ms": ours.tpot_ms,
+        "ttft_ms": ours.ttft_ms,
+        "policy": ours.policy,
+        "capacity_rps": ours.capacity_rps,
+        "capacity_rps_std": ours.row()["capacity_rps_std"],
+        "baseline_rule": rule,
+        "budgets_swept": swept,
+        "best_baseline": best.policy,
+        "best_baseline_capacity_rps": best.capacity_rps,
+        "best_baseline_capacity_rps_std": best.row()["capacity_rps_std"],
+        "ratio": ours.capacity_rps / best.capacity_rps if measurable and best.capacity_rps > 0 else math.nan,
+        "ratio_seed_mean": float(np.mean(paired)) if paired else math.nan,
+        "ratio_seed_min": float(np.min(paired)) if paired else math.nan,
+        "ratio_seed_max": float(np.max(paired)) if paired else math.nan,
+        "step_pct": 100.0 * (ours.step_ratio - 1.0),
+        # the best budget at the grid's end: the true best may lie beyond what was swept
+        "edge_of_sweep": budget_of(best.policy, rule) in (min(TUNING_GRID_TOKENS), max(TUNING_GRID_TOKENS)),
+        "note": "" if measurable else "run too short to build queues: no capacity (lengthen the run)",
+    }
 
 
 # --------------------------------------------------------------------------- plots
@@ -551,8 +747,9 @@ def _check_positive(label: str, value: float | None) -> None:
         raise click.BadParameter(f"must be a finite number > 0, got {value!r}", param_hint=label)
 
 
-def run_capacity(study: CapacityStudy, out_dir: Path, meta: dict, cost: ResolvedCost | None = None) -> dict:
-    """Search, curves, CDFs; write every output file under ``out_dir``; return the JSON payload.
+def run_capacity(study: CapacityStudy, out_dir: Path, meta: dict, cost: ResolvedCost | None = None, curves: bool = True) -> dict:
+    """Search (and, unless ``curves`` is off, load curves and CDFs); write every output file
+    under ``out_dir``; return the JSON payload.
 
     ``cost`` is what ``study.cost`` was resolved from; its description is read after the
     simulations (a profile cost's out-of-range counts). None: the study's analytic model.
@@ -563,23 +760,48 @@ def run_capacity(study: CapacityStudy, out_dir: Path, meta: dict, cost: Resolved
     table[CAPACITY_COLUMNS].to_csv(out_dir / "capacity.csv", index=False)
     table.to_csv(out_dir / "capacity_detail.csv", index=False)
     seeds_frame(capacities).to_csv(out_dir / "capacity_seeds.csv", index=False)
-    relative = relative_to_best_fixed(capacities)
+    relative = pairwise_ratios(capacities)
     relative.to_csv(out_dir / "relative.csv", index=False)
+    cdf_loads = _write_curves(study, capacities, out_dir) if curves else {}
+    payload = {
+        **meta,
+        "source": study.source.describe(),
+        "engine_options": study.options.describe(),
+        "ttft_ms": study.ttft_ms,
+        "tpot_targets_ms": list(study.tpot_targets_ms),
+        "attainment_target": study.attainment_target,
+        "lattice": {"steps_per_doubling": study.steps, "min_scale": study.scale(study.min_k), "max_scale": study.scale(study.max_k)},
+        "simulations": study.simulations,
+        "jobs": study.jobs,
+        "cost": cost.description if cost is not None else _describe(study.cost),
+        "cdf_rate_scale": {f"{t:g}": s for t, s in cdf_loads.items()},
+        "capacity": table.to_dict(orient="records"),
+        "pairwise": relative.to_dict(orient="records"),
+        "null_means": "a capacity or ratio the run was too short to measure (see 'censored' and 'note')",
+    }
+    write_result_json(out_dir / "capacity.json", payload)
+    return payload
 
-    curves = study.curves(study.curve_lattice(capacities))
+
+def _write_curves(study: CapacityStudy, capacities: list[Capacity], out_dir: Path) -> dict[float, float]:
+    """Load curves of the searched policies (a tuned rule's grid only at its best budgets),
+    and CDFs at SLOWeave's capacity per target; return the CDFs' load per target."""
+    shown = [p for p in study.policies if not any(budget_of(p, r) is not None for r in study.tuned_rules)]
+    shown += list(dict.fromkeys(c.tuned_to for c in capacities if c.tuned_to))
+    curves = study.curves(study.curve_lattice(capacities), shown)
     curves.to_csv(out_dir / "curves.csv", index=False)
     plot_curves(curves, "attainment", "SLO attainment", out_dir / "attainment_vs_load.png", study.attainment_target, upper_bound=1.0)
     plot_curves(curves, "goodput_rps", "goodput (req/s)", out_dir / "goodput_vs_load.png")
-
     # CDFs at SLOWeave's capacity for each target (or the middle of the curve without it):
     # the load where the comparison matters. Requests of all seeds are pooled for the plot.
     cdf_frames, cdf_loads = [], {}
     for tpot in study.tpot_targets_ms:
-        ours = [c for c in capacities if c.tpot_ms == tpot and c.policy == "sloweave"]
+        ours = [c for c in capacities if c.tpot_ms == tpot and c.policy.startswith("sloweave")]
         ks = [s.k for s in ours[0].seeds if s.k is not None] if ours else []
         k = int(np.median(ks)) if ks else int(np.median(study.curve_lattice(capacities)))
         cdf_loads[tpot] = study.scale(k)
-        for policy in study.policies:
+        study.prefetch([(p, k, tpot) for p in shown])
+        for policy in shown:
             frame = study.requests_at(policy, k, tpot)
             frame.insert(0, "policy", policy)
             frame.insert(1, "tpot_ms", tpot)
@@ -596,22 +818,7 @@ def run_capacity(study: CapacityStudy, out_dir: Path, meta: dict, cost: Resolved
             tpot,
         )
     pd.concat(cdf_frames, ignore_index=True).to_csv(out_dir / "cdf_requests.csv", index=False)
-
-    payload = {
-        **meta,
-        "source": study.source.describe(),
-        "ttft_ms": study.ttft_ms,
-        "tpot_targets_ms": list(study.tpot_targets_ms),
-        "attainment_target": study.attainment_target,
-        "lattice": {"steps_per_doubling": study.steps, "min_scale": study.scale(study.min_k), "max_scale": study.scale(study.max_k)},
-        "simulations": study.simulations,
-        "cost": cost.description if cost is not None else _describe(study.cost),
-        "cdf_rate_scale": {f"{t:g}": s for t, s in cdf_loads.items()},
-        "capacity": table.to_dict(orient="records"),
-        "relative_to_best_fixed": relative.to_dict(orient="records"),
-    }
-    (out_dir / "capacity.json").write_text(json.dumps(payload, indent=2, default=float) + "\n")
-    return payload
+    return cdf_loads
 
 
 def _describe(cost: CostModel) -> dict:
@@ -622,11 +829,12 @@ def _describe(cost: CostModel) -> dict:
 
 
 @click.command()
-@click.option("--trace", "trace_path", type=click.Path(dir_okay=False, path_type=Path), default=None, help="request trace file")
-@click.option("--workload", type=click.Choice(list(WORKLOADS)), default=None, help="synthetic workload instead of a trace")
+@click.option("--trace", "trace_paths", multiple=True, type=click.Path(dir_okay=False, path_type=Path), help="request trace file; repeat to replay several back to back (each seed: one window of each, in order)")
+@click.option("--workload", type=click.Choice(list(ALL_WORKLOADS)), default=None, help="synthetic workload or scenario instead of a trace")
 @click.option("--format", "fmt", type=click.Choice(FORMATS), default="auto", show_default=True)
-@click.option("--policy", "policies", multiple=True, help=f"repeat for several [default: {', '.join(DEFAULT_POLICIES)}]")
+@click.option("--policy", "policies", multiple=True, help=f"repeat for several; fixed-tuned / budget-tuned / sarathi-tuned: that rule at its best budget per target, from a refined sweep [default: {', '.join(DEFAULT_POLICIES)}]")
 @click.option("--tpot-ms", "tpot_targets", type=float, multiple=True, help="repeat for several [default: 10, 25, 50]")
+@click.option("--tpot-change-ms", type=float, default=None, help="the TPOT target changes to this for requests arriving in the second half of each run")
 @click.option("--ttft-ms", type=float, default=None, help=f"TTFT target [default: the workload's; {DEFAULT_TRACE_TTFT_MS:g} for a trace]")
 @click.option("--attainment", type=click.FloatRange(min=0, max=1, min_open=True), default=DEFAULT_ATTAINMENT, show_default=True)
 @click.option("--seeds", type=click.IntRange(min=1), default=None, help="seeds / trace windows [default: 5; --quick 3]")
@@ -641,75 +849,98 @@ def _describe(cost: CostModel) -> dict:
 @click.option("--max-scale", type=float, default=256.0, show_default=True)
 @click.option("--max-chunk", type=click.IntRange(min=1), default=DEFAULT_MAX_CHUNK_TOKENS, show_default=True)
 @click.option("--quick", is_flag=True, help="3 seeds instead of 5, a lattice of 8 instead of 16 steps per doubling, fewer curve points")
+@click.option("--jobs", type=click.IntRange(min=1), default=None, help="parallel simulation processes [default: all local cores]; results are the serial run's")
+@click.option("--no-curves", is_flag=True, help="capacities only: skip the load curves and CDFs")
+@engine_options()
 @cost_option()
 @click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), default=Path("results/capacity"), show_default=True)
-def capacity(trace_path, workload, fmt, policies, tpot_targets, ttft_ms, attainment, seeds, window_s, whole_trace, num_requests, max_prompt_tokens, arrivals, rate_rps, steps_per_doubling, min_scale, max_scale, max_chunk, quick, cost: ResolvedCost, out_dir) -> None:
+def capacity(trace_paths, workload, fmt, policies, tpot_targets, tpot_change_ms, ttft_ms, attainment, seeds, window_s, whole_trace, num_requests, max_prompt_tokens, arrivals, rate_rps, steps_per_doubling, min_scale, max_scale, max_chunk, quick, jobs, no_curves, engine: EngineOptions, cost: ResolvedCost, out_dir) -> None:
     """Highest load (arrival-rate scale) at which each policy keeps SLO attainment >= the target."""
-    if (trace_path is None) == (workload is None):
-        raise click.UsageError("give exactly one of --trace PATH or --workload NAME")
-    for label, value in (("--ttft-ms", ttft_ms), ("--window-s", window_s), ("--rate-rps", rate_rps), ("--min-scale", min_scale), ("--max-scale", max_scale)):
+    if bool(trace_paths) == (workload is not None):
+        raise click.UsageError("give --trace PATH (one or more) or --workload NAME, not both and not neither")
+    for label, value in (("--ttft-ms", ttft_ms), ("--window-s", window_s), ("--rate-rps", rate_rps), ("--min-scale", min_scale), ("--max-scale", max_scale), ("--tpot-change-ms", tpot_change_ms)):
         _check_positive(label, value)
     for value in tpot_targets:
         _check_positive("--tpot-ms", value)
+    check_writable(out_dir, "--out")
     policies = list(policies) or list(DEFAULT_POLICIES)
-    tpot_targets = list(tpot_targets) or list(DEFAULT_TPOT_TARGETS_MS)
     seeds = seeds or (3 if quick else 5)
-    steps_per_doubling = steps_per_doubling or (8 if quick else 16)
     try:
-        if trace_path is not None:
-            if arrivals == "trace" and rate_rps is not None:
-                raise click.UsageError("--rate-rps only applies with --arrivals poisson")
-            trace = load_trace(trace_path, fmt)
-            if whole_trace:
-                window_s = None
-            elif trace.has_arrivals and arrivals == "trace" and window_s * seeds > trace.span_s:
-                raise click.UsageError(
-                    f"{seeds} windows of {window_s:g} s do not fit in the trace's {trace.span_s:.1f} s: "
-                    "lower --window-s or --seeds, or use --whole-trace"
-                )
-            # Generated arrivals subsample the lengths; trace windows keep every request unless told.
-            requests_per_seed = num_requests
-            if arrivals == "poisson" and num_requests is None:
-                requests_per_seed = 800 if quick else 2000
-            source = trace_source(trace, seeds, window_s, max_prompt_tokens, arrivals, rate_rps, requests_per_seed)
-            ttft_ms = ttft_ms or DEFAULT_TRACE_TTFT_MS
-        else:
-            if whole_trace or max_prompt_tokens is not None or arrivals != "trace" or rate_rps is not None:
-                raise click.UsageError("--whole-trace, --max-prompt-tokens, --arrivals and --rate-rps apply to --trace only")
-            spec = WORKLOADS[workload]
-            source = SpecSource(spec, num_requests or (800 if quick else 2000), tuple(range(seeds)))
-            ttft_ms = ttft_ms or spec.ttft_ms
+        source, ttft_ms = _cli_source(trace_paths, workload, fmt, seeds, window_s, whole_trace, num_requests, max_prompt_tokens, arrivals, rate_rps, quick, ttft_ms)
         study = CapacityStudy(
-            source,
-            policies,
-            tpot_targets,
-            ttft_ms,
-            attainment_target=attainment,
-            steps_per_doubling=steps_per_doubling,
-            min_scale=min_scale,
-            max_scale=max_scale,
-            cost=cost.model,
-            max_chunk_tokens=max_chunk,
-            curve_points_per_doubling=2 if quick else 4,
-            progress=True,
+            source, policies, list(tpot_targets) or list(DEFAULT_TPOT_TARGETS_MS), ttft_ms,
+            attainment_target=attainment, steps_per_doubling=steps_per_doubling or (8 if quick else 16),
+            min_scale=min_scale, max_scale=max_scale, cost=cost.model, max_chunk_tokens=max_chunk,
+            curve_points_per_doubling=2 if quick else 4, progress=True, options=engine,
+            jobs=jobs or default_jobs(), tpot_change_ms=tpot_change_ms,
         )
     except (TraceError, WorkloadError, ValueError) as err:
         raise click.UsageError(str(err)) from None
-    description = source.describe()
+    _print_notes(source.describe(), rate_rps, trace_paths, max_prompt_tokens)
+    options = {k: str(v) if isinstance(v, Path) else (v.spec if isinstance(v, ResolvedCost) else v) for k, v in click.get_current_context().params.items()}
+    options["engine"] = engine.describe()
+    meta = {"command": "capacity", "options": options, "policies": policies, "max_chunk_tokens": max_chunk}
+    payload = run_capacity(study, out_dir, meta, cost, curves=not no_curves)
+    _print_results(payload, cost, out_dir, study)
+
+
+def default_jobs() -> int:
+    import os
+
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def _cli_source(trace_paths, workload, fmt, seeds, window_s, whole_trace, num_requests, max_prompt_tokens, arrivals, rate_rps, quick, ttft_ms):
+    """The load source the options describe, and the TTFT target (the source's default unless given)."""
+    if workload is not None:
+        if whole_trace or max_prompt_tokens is not None or arrivals != "trace" or rate_rps is not None:
+            raise click.UsageError("--whole-trace, --max-prompt-tokens, --arrivals and --rate-rps apply to --trace only")
+        spec = ALL_WORKLOADS[workload]
+        return SpecSource(spec, num_requests or (800 if quick else 2000), tuple(range(seeds))), ttft_ms or spec.ttft_ms
+    if arrivals == "trace" and rate_rps is not None:
+        raise click.UsageError("--rate-rps only applies with --arrivals poisson")
+    sources = []
+    for path in trace_paths:
+        trace = load_trace(path, fmt)
+        window = None if whole_trace else window_s
+        if window is not None and trace.has_arrivals and arrivals == "trace" and window * seeds > trace.span_s:
+            raise click.UsageError(
+                f"{path}: {seeds} windows of {window:g} s do not fit in the trace's {trace.span_s:.1f} s: "
+                "lower --window-s or --seeds, or use --whole-trace"
+            )
+        # Generated arrivals subsample the lengths; trace windows keep every request unless told.
+        requests_per_seed = num_requests
+        if arrivals == "poisson" and num_requests is None:
+            requests_per_seed = 800 if quick else 2000
+        sources.append(trace_source(trace, seeds, window, max_prompt_tokens, arrivals, rate_rps, requests_per_seed))
+    return (sources[0] if len(sources) == 1 else back_to_back(sources)), ttft_ms or DEFAULT_TRACE_TTFT_MS
+
+
+def _print_notes(description: dict, rate_rps, trace_paths, max_prompt_tokens) -> None:
     if "GENERATED" in str(description.get("kind", "")):
-        click.echo(f"NOTE: arrivals are GENERATED (Poisson, {rate_rps:g} req/s at scale 1), not read from {trace_path}", err=True)
+        click.echo(f"NOTE: arrivals are GENERATED (Poisson, {rate_rps:g} req/s at scale 1), not read from {', '.join(map(str, trace_paths))}", err=True)
     if description.get("num_prompts_capped"):
         click.echo(f"NOTE: {description['num_prompts_capped']} prompt(s) capped at {max_prompt_tokens} tokens", err=True)
-    options = {k: str(v) if isinstance(v, Path) else (v.spec if isinstance(v, ResolvedCost) else v) for k, v in click.get_current_context().params.items()}
-    meta = {"command": "capacity", "options": options, "policies": policies, "max_chunk_tokens": max_chunk}
-    payload = run_capacity(study, out_dir, meta, cost)
+
+
+def _print_results(payload: dict, cost: ResolvedCost, out_dir: Path, study: CapacityStudy) -> None:
     table = pd.DataFrame(payload["capacity"])
     if not cost.is_analytic:
         for line in cost.summary_lines():
             click.echo(line)
-    show = table[["policy", "tpot_ms", "capacity_scale", "capacity_scale_std", "capacity_rps", "capacity_rps_std", "censored"]]
-    click.echo(show.to_string(index=False, float_format=lambda v: f"{v:.3f}"))
-    relative = pd.DataFrame(payload["relative_to_best_fixed"])
+    shown = table[~table["policy"].map(lambda p: any(budget_of(p, r) is not None for r in study.tuned_rules))]
+    columns = ["policy", "tuned_to", "tpot_ms", "capacity_scale", "capacity_scale_std", "capacity_rps", "capacity_rps_std", "censored"]
+    click.echo(shown[columns].to_string(index=False, float_format=lambda v: f"{v:.3f}"))
+    short = sorted({f"{r['policy']} at TPOT {r['tpot_ms']:g} ms" for r in payload["capacity"] if TOO_SHORT in r["censored"]})
+    if short:
+        click.echo(
+            f"WARNING: the run is too short to measure capacity for {len(short)} cell(s) ({'; '.join(short[:4])}"
+            f"{'; ...' if len(short) > 4 else ''}): at the highest passing load every request arrives within one TTFT "
+            "target, so no queue forms; use more --requests or a longer --window-s", err=True,
+        )
+    relative = pd.DataFrame(payload["pairwise"])
     if not relative.empty:
-        click.echo(relative[["tpot_ms", "sloweave_capacity_rps", "best_fixed", "best_fixed_capacity_rps", "ratio", "ratio_seed_min", "ratio_seed_max"]].to_string(index=False, float_format=lambda v: f"{v:.3f}"))
-    click.echo(f"wrote {out_dir}/capacity.csv (+ capacity_detail.csv, capacity_seeds.csv, relative.csv, curves.csv, cdf_requests.csv, capacity.json, PNG plots) from {study.simulations} simulations")
+        click.echo("like for like (each with the same engine options):")
+        click.echo(relative[["tpot_ms", "policy", "capacity_rps", "best_baseline", "best_baseline_capacity_rps", "ratio", "ratio_seed_min", "ratio_seed_max"]].to_string(index=False, float_format=lambda v: f"{v:.3f}"))
+    curves = "curves.csv, cdf_requests.csv, PNG plots, " if payload["cdf_rate_scale"] else ""
+    click.echo(f"wrote {out_dir}/capacity.csv (+ capacity_detail.csv, capacity_seeds.csv, relative.csv, {curves}capacity.json) from {study.simulations} simulations")

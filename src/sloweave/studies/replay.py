@@ -5,7 +5,6 @@ Also holds what the capacity search shares with it: running one policy and the p
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 
@@ -17,7 +16,8 @@ from sloweave.core.cost import AnalyticCost, CostModel
 from sloweave.core.costs import ResolvedCost, cost_option
 from sloweave.sim.metrics import RunMetrics, per_request_frame, run_duration_ms, slo_met, summarize
 from sloweave.core.policy import DEFAULT_MAX_CHUNK_TOKENS, Policy, make_policy
-from sloweave.sim.engine import simulate
+from sloweave.sim.options import DEFAULT_OPTIONS, EngineOptions, engine_options
+from sloweave.studies.outputs import check_writable, write_result_json
 from sloweave.sim.traces import FORMATS, ReplayOptions, ReplayReport, TraceError, load_trace, replay_workload
 from sloweave.sim.workloads import Workload
 
@@ -31,14 +31,15 @@ def build_policy(name: str, cost: CostModel, max_chunk_tokens: int = DEFAULT_MAX
 
 
 def run_policy(
-    workload: Workload, policy: Policy, tpot_ms: float, cost: CostModel
+    workload: Workload, policy: Policy, tpot_ms: float, cost: CostModel, options: EngineOptions = DEFAULT_OPTIONS,
+    ttft_ms: float | None = None, noise_seed: int = 0,
 ) -> tuple[pd.DataFrame, float]:
     """Simulate and return (per-request frame, run duration in ms).
 
-    ``cost`` is also the actual iteration time for every policy, so static and deadline
-    policies run on the same machine model.
+    ``cost`` is the machine's model for every policy (times ``options``' prediction error),
+    so static and deadline policies run on the same machine, with the same engine options.
     """
-    result = simulate(workload, policy, tpot_ms=tpot_ms, actual_cost=cost)
+    result = options.simulate(workload, policy, tpot_ms, ttft_ms, cost, noise_seed)
     return per_request_frame(result), run_duration_ms(result)
 
 
@@ -100,15 +101,21 @@ def replay_policies(
     cost: CostModel | None = None,
     max_chunk_tokens: int = DEFAULT_MAX_CHUNK_TOKENS,
     progress: bool = False,
+    options: EngineOptions = DEFAULT_OPTIONS,
+    noise_seed: int = 0,
 ) -> tuple[pd.DataFrame, dict[str, RunMetrics]]:
-    """Run every policy on one workload; return all per-request rows and metrics by policy."""
+    """Run every policy on one workload, each with the same engine ``options``; return all
+    per-request rows and metrics by policy. A policy named twice is refused."""
     from tqdm import tqdm
 
     cost = cost or AnalyticCost()
+    built = [build_policy(name, cost, max_chunk_tokens) for name in policies]
+    twice = sorted({p.name for p in built if [q.name for q in built].count(p.name) > 1})
+    if twice:
+        raise ValueError(f"policy given more than once: {', '.join(twice)} (each policy is replayed once)")
     frames, metrics = [], {}
-    for name in tqdm(policies, desc="replay", unit="policy", disable=not progress):
-        policy = build_policy(name, cost, max_chunk_tokens)
-        frame, duration_ms = run_policy(workload, policy, tpot_ms, cost)
+    for policy in tqdm(built, desc="replay", unit="policy", disable=not progress):
+        frame, duration_ms = run_policy(workload, policy, tpot_ms, cost, options, ttft_ms, noise_seed)
         metrics[policy.name] = summarize(frame, duration_ms, ttft_ms, tpot_ms)
         frame.insert(0, "policy", policy.name)
         frame["slo_met"] = slo_met(frame, ttft_ms, tpot_ms)
@@ -165,23 +172,23 @@ def describe_report(report: ReplayReport) -> str:
 @click.option("--tpot-ms", type=float, default=25.0, show_default=True)
 @click.option("--ttft-ms", type=float, default=DEFAULT_TRACE_TTFT_MS, show_default=True)
 @click.option("--max-chunk", type=click.IntRange(min=1), default=DEFAULT_MAX_CHUNK_TOKENS, show_default=True)
+@engine_options()
 @cost_option()
 @click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), default=Path("results/replay"), show_default=True)
-def replay(trace_path, fmt, start_s, end_s, duration_s, rate_scale, max_prompt_tokens, max_requests, arrivals, rate_rps, seed, policies, tpot_ms, ttft_ms, max_chunk, cost: ResolvedCost, out_dir) -> None:
+def replay(trace_path, fmt, start_s, end_s, duration_s, rate_scale, max_prompt_tokens, max_requests, arrivals, rate_rps, seed, policies, tpot_ms, ttft_ms, max_chunk, engine: EngineOptions, cost: ResolvedCost, out_dir) -> None:
     """Replay a request trace under each policy; write requests.csv, metrics.csv/json and CDF plots."""
     for label, value in (("--tpot-ms", tpot_ms), ("--ttft-ms", ttft_ms)):
         if not (math.isfinite(value) and value > 0):
             raise click.BadParameter(f"must be a finite number > 0, got {value!r}", param_hint=label)
+    check_writable(out_dir, "--out")
     try:
         options = _options_from_cli(start_s, end_s, duration_s, rate_scale, max_prompt_tokens, max_requests, arrivals, rate_rps, seed)
         trace = load_trace(trace_path, fmt)
         workload, report = replay_workload(trace, options)
-        for name in policies:
-            build_policy(name, cost.model, max_chunk)
+        click.echo(describe_report(report), err=True)
+        requests, metrics = replay_policies(workload, list(policies), tpot_ms, ttft_ms, cost.model, max_chunk, True, engine, seed)
     except (TraceError, ValueError) as err:
         raise click.UsageError(str(err)) from None
-    click.echo(describe_report(report), err=True)
-    requests, metrics = replay_policies(workload, list(policies), tpot_ms, ttft_ms, cost.model, max_chunk_tokens=max_chunk, progress=True)
 
     out_dir.mkdir(parents=True, exist_ok=True)
     table = pd.DataFrame([{"policy": name, "tpot_ms": tpot_ms, "ttft_ms": ttft_ms, **m.as_dict()} for name, m in metrics.items()])
@@ -193,10 +200,11 @@ def replay(trace_path, fmt, start_s, end_s, duration_s, rate_scale, max_prompt_t
         "tpot_ms": tpot_ms,
         "ttft_ms": ttft_ms,
         "max_chunk_tokens": max_chunk,
+        "engine_options": engine.describe(),
         "cost": cost.description,
         "metrics": {name: m.as_dict() for name, m in metrics.items()},
     }
-    (out_dir / "replay.json").write_text(json.dumps(payload, indent=2) + "\n")
+    write_result_json(out_dir / "replay.json", payload)
     by_policy = {name: frame for name, frame in requests.groupby("policy", sort=False)}
     arrivals_text = "generated arrivals" if report.arrivals_generated else f"x{report.rate_scale:g}"
     title = f"{Path(report.source).name} ({arrivals_text}, {report.offered_rate_rps:.1f} req/s)"

@@ -27,7 +27,6 @@ plug-in runs) for ``sarathi``, ``sloweave`` (one prompt) otherwise.
 
 from __future__ import annotations
 
-import json
 import math
 import sys
 from dataclasses import dataclass
@@ -37,13 +36,16 @@ import click
 import numpy as np
 import pandas as pd
 
+from sloweave.sim.options import DEFAULT_OPTIONS, EngineOptions, engine_options
+from sloweave.studies.capacity import default_jobs, refined_budgets
+from sloweave.studies.outputs import write_result_json
 from sloweave.studies.capacity import DEFAULT_ATTAINMENT, DEFAULT_WINDOW_S, CapacityStudy, LoadSource, SpecSource, trace_source
 from sloweave.core.cost import AnalyticCost, CostModel
 from sloweave.core.costs import KIND_STEP_PROFILE, ResolvedCost, cost_option
 from sloweave.core.policy import DEFAULT_MAX_CHUNK_TOKENS
 from sloweave.studies.replay import DEFAULT_TRACE_TTFT_MS, _pyplot
 from sloweave.sim.traces import FORMATS, TraceError, load_trace
-from sloweave.sim.workloads import WORKLOADS, WorkloadError
+from sloweave.sim.workloads import ALL_WORKLOADS, WorkloadError
 
 RULES = ("sarathi", "budget", "fixed")
 ENGINES = {
@@ -79,10 +81,6 @@ def policy_name(rule: str, budget_tokens: int) -> str:
 
 def sloweave_variant(rule: str) -> str:
     return "sloweave-multi" if rule == "sarathi" else "sloweave"
-
-
-def _round_to_64(tokens: float) -> int:
-    return max(64, 64 * int(round(tokens / 64)))
 
 
 def nearest_power_of_two(tokens: float) -> int:
@@ -185,6 +183,8 @@ def tune(
     max_chunk_tokens: int = DEFAULT_MAX_CHUNK_TOKENS,
     refine: bool = True,
     progress: bool = False,
+    options: EngineOptions = DEFAULT_OPTIONS,
+    jobs: int = 1,
 ) -> TuneResult:
     """Sweep the engine's fixed budget on ``source``; see the module docstring.
 
@@ -213,6 +213,8 @@ def tune(
             cost=cost or AnalyticCost(),
             max_chunk_tokens=max_chunk_tokens,
             progress=progress,
+            options=options,
+            jobs=jobs,
         )
 
     def best_of(candidates: list[int]) -> int:
@@ -225,12 +227,7 @@ def tune(
     capacities = {c.policy: c for c in study.capacities()}
     best_capacity = best_of(budgets)
     if refine:
-        # One refinement round: the geometric midpoints (multiples of 64 tokens) between the
-        # best budget and its neighbours in the sweep, searched on the same lattice.
-        i = budgets.index(best_capacity)
-        extra = sorted(
-            {_round_to_64(math.sqrt(best_capacity * budgets[j])) for j in (i - 1, i + 1) if 0 <= j < len(budgets)} - set(budgets)
-        )
+        extra = refined_budgets(best_capacity, budgets)
         if extra:
             refined = study_of([policy_name(rule, b) for b in extra])
             study_by_policy.update(dict.fromkeys(refined.policies, refined))
@@ -441,18 +438,8 @@ def write_outputs(result: TuneResult, engine: str, out_dir: Path, meta: dict | N
         "sloweave_row": result.sloweave,
         "advice": advice,
     }
-    (out_dir / "tune.json").write_text(json.dumps(payload, indent=2, default=_json_default) + "\n")
+    write_result_json(out_dir / "tune.json", payload)
     return payload
-
-
-def _json_default(value):
-    if isinstance(value, (np.integer,)):
-        return int(value)
-    if isinstance(value, (np.floating,)):
-        return float(value)
-    if isinstance(value, np.bool_):
-        return bool(value)
-    raise TypeError(f"not JSON serialisable: {value!r}")
 
 
 # --------------------------------------------------------------------------- command
@@ -480,7 +467,7 @@ def _cost_from_profile(path: Path, kind: str, context_tokens: float | None, sour
 
 
 @click.command()
-@click.option("--workload", type=click.Choice(list(WORKLOADS)), default=None, help="synthetic workload")
+@click.option("--workload", type=click.Choice(list(ALL_WORKLOADS)), default=None, help="synthetic workload or scenario")
 @click.option("--trace", "trace_path", type=click.Path(dir_okay=False, path_type=Path), default=None, help="request trace file instead")
 @click.option("--format", "fmt", type=click.Choice(FORMATS), default="auto", show_default=True)
 @click.option("--engine", type=click.Choice(list(ENGINES)), default="vllm", show_default=True, help="whose flag to print")
@@ -500,8 +487,10 @@ def _cost_from_profile(path: Path, kind: str, context_tokens: float | None, sour
 @click.option("--max-chunk", type=click.IntRange(min=1), default=DEFAULT_MAX_CHUNK_TOKENS, show_default=True, help="SLOWeave's C_max")
 @click.option("--refine/--no-refine", default=True, show_default=True, help="one more round between the best budget and its neighbours")
 @click.option("--quick", is_flag=True, help="3 seeds, 800 requests, 6 budgets (powers of two), lattice step 9 %")
+@click.option("--jobs", type=click.IntRange(min=1), default=None, help="parallel simulation processes [default: all local cores]; results are the serial run's")
+@engine_options(dest="engine_opts")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), default=Path("results/tune"), show_default=True)
-def tune_command(workload, trace_path, fmt, engine, rule, tpot_ms, ttft_ms, attainment, budgets, load_scale, cost, cost_kind, context_tokens, seeds, num_requests, window_s, min_scale, max_chunk, refine, quick, out_dir) -> None:
+def tune_command(workload, trace_path, fmt, engine, rule, tpot_ms, ttft_ms, attainment, budgets, load_scale, cost, cost_kind, context_tokens, seeds, num_requests, window_s, min_scale, max_chunk, refine, quick, jobs, engine_opts, out_dir) -> None:
     """Sweep the fixed token budget of an engine and print the value to set."""
     if (trace_path is None) == (workload is None):
         raise click.UsageError("give exactly one of --workload NAME or --trace PATH")
@@ -522,7 +511,7 @@ def tune_command(workload, trace_path, fmt, engine, rule, tpot_ms, ttft_ms, atta
             source = trace_source(trace, seeds, window_s if trace.has_arrivals else None, requests_per_seed=num_requests)
             ttft_ms = ttft_ms or DEFAULT_TRACE_TTFT_MS
         else:
-            spec = WORKLOADS[workload]
+            spec = ALL_WORKLOADS[workload]
             source = SpecSource(spec, num_requests or (800 if quick else 2000), tuple(range(seeds)))
             ttft_ms = ttft_ms or spec.ttft_ms
         if cost.kind == KIND_STEP_PROFILE:
@@ -541,10 +530,13 @@ def tune_command(workload, trace_path, fmt, engine, rule, tpot_ms, ttft_ms, atta
             max_chunk_tokens=max_chunk,
             refine=refine,
             progress=True,
+            options=engine_opts,
+            jobs=jobs or default_jobs(),
         )
     except (TraceError, WorkloadError, ValueError) as err:
         raise click.UsageError(str(err)) from None
     options = {k: str(v) if isinstance(v, Path) else (v.spec if isinstance(v, ResolvedCost) else v) for k, v in click.get_current_context().params.items()}
+    options["engine_options"] = engine_opts.describe()
     notes = [] if cost.is_analytic else cost.summary_lines()
     payload = write_outputs(result, engine, out_dir, {"command": "tune", "options": options, "cost": cost.description}, notes)
     for line in notes:

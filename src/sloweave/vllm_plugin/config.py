@@ -10,12 +10,23 @@ Sources, later ones win: defaults, environment variables ``SLOWEAVE_*``, and vLL
 | cost | SLOWEAVE_COST | analytic | `analytic`, an operator-profile preset (`llama2-70b-tp2-a100`, `llama3-8b-tp1-a100`) or folder (Vidur's CSVs + `model.json`), or a step-time profile file (CSV/JSON) from `sloweave profile` / the GPU profiler; the same specs as the commands' `--cost` (`sloweave.core.costs.resolve_cost`); with `online_correction` it is the prior that measured step times correct |
 | cost_kind | SLOWEAVE_COST_KIND | regression | model fitted from a step-time profile file: `regression` or `table` |
 | analytic | - | paper's | coefficients of the analytic model (`base_ms`, `decode_base_ms`, ...) |
-| margin_ms | SLOWEAVE_MARGIN_MS | 0 | constant safety margin |
-| margin_fraction | SLOWEAVE_MARGIN_FRACTION | 0 | margin proportional to the prediction |
-| profile_margin | SLOWEAVE_PROFILE_MARGIN | false | use the profile's P99 residual margin (needs a step-time profile file) |
+| margin_ms | SLOWEAVE_MARGIN_MS | 0 | constant safety margin (with `online_correction`: added on top of the adaptive margin) |
+| margin_fraction | SLOWEAVE_MARGIN_FRACTION | 0 | margin proportional to the prediction (with `online_correction`: of the corrected prediction, on top of the adaptive margin) |
+| profile_margin | SLOWEAVE_PROFILE_MARGIN | false | use the profile's P99 residual margin (needs a step-time profile file; not with `online_correction`, whose adaptive margin replaces it) |
 | aging_ms | SLOWEAVE_AGING_MS | 2000 | a prompt waiting this long without progress gets a chunk anyway (`0`: off) |
 | aging_chunk_tokens | SLOWEAVE_AGING_CHUNK_TOKENS | 256 | size of that forced chunk |
-| online_correction | SLOWEAVE_ONLINE_CORRECTION | false | correct the cost model from measured step times (core calibration) |
+| online_correction | SLOWEAVE_ONLINE_CORRECTION | false | self-correction from the measured step times (`sloweave.core.calibration.self_correcting`, as the CPU runtime and the simulator): the cost is recalibrated online and the margin is the adaptive P99.7 of the corrected model's recent residuals |
+
+With ``online_correction`` the controller decides with ``SelfCorrection.cost`` (the ``cost``
+prior times the factors learned per decode-count bucket and step kind) and
+``SelfCorrection.margin`` (``AdaptiveMargin``: ``DEFAULT_MARGIN_QUANTILE`` of the relative
+residuals of the corrected model over the last 300 steps, once 50 steps are in). Before that
+the margin is the profile's P99 residual table when ``cost`` is a step-time profile file (it
+has a fit), and zero for the analytic model, a preset or an operator-profile folder. Every
+step vLLM ran feeds ``SelfCorrection.calibrator`` its measured time against the base
+model's prediction. ``margin_ms`` and ``margin_fraction`` still add on top when set (a floor
+a user wants regardless); ``profile_margin`` is refused with ``online_correction``, since the
+adaptive margin replaces the profile's (which it already uses as its fallback).
 """
 
 from __future__ import annotations
@@ -23,9 +34,13 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
+from typing import TYPE_CHECKING
 
 from sloweave.core.cost import AnalyticCost, ConstantMargin, CostModel, Margin, RelativeMargin, ZeroMargin
 from sloweave.core.validate import non_negative_number, positive_number, whole_number
+
+if TYPE_CHECKING:
+    from sloweave.core.calibration import SelfCorrection
 
 CONFIG_KEY = "sloweave"
 REQUEST_TPOT_KEY = "sloweave_tpot_ms"
@@ -70,6 +85,12 @@ class PluginConfig:
         for name in ("profile_margin", "online_correction"):
             if not isinstance(getattr(self, name), bool):
                 raise PluginConfigError(f"sloweave config: {name} must be true or false, got {getattr(self, name)!r}")
+        if self.profile_margin and self.online_correction:
+            raise PluginConfigError(
+                "sloweave config: profile_margin and online_correction exclude each other: with online_correction "
+                "the margin is the adaptive P99.7 of the measured residuals, which starts from the profile's margin "
+                "by itself; drop profile_margin"
+            )
         if not isinstance(self.analytic, dict):
             raise PluginConfigError(f"sloweave config: analytic must be an object of coefficients, got {self.analytic!r}")
 
@@ -95,17 +116,36 @@ class PluginConfig:
             raise PluginConfigError(f"sloweave config: {err}") from None
 
     def build_cost_and_margin(self) -> tuple[CostModel, Margin]:
-        """The cost model T(n, c) and margin delta(n, c) the plug-in decides with.
+        """The cost model T(n, c) and margin delta(n, c) the plug-in decides with (see ``build_decision``)."""
+        decision = self.build_decision()
+        return decision.cost, decision.margin
+
+    def build_decision(self) -> DecisionParts:
+        """What the controller decides with: cost, margin and, with ``online_correction``, the
+        core's ``SelfCorrection`` whose calibrator the measured step times feed.
 
         ``analytic`` takes the ``analytic`` coefficients; any other spec goes through the core's
         ``resolve_cost``: a preset or an operator-profile folder gives a ``ProfileCost``, a step-time
         profile file its fitted ``cost_kind``. Both read the KV context the controller sets each step.
+        With ``online_correction`` that model is the prior of ``core.calibration.self_correcting``:
+        the cost is its ``CalibratedCost`` and the margin its ``AdaptiveMargin`` (falling back to the
+        profile's residual margin, when the cost is a step-time profile file, until enough steps
+        were measured), plus ``margin_ms`` / ``margin_fraction`` if set.
         """
         resolved = self.resolved_cost()
-        cost = self._corrected(resolved.model)
+        if self.online_correction:
+            from sloweave.core.calibration import self_correcting
+
+            fallback = resolved.fit.margin(None) if resolved.fit is not None else None
+            correction = self_correcting(resolved.model, fallback=fallback)
+            if fallback is not None:
+                fallback.cost = correction.cost  # the profile's table, read through the corrected model
+            margin = _sum_margins(correction.margin, self._plain_margin(correction.cost))
+            return DecisionParts(correction.cost, margin, correction)
+        cost = resolved.model
         if self.profile_margin:
-            return cost, _sum_margins(resolved.fit.margin(cost), self._plain_margin(cost))
-        return cost, self._plain_margin(cost)
+            return DecisionParts(cost, _sum_margins(resolved.fit.margin(cost), self._plain_margin(cost)))
+        return DecisionParts(cost, self._plain_margin(cost))
 
     def resolved_cost(self):
         """The ``cost`` spec resolved by the core (``sloweave.core.costs.ResolvedCost``): its model,
@@ -125,14 +165,6 @@ class PluginConfig:
             what = "cost profile" if is_file else "cost"
             raise PluginConfigError(f"sloweave config: {what} {self.cost}: {err}") from None
 
-    def _corrected(self, cost: CostModel) -> CostModel:
-        """With online correction, the cost wrapped so measured step times correct it."""
-        if not self.online_correction:
-            return cost
-        from sloweave.core.calibration import CalibratedCost, OnlineCalibrator, as_contextual
-
-        return CalibratedCost(as_contextual(cost), OnlineCalibrator())
-
     def _plain_margin(self, cost: CostModel) -> Margin:
         margins: list[Margin] = []
         if self.margin_ms:
@@ -140,6 +172,15 @@ class PluginConfig:
         if self.margin_fraction:
             margins.append(RelativeMargin(cost, self.margin_fraction))
         return _sum_margins(*margins)
+
+
+@dataclass(frozen=True)
+class DecisionParts:
+    """The plug-in's decision parts: T(n, c), delta(n, c), and the self-correction (or None)."""
+
+    cost: CostModel
+    margin: Margin
+    correction: SelfCorrection | None = None
 
 
 def _presets() -> tuple[str, ...]:

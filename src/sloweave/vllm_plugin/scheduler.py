@@ -66,21 +66,24 @@ class SLOWeaveSchedulerMixin:
         self._request_tpot_ms: dict[str, float] = {}  # requests with their own TPOT target
         try:
             config = PluginConfig.from_sources(getattr(self.vllm_config, "additional_config", None))
-            cost, margin = config.build_cost_and_margin()
+            decision = config.build_decision()
         except PluginConfigError as err:
             raise PluginConfigError(f"sloweave vLLM plug-in: {err}") from None
         self.sloweave_config = config
         self._configured_budget = self.max_num_scheduled_tokens
         max_chunk = min(config.max_chunk_tokens, self._configured_budget)
         self.sloweave = BudgetController(
-            make_policy_for_engine(cost, margin, max_chunk),
+            make_policy_for_engine(decision.cost, decision.margin, max_chunk),
             default_tpot_ms=config.tpot_ms,
             max_budget_tokens=self._configured_budget,
             aging_ms=config.aging_ms or None,
             aging_chunk_tokens=config.aging_chunk_tokens,
             tpot_ms_of=self._request_tpot_ms.get,
-            correction=getattr(cost, "calibrator", None) if config.online_correction else None,
+            # online_correction: the core's SelfCorrection (its cost and adaptive margin decide,
+            # its calibrator learns from the measured step times)
+            correction=decision.correction.calibrator if decision.correction is not None else None,
         )
+        self.sloweave_correction = decision.correction
         # Decisions as Prometheus metrics on the default registry (vLLM's /metrics).
         self.sloweave.recorder = default_recorder()
         # request id -> clock time its prompt last made progress (arrival or a chunk)
@@ -123,7 +126,10 @@ class SLOWeaveSchedulerMixin:
                     progress[request_id] = now_ms
                 else:
                     emitting.append(request_id)
-            self.sloweave.on_scheduled(plan, emitting)
+            # What vLLM really scheduled (it may take less than the budget: max_num_seqs, KV
+            # blocks); online correction learns from that step.
+            decode_ran = sum(output.num_scheduled_tokens.get(r.request_id, 0) for r in decodes)
+            self.sloweave.on_scheduled(plan, emitting, (decode_ran, output.total_num_scheduled_tokens - decode_ran))
         return output
 
     def update_from_output(self, scheduler_output, model_runner_output):
