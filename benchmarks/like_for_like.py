@@ -24,6 +24,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 
 from sloweave.core.costs import resolve_cost
@@ -102,6 +103,65 @@ def run(condition: Condition, args) -> dict:
     return payload
 
 
+def phased(condition: Condition) -> bool:
+    return condition.source in ("drift", "azure+mooncake") or condition.tpot_change_ms is not None
+
+
+def phase_of(condition: Condition, workload) -> np.ndarray:
+    """Phase index per request: the parts of a scenario or of traces back to back, the
+    halves of a target change; one phase otherwise."""
+    if not phased(condition):
+        return np.zeros(len(workload), dtype=int)
+    sizes = workload.params.get("requests_per_part") or [len(workload) // 2, len(workload) - len(workload) // 2]
+    return np.repeat(np.arange(len(sizes)), sizes)
+
+
+def phase_breakdown(condition: Condition, args, payload: dict) -> list[dict]:
+    """At each pair's load (SLOWeave's own capacity, per seed): which requests miss, on which
+    target, and in which phase, for SLOWeave and its best baseline; and the per-request P99
+    token gaps there (pooled over seeds: their median, P90 and P99 over requests)."""
+    source, ttft_ms = source_of(condition.source, args.seeds, args.requests)
+    per_seed = pd.read_csv(args.out / condition.name / "capacity_seeds.csv")
+    names = {name for r in payload["pairwise"] for name in (r["policy"], r["best_baseline"])}
+    cost = resolve_cost(condition.cost)
+    study = CapacityStudy(source, sorted(names), condition.tpots, ttft_ms, steps_per_doubling=args.steps, min_scale=1 / 64,
+                          max_scale=64.0, cost=cost.model, options=condition.options, tpot_change_ms=condition.tpot_change_ms)
+    rows = []
+    for r in payload["pairwise"]:
+        ours = per_seed[(per_seed["policy"] == r["policy"]) & (per_seed["tpot_ms"] == r["tpot_ms"])]
+        for seed, k in zip(ours["seed"], ours["k"]):
+            if k != k:
+                continue
+            phases = phase_of(condition, source.workload(int(seed), study.scale(int(k))))
+            for name in (r["policy"], r["best_baseline"]):
+                run = study.run(name, int(seed), int(k), r["tpot_ms"]).requests
+                targets = r["tpot_ms"] if condition.tpot_change_ms is None else study._targets(len(run), r["tpot_ms"])[run["request"]]
+                late_first = ~(run["ttft_ms"].to_numpy() <= ttft_ms + 1e-9)
+                gaps = run["p99_tpot_ms"].to_numpy()
+                slow_tokens = ~(gaps <= np.asarray(targets) + 1e-9)
+                for phase in np.unique(phases):
+                    sel = phases[run["request"].to_numpy()] == phase
+                    rows.append({"gaps": gaps[sel],"condition": condition.name, "pair": r["policy"], "tpot_ms": r["tpot_ms"], "seed": int(seed),
+                                 "load_scale": study.scale(int(k)), "policy": name, "phase": int(phase), "requests": int(sel.sum()),
+                                 "missed_ttft": float(late_first[sel].mean()), "missed_tpot": float(slow_tokens[sel].mean()),
+                                 "attainment": float((~late_first & ~slow_tokens)[sel].mean())})
+    return rows
+
+
+def at_capacity_table(rows: list[dict]) -> pd.DataFrame:
+    """Per condition, pair, policy and phase: misses (mean over seeds) and the pooled gaps."""
+    frame = pd.DataFrame(rows)
+    out = []
+    for key, group in frame.groupby(["condition", "pair", "tpot_ms", "policy", "phase"], sort=False):
+        gaps = np.concatenate(group["gaps"].to_list())
+        gaps = gaps[np.isfinite(gaps)]
+        out.append(dict(zip(["condition", "pair", "tpot_ms", "policy", "phase"], key), load_scale=group["load_scale"].mean(),
+                        requests=int(group["requests"].sum()), missed_ttft=group["missed_ttft"].mean(), missed_tpot=group["missed_tpot"].mean(),
+                        attainment=group["attainment"].mean(), p50_gap_ms=float(np.percentile(gaps, 50)) if gaps.size else np.nan,
+                        p90_gap_ms=float(np.percentile(gaps, 90)) if gaps.size else np.nan, p99_gap_ms=float(np.percentile(gaps, 99)) if gaps.size else np.nan))
+    return pd.DataFrame(out)
+
+
 def summary_rows(condition: Condition, payload: dict) -> list[dict]:
     p99 = {(r["policy"], r["tpot_ms"]): r for r in payload["capacity"]}
     rows = []
@@ -137,7 +197,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=16, help="lattice steps per doubling")
     parser.add_argument("--jobs", type=int, default=default_jobs())
     args = parser.parse_args()
-    rows = []
+    rows, phases = [], []
     for condition in conditions():
         if args.only and condition.name not in args.only:
             continue
@@ -145,8 +205,13 @@ def main() -> None:
         payload = run(condition, args)
         rows += summary_rows(condition, payload)
         print(markdown(summary_rows(condition, payload)), flush=True)
+        phases += phase_breakdown(condition, args, payload)
     frame = pd.DataFrame(rows)
     args.out.mkdir(parents=True, exist_ok=True)
+    if phases:
+        at_capacity = at_capacity_table(phases)
+        at_capacity.to_csv(args.out / "at_capacity.csv", index=False)
+        print(at_capacity.round(3).to_string(index=False))
     frame.to_csv(args.out / "summary.csv", index=False)
     write_result_json(args.out / "summary.json", {"command": "benchmarks/like_for_like.py", "settings": vars(args) | {"out": str(args.out)}, "rows": rows})
     (args.out / "summary.md").write_text(markdown(rows))
