@@ -20,7 +20,7 @@ Sources, later ones win: defaults, environment variables ``SLOWEAVE_*``, and vLL
 With ``online_correction`` the controller decides with ``SelfCorrection.cost`` (the ``cost``
 prior times the factors learned per decode-count bucket and step kind) and
 ``SelfCorrection.margin`` (``AdaptiveMargin``: ``DEFAULT_MARGIN_QUANTILE`` of the relative
-residuals of the corrected model over the last 300 steps, once 50 steps are in). Before that
+residuals of the corrected model over the last 1000 steps, once 50 steps are in). Before that
 the margin is the profile's P99 residual table when ``cost`` is a step-time profile file (it
 has a fit), and zero for the analytic model, a preset or an operator-profile folder. Every
 step vLLM ran feeds ``SelfCorrection.calibrator`` its measured time against the base
