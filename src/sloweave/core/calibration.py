@@ -141,7 +141,7 @@ DEFAULT_MARGIN_QUANTILE = 99.7
 
 
 class AdaptiveMargin:
-    """delta = r x T', with r the P99 of the recent corrected residuals once there are enough.
+    """delta = r x T', with r the ``quantile`` (P99.7) of the recent corrected residuals once there are enough.
 
     Until ``min_steps`` steps have been seen it is the profile's ``ResidualMargin``. The
     fraction does not depend on c, so T' + delta = (1 + r) T' stays monotone in c. With a

@@ -5,7 +5,7 @@ else a serving engine offers is here, and any policy runs with any of it: a cap 
 running requests, admission control, aging, a KV capacity, the deadline form, and the
 machine's prediction error (seeded lognormal noise and a systematic bias on the model's
 time). ``correction`` is SLOWeave's answer to that error without a hand-set margin: the
-core's online recalibration and adaptive P99 margin (``core.calibration.self_correcting``);
+core's online recalibration and adaptive P99.7 margin (``core.calibration.self_correcting``);
 it changes only deadline-aware policies (a static rule has no model to correct).
 
 A comparison is like for like when every policy runs with one ``EngineOptions``.
@@ -13,7 +13,6 @@ A comparison is like for like when every policy runs with one ``EngineOptions``.
 
 from __future__ import annotations
 
-import math
 from dataclasses import asdict, dataclass, replace
 
 import numpy as np
@@ -22,7 +21,7 @@ from sloweave.core.admission import ADMISSION_ACTIONS, AdmissionControl
 from sloweave.core.calibration import self_correcting
 from sloweave.core.cost import CostModel, NoisyCost
 from sloweave.core.policy import Aging, Policy
-from sloweave.core.validate import positive_ms, positive_tokens, whole_number
+from sloweave.core.validate import finite_number, positive_ms, positive_tokens, whole_number
 from sloweave.sim.engine import DEADLINE_FORMS, simulate
 from sloweave.sim.result import SimResult
 from sloweave.sim.workloads import Workload
@@ -41,7 +40,7 @@ class EngineOptions:
     deadline_form: str = "per-token"
     noise_sigma: float = 0.0  # actual time = model time x lognormal(0, sigma) x bias
     bias: float = 1.0
-    correction: bool = False  # deadline-aware policies: online recalibration + adaptive P99 margin
+    correction: bool = False  # deadline-aware policies: online recalibration + adaptive P99.7 margin
 
     def __post_init__(self) -> None:
         if self.max_batch_size is not None:
@@ -55,10 +54,8 @@ class EngineOptions:
             whole_number(self.kv_capacity_tokens, "kv_capacity_tokens", unit=" of tokens")
         if self.deadline_form not in DEADLINE_FORMS:
             raise ValueError(f"deadline_form must be one of {', '.join(DEADLINE_FORMS)}, got {self.deadline_form!r}")
-        if not (math.isfinite(self.noise_sigma) and self.noise_sigma >= 0):
-            raise ValueError(f"noise_sigma must be a finite number >= 0, got {self.noise_sigma!r}")
-        if not (math.isfinite(self.bias) and self.bias > 0):
-            raise ValueError(f"bias must be a finite number > 0 (1 = the model is exact), got {self.bias!r}")
+        finite_number(self.noise_sigma, "noise_sigma", positive=False)
+        finite_number(self.bias, "bias")  # 1 = the model is exact
         if not isinstance(self.correction, bool):
             raise ValueError(f"correction must be true or false, got {self.correction!r}")
 
@@ -108,7 +105,7 @@ class EngineOptions:
 DEFAULT_OPTIONS = EngineOptions()
 
 
-def engine_options(with_batch_cap: bool = True, dest: str = "engine"):
+def engine_options(dest: str = "engine"):
     """The engine options every study command takes, turned into one ``EngineOptions``
     passed to the command as ``dest``."""
     import functools
@@ -116,6 +113,7 @@ def engine_options(with_batch_cap: bool = True, dest: str = "engine"):
     import click
 
     flags = [
+        click.option("--max-batch", "max_batch_size", type=click.IntRange(min=1), default=None, help="cap on started requests, every policy (vLLM's max_num_seqs)"),
         click.option("--admission", type=click.Choice(ADMISSION_ACTIONS), default=None, help="admission control for every policy: reject or defer (a best-effort lane)"),
         click.option("--aging-ms", type=float, default=None, help="starvation control for every policy: after this wait the oldest prompt gets a chunk"),
         click.option("--kv-capacity-tokens", type=click.IntRange(min=1), default=None, help="KV cache capacity in tokens (admission by memory, preemption with recompute)"),
@@ -124,8 +122,6 @@ def engine_options(with_batch_cap: bool = True, dest: str = "engine"):
         click.option("--bias", type=float, default=1.0, show_default=True, help="systematic prediction error: the machine is this many times slower than the model"),
         click.option("--correction/--no-correction", default=False, show_default=True, help="deadline-aware policies correct the model online and keep an adaptive P99.7 margin (no hand-set margin)"),
     ]
-    if with_batch_cap:
-        flags.insert(0, click.option("--max-batch", "max_batch_size", type=click.IntRange(min=1), default=None, help="cap on started requests, every policy (vLLM's max_num_seqs)"))
     names = ("max_batch_size", "admission", "aging_ms", "kv_capacity_tokens", "deadline_form", "noise_sigma", "bias", "correction")
 
     def decorate(command):

@@ -320,6 +320,16 @@ def budget_of(policy: str, rule: str) -> int | None:
     return int(tail) if head == rule and tail.isdigit() else None
 
 
+def best_of_rule(capacities: list[Capacity], rule: str) -> Capacity | None:
+    """The best ``<rule>-<tokens>`` among ``capacities`` (one target): the highest mean
+    capacity, a cell too short to measure below every measured one; ties (one lattice step
+    resolves nothing finer) go to the smaller budget, which protects TPOT more."""
+    rivals = [c for c in capacities if budget_of(c.policy, rule) is not None]
+    if not rivals:
+        return None
+    return max(rivals, key=lambda c: (c.capacity_rps if c.measurable else -1.0, -budget_of(c.policy, rule)))
+
+
 # The study a forked worker serves (set just before the pool forks; each worker has a copy).
 _WORKER_STUDY: CapacityStudy | None = None
 
@@ -393,7 +403,6 @@ class CapacityStudy:
         self.curve_points_per_doubling = curve_points_per_doubling
         self.progress = progress
         self._runs: dict[tuple, _Run] = {}
-        self.searched: dict[tuple[str, float], bool] = {}  # (policy, target) pairs a search covered
 
     # ---- lattice and cached simulations
 
@@ -540,41 +549,30 @@ class CapacityStudy:
         for (policy, _, targets), results in zip(tasks, self._map("search_targets", tasks, "capacity search")):
             for tpot, result in zip(targets, results):
                 found.setdefault((policy, tpot), []).append(result)
-                self.searched[(policy, tpot)] = True
         return found
 
     def capacities(self) -> list[Capacity]:
-        found = self._search({p: self.tpot_targets_ms for p in self.policies})
+        caps = self._capacities(self._search({p: self.tpot_targets_ms for p in self.policies}))
         for rule in self.tuned_rules:
-            # Refine each target's sweep around its best budget, then report the best.
+            # Refine each target's sweep around its best budget.
             extra: dict[str, list[float]] = {}
             for tpot in self.tpot_targets_ms:
-                swept = {budget_of(p, rule): p for (p, t) in found if t == tpot and budget_of(p, rule) is not None}
-                best = self._best_budget(found, swept, tpot)
-                for b in refined_budgets(best, list(swept)):
+                at = [c for c in caps if c.tpot_ms == tpot]
+                swept = [b for b in (budget_of(c.policy, rule) for c in at) if b is not None]
+                for b in refined_budgets(budget_of(best_of_rule(at, rule).policy, rule), swept):
                     extra.setdefault(f"{rule}-{b}", []).append(tpot)
             for name in extra:
                 self.policies.setdefault(name, build_policy(name, self.cost, self.max_chunk_tokens))
-            found.update(self._search({name: tuple(ts) for name, ts in extra.items()}))
-        step = 2.0 ** (1.0 / self.steps)
-        caps = [Capacity(self.source.name, p, t, self.ttft_ms, self.attainment_target, tuple(seeds), step) for (p, t), seeds in found.items()]
+            caps += self._capacities(self._search({name: tuple(ts) for name, ts in extra.items()}))
         for rule in self.tuned_rules:
             for tpot in self.tpot_targets_ms:
-                swept = {budget_of(p, rule): p for (p, t) in found if t == tpot and budget_of(p, rule) is not None}
-                best = swept[self._best_budget(found, swept, tpot)]
-                caps.append(replace(next(c for c in caps if c.policy == best and c.tpot_ms == tpot), policy=f"{rule}-tuned", tuned_to=best))
+                best = best_of_rule([c for c in caps if c.tpot_ms == tpot], rule)
+                caps.append(replace(best, policy=f"{rule}-tuned", tuned_to=best.policy))
         return caps
 
-    def _best_budget(self, found, swept: dict[int, str], tpot: float) -> int:
-        # Highest mean capacity; ties (one lattice step resolves nothing finer) go to the
-        # smaller budget, which protects TPOT more.
-        def capacity(b: int) -> float:
-            seeds = found[(swept[b], tpot)]
-            if any(TOO_SHORT in s.censored for s in seeds):
-                return -1.0  # not measured: ranks below every measured budget
-            return float(np.mean([s.rps for s in seeds]))
-
-        return max(swept, key=lambda b: (capacity(b), -b))
+    def _capacities(self, found: dict[tuple[str, float], list[SeedCapacity]]) -> list[Capacity]:
+        step = 2.0 ** (1.0 / self.steps)
+        return [Capacity(self.source.name, p, t, self.ttft_ms, self.attainment_target, tuple(seeds), step) for (p, t), seeds in found.items()]
 
     # ---- curves
 
@@ -674,11 +672,11 @@ def pairwise_ratios(capacities: list[Capacity]) -> pd.DataFrame:
     for tpot in sorted({c.tpot_ms for c in capacities}):
         at = {c.policy: c for c in capacities if c.tpot_ms == tpot}
         for ours_name, rule in PAIRS:
-            rivals = [c for name, c in at.items() if budget_of(name, rule) is not None]
-            if ours_name not in at or not rivals:
+            best = best_of_rule(list(at.values()), rule)
+            if ours_name not in at or best is None:
                 continue
-            best = max(rivals, key=lambda c: (c.capacity_rps if c.measurable else -1.0, -budget_of(c.policy, rule)))
-            rows.append(_pair_row(at[ours_name], best, rule, len(rivals)))
+            swept = sum(budget_of(name, rule) is not None for name in at)
+            rows.append(_pair_row(at[ours_name], best, rule, swept))
     return pd.DataFrame(rows)
 
 

@@ -6,6 +6,7 @@ Also holds what the capacity search shares with it: running one policy and the p
 from __future__ import annotations
 
 import math
+from collections import Counter
 from pathlib import Path
 
 import click
@@ -110,7 +111,7 @@ def replay_policies(
 
     cost = cost or AnalyticCost()
     built = [build_policy(name, cost, max_chunk_tokens) for name in policies]
-    twice = sorted({p.name for p in built if [q.name for q in built].count(p.name) > 1})
+    twice = sorted(name for name, count in Counter(p.name for p in built).items() if count > 1)
     if twice:
         raise ValueError(f"policy given more than once: {', '.join(twice)} (each policy is replayed once)")
     frames, metrics = [], {}

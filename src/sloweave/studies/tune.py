@@ -37,7 +37,7 @@ import numpy as np
 import pandas as pd
 
 from sloweave.sim.options import DEFAULT_OPTIONS, EngineOptions, engine_options
-from sloweave.studies.capacity import default_jobs, refined_budgets
+from sloweave.studies.capacity import best_of_rule, budget_of, default_jobs, refined_budgets
 from sloweave.studies.outputs import write_result_json
 from sloweave.studies.capacity import DEFAULT_ATTAINMENT, DEFAULT_WINDOW_S, CapacityStudy, LoadSource, SpecSource, trace_source
 from sloweave.core.cost import AnalyticCost, CostModel
@@ -218,9 +218,8 @@ def tune(
         )
 
     def best_of(candidates: list[int]) -> int:
-        # Highest mean capacity; ties (one lattice step resolves nothing finer) go to the
-        # smaller budget, which protects TPOT more.
-        return max(candidates, key=lambda b: (capacities[policy_name(rule, b)].capacity_rps, -b))
+        # the capacity study's own ranking (ties to the smaller budget)
+        return budget_of(best_of_rule([capacities[policy_name(rule, b)] for b in candidates], rule).policy, rule)
 
     study = study_of([policy_name(rule, b) for b in budgets] + [ours_name])
     study_by_policy = dict.fromkeys(study.policies, study)
