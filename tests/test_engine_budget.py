@@ -97,7 +97,7 @@ def test_plugin_config_sources_and_errors(tmp_path):
     cost, margin = config.build_cost_and_margin()
     assert cost(4, 0) == AnalyticCost()(4, 0) and margin(4, 100) == 1.5
     bad = [
-        ({"sloweave": {"tpot_ms": -1}}, {}, "tpot_ms must be a finite number > 0"),
+        ({"sloweave": {"tpot_ms": -1}}, {}, "tpot_ms must be a finite number of milliseconds > 0"),
         ({"sloweave": {"tpot_ms": "fast"}}, {}, "tpot_ms"),
         ({"sloweave": {"max_chunk_tokens": 0}}, {}, "max_chunk_tokens"),
         ({"sloweave": {"chunk": 5}}, {}, "unknown key"),

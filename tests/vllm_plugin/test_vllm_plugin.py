@@ -120,8 +120,6 @@ def test_per_request_target_from_extra_args():
     eng.add(make_request(9000, 2))
     eng.step()
     assert eng.scheduler.last_plan.budget_ms == pytest.approx(10.0)
-    with pytest.raises(ValueError, match="sloweave_tpot_ms"):
-        eng.add(make_request(10, 2, tpot_ms=-5.0))
 
 
 def test_decodes_stay_ahead_of_a_partial_prefill():
@@ -169,7 +167,7 @@ def test_aborted_and_preempted_requests_release_their_deadline():
 @pytest.mark.parametrize(
     "config, message",
     [
-        ({"tpot_ms": 0}, "tpot_ms must be a finite number > 0"),
+        ({"tpot_ms": 0}, "tpot_ms must be a finite number of milliseconds > 0"),
         ({"unknown": 1}, "unknown key"),
         ({"cost": "/nonexistent/profile.csv"}, "existing profile file"),
     ],

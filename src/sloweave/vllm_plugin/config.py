@@ -5,7 +5,7 @@ Sources, later ones win: defaults, environment variables ``SLOWEAVE_*``, and vLL
 
 | key | env variable | default | meaning |
 |---|---|---|---|
-| tpot_ms | SLOWEAVE_TPOT_MS | 25 | default TPOT target; a request overrides it with `extra_args={"sloweave_tpot_ms": D}` |
+| tpot_ms | SLOWEAVE_TPOT_MS | 25 | default TPOT target (ms, at most one hour); a request overrides it with `extra_args={"sloweave_tpot_ms": D}` (the same rule; see `request_check` for what happens to a bad one) |
 | max_chunk_tokens | SLOWEAVE_MAX_CHUNK_TOKENS | 4096 | C_max (also capped by `--max-num-batched-tokens`) |
 | cost | SLOWEAVE_COST | analytic | `analytic`, an operator-profile preset (`llama2-70b-tp2-a100`, `llama3-8b-tp1-a100`) or folder (Vidur's CSVs + `model.json`), or a step-time profile file (CSV/JSON) from `sloweave profile` / the GPU profiler; the same specs as the commands' `--cost` (`sloweave.core.costs.resolve_cost`); with `online_correction` it is the prior that measured step times correct |
 | cost_kind | SLOWEAVE_COST_KIND | regression | model fitted from a step-time profile file: `regression` or `table` |
@@ -37,13 +37,35 @@ from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING
 
 from sloweave.core.cost import AnalyticCost, ConstantMargin, CostModel, Margin, RelativeMargin, ZeroMargin
-from sloweave.core.validate import non_negative_number, positive_number, whole_number
+from sloweave.core.validate import non_negative_number, positive_ms, whole_number
 
 if TYPE_CHECKING:
     from sloweave.core.calibration import SelfCorrection
 
 CONFIG_KEY = "sloweave"
 REQUEST_TPOT_KEY = "sloweave_tpot_ms"
+# An hour per token is past any real target; far larger ones (1e300) overflow the chunk
+# arithmetic, so a target above it is refused rather than clipped.
+MAX_TPOT_MS = 3_600_000.0
+
+
+def tpot_target_ms(value, name: str) -> float:
+    """A TPOT target: a finite number of milliseconds > 0 and at most ``MAX_TPOT_MS``
+    (ValueError naming ``name`` otherwise). One rule for the configured default and for a
+    request's own target."""
+    target_ms = positive_ms(value, name)
+    if target_ms > MAX_TPOT_MS:
+        raise ValueError(f"{name} must be at most {MAX_TPOT_MS:.0f} milliseconds (one hour per token), got {value!r}")
+    return target_ms
+
+
+def request_tpot_ms(extra_args: Mapping | None, request_id: str | None = None) -> float | None:
+    """A request's own TPOT target from its extra arguments (``vllm_xargs`` over HTTP), or
+    None for the default; a bad one raises ValueError naming the key (and the request)."""
+    if not extra_args or REQUEST_TPOT_KEY not in extra_args:
+        return None
+    name = REQUEST_TPOT_KEY if request_id is None else f"request {request_id}: {REQUEST_TPOT_KEY}"
+    return tpot_target_ms(extra_args[REQUEST_TPOT_KEY], name)
 
 
 class PluginConfigError(ValueError):
@@ -65,7 +87,7 @@ class PluginConfig:
     online_correction: bool = False
 
     def __post_init__(self) -> None:
-        _positive(self.tpot_ms, "tpot_ms")
+        _checked(tpot_target_ms, self.tpot_ms, "tpot_ms")
         _whole(self.max_chunk_tokens, "max_chunk_tokens")
         _whole(self.aging_chunk_tokens, "aging_chunk_tokens")
         for name in ("margin_ms", "margin_fraction", "aging_ms"):
@@ -210,10 +232,6 @@ def _checked(check, value, name: str) -> None:
         check(value, name)
     except ValueError as err:
         raise PluginConfigError(f"sloweave config: {err}") from None
-
-
-def _positive(value, name: str) -> None:
-    _checked(positive_number, value, name)
 
 
 def _whole(value, name: str) -> None:

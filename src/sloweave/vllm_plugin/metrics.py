@@ -33,6 +33,8 @@ from sloweave.core import decision_metrics as names
 logger = logging.getLogger(__name__)
 
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
+REQUEST_TARGET_ERRORS = "sloweave_request_target_errors"
+PLUGIN_ERRORS = "sloweave_plugin_errors"
 
 
 class PrometheusRecorder:
@@ -58,6 +60,14 @@ class PrometheusRecorder:
         self.predicted_step_ms = histogram(names.PREDICTED_STEP)
         self.measured_step_ms = histogram(names.MEASURED_STEP)
         self.underpredicted_steps = counter(names.UNDERPREDICTED)
+        # The plug-in's own health (no simulator counterpart): bad per-request targets served
+        # with the default, and failures of its bookkeeping that fell back to vLLM's budget.
+        self.request_target_errors = Counter(
+            REQUEST_TARGET_ERRORS, "Requests whose sloweave_tpot_ms was refused and served with the default target", registry=registry
+        )
+        self.plugin_errors = Counter(
+            PLUGIN_ERRORS, "Failures of the plug-in's bookkeeping (the step ran on vLLM's own budget)", ["where"], registry=registry
+        )
 
     def on_plan(self, plan, late_requests: int) -> None:
         self.steps.inc()

@@ -19,6 +19,8 @@ import torch
 from vllm.config import CacheConfig, DeviceConfig, ModelConfig, SchedulerConfig, VllmConfig
 from vllm.sampling_params import SamplingParams
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+from vllm.utils.hashing import get_hash_fn_by_name
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.core.single_type_kv_cache_manager import register_all_kvcache_specs
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 from vllm.v1.outputs import ModelRunnerOutput
@@ -41,8 +43,14 @@ def build_scheduler(
     num_blocks: int = 40_000,
     additional_config: dict | None = None,
     model_dir: Path | None = None,
+    prefix_caching: bool = False,
 ):
-    """A real scheduler of class ``scheduler_cls`` (vLLM's or ours), on CPU, offline."""
+    """A real scheduler of class ``scheduler_cls`` (vLLM's or ours), on CPU, offline.
+
+    Prefix caching is off unless asked for: the harness's prompts repeat one token, so
+    cached blocks would hide the prefill work the tests count. With it on (vLLM's
+    default), requests need ``block_hasher()`` (vLLM 0.32 fails on requests without one).
+    """
     async_scheduling = issubclass(scheduler_cls, AsyncScheduler)
     model_config = ModelConfig(
         model=str(model_dir or tiny_model_dir()), skip_tokenizer_init=True, dtype="float32", seed=0, max_model_len=max_model_len
@@ -56,7 +64,7 @@ def build_scheduler(
         async_scheduling=async_scheduling,
         is_encoder_decoder=False,
     )
-    cache_config = CacheConfig(block_size=BLOCK_SIZE, gpu_memory_utilization=0.9, cache_dtype="auto")
+    cache_config = CacheConfig(block_size=BLOCK_SIZE, gpu_memory_utilization=0.9, cache_dtype="auto", enable_prefix_caching=prefix_caching)
     vllm_config = VllmConfig(
         scheduler_config=scheduler_config,
         model_config=model_config,
@@ -83,14 +91,33 @@ def build_scheduler(
 _ids = itertools.count()
 
 
-def make_request(prompt_tokens: int, output_tokens: int, tpot_ms: float | None = None, request_id: str | None = None) -> Request:
-    extra = {"sloweave_tpot_ms": tpot_ms} if tpot_ms is not None else None
-    params = SamplingParams(max_tokens=output_tokens, ignore_eos=True, extra_args=extra)
+def block_hasher():
+    """The prefix-caching block hasher vLLM's engine core gives every request (same algorithm)."""
+    hash_fn = get_hash_fn_by_name(CacheConfig().prefix_caching_hash_algo)
+    init_none_hash(hash_fn)
+    return get_request_block_hasher(BLOCK_SIZE, hash_fn)
+
+
+def make_request(
+    prompt_tokens: int,
+    output_tokens: int,
+    tpot_ms: float | None = None,
+    request_id: str | None = None,
+    prompt_token_ids: list[int] | None = None,
+    hasher=None,
+    extra_args: dict | None = None,
+) -> Request:
+    """A request of ``prompt_tokens`` (one repeated token unless ``prompt_token_ids``)."""
+    extra = dict(extra_args or {})
+    if tpot_ms is not None:
+        extra["sloweave_tpot_ms"] = tpot_ms
+    params = SamplingParams(max_tokens=output_tokens, ignore_eos=True, extra_args=extra or None)
     return Request(
         request_id=request_id or f"req-{next(_ids)}",
-        prompt_token_ids=[SAMPLED_TOKEN] * prompt_tokens,
+        prompt_token_ids=prompt_token_ids if prompt_token_ids is not None else [SAMPLED_TOKEN] * prompt_tokens,
         sampling_params=params,
         pooling_params=None,
+        block_hasher=hasher,
     )
 
 

