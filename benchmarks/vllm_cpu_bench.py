@@ -21,10 +21,17 @@ for real. Steps:
    caching). Per-request TTFT and token gaps from the streamed (delta) outputs of each engine
    step; goodput and attainment by ``sloweave.sim.metrics.summarize``; medians over seeds; the
    simulator's prediction for the same workload and fitted cost beside each measurement.
+5. **Capacity** on the real engine, per engine and seed: bisection on the arrival rate (between
+   0.5x and 1.6x the load point, ``--capacity-steps`` steps: 7.5 % resolution) for the
+   highest rate that still attains ``--target``; medians and spread over seeds, and per seed the
+   ratio against the better of the two tuned budgets.
+
+Steps 1-3 can be skipped with ``--profile-file``, ``--rate-rps`` and ``--tuned-budgets`` (to
+add step 5 to an earlier run's choices).
 
     .venv-vllm-cpu/bin/python benchmarks/vllm_cpu_bench.py --out results/vllm_cpu
 
-Writes ``profile.csv``, ``load_search.csv``, ``tuning.csv``, ``runs.csv`` (one row per engine and seed), ``medians.csv``
+Writes ``profile.csv``, ``load_search.csv``, ``tuning.csv``, ``runs.csv`` (one row per engine and seed), ``capacity.csv``, ``medians.csv``
 and ``summary.json`` (strict JSON: settings, version, the machine's load) under ``--out``.
 """
 
@@ -62,6 +69,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--search-budget", type=int, default=512)
     parser.add_argument("--search-steps", type=int, default=5)
     parser.add_argument("--warm-up-requests", type=int, default=200)
+    parser.add_argument("--tuned-budgets", default=None, help="skip the tuning (step 3): these two budgets, e.g. 512,256")
+    parser.add_argument("--capacity-steps", type=int, default=4, help="bisection steps of the capacity search (step 5); 0: skip it")
     parser.add_argument("--profile-repeats", type=int, default=3)
     parser.add_argument("--profile-file", type=Path, default=None, help="reuse a profile this script wrote (skips step 1)")
     return parser.parse_args()
@@ -82,6 +91,7 @@ def profile(args, model_dir: str, vocab: int) -> Path:
     from sloweave.vllm_plugin.engine_driver import make_engine, profile_steps
 
     engine = make_engine(model_dir, 4096, max_num_seqs=64, max_model_len=4096)
+    warm_up(engine, args)  # a fresh engine's first steps are slow outliers (see engine_for)
     frame = profile_steps(
         engine, vocab, decode_counts=(0, 1, 4, 16, 32, 64), chunk_sizes=(0, 64, 256, 512, 1024, 2048),
         contexts=(128, 512), repeats=args.profile_repeats,
@@ -108,7 +118,7 @@ def simulated(workload, policy_name: str, cost, args, max_chunk: int) -> dict:
 def load_point(args, model_dir: str, vocab: int) -> tuple[float, list[dict]]:
     """Highest rate (req/s) at which vLLM at ``--search-budget`` attains ``--target`` on the
     real engine (tuning seed, ``--requests``), by bisection on the log of the rate."""
-    engine = engine_for(model_dir, args.search_budget, warm_up=args)
+    engine = engine_for(model_dir, args.search_budget, warm=args)
     low, high, tried = 8.0, 128.0, []
     for _ in range(args.search_steps):
         rate = (low * high) ** 0.5
@@ -134,27 +144,34 @@ def measure(engine, workload, args, vocab: int, seed: int) -> dict:
             "load_1min_before": load_before, "load_1min_after": os.getloadavg()[0]}  # fmt: skip
 
 
-def engine_for(model_dir: str, budget: int, plugin_config: dict | None = None, warm_up: argparse.Namespace | None = None):
-    """An engine with the benchmark's options; ``warm_up``: first serve a short unmeasured
+def engine_for(model_dir: str, budget: int, plugin_config: dict | None = None, warm: argparse.Namespace | None = None):
+    """An engine with the benchmark's options; ``warm``: first serve a short unmeasured
     workload (the CPU kernels set themselves up per new shape: a fresh engine's first
     seconds are slower than the rest, which would favour whichever engine ran warm)."""
-    from sloweave.vllm_plugin.engine_driver import make_engine, run_workload
+    from sloweave.vllm_plugin.engine_driver import make_engine
 
     engine = make_engine(
         model_dir, budget, max_num_seqs=VLLM_CPU_DEFAULT_SEQS, max_model_len=4096,
         scheduler_cls=PLUGIN if plugin_config else None, additional_config={"sloweave": plugin_config} if plugin_config else None,
     )
-    if warm_up is not None:
-        short = argparse.Namespace(**{**vars(warm_up), "requests": warm_up.warm_up_requests})
-        run_workload(engine, workload_for(short, 999, 20.0), 1024, seed=999)
+    if warm is not None:
+        warm_up(engine, warm)
     return engine
+
+
+def warm_up(engine, args: argparse.Namespace) -> None:
+    """Serve a short unmeasured workload (``--warm-up-requests`` at 20 req/s)."""
+    from sloweave.vllm_plugin.engine_driver import run_workload
+
+    short = argparse.Namespace(**{**vars(args), "requests": args.warm_up_requests})
+    run_workload(engine, workload_for(short, 999, 20.0), 1024, seed=999)
 
 
 def tune(args, model_dir: str, vocab: int, rate: float, budgets: list[int]) -> pd.DataFrame:
     workload = workload_for(args, args.tuning_seed, rate)
     rows = []
     for budget in budgets:
-        engine = engine_for(model_dir, budget, warm_up=args)
+        engine = engine_for(model_dir, budget, warm=args)
         rows.append({"budget": budget, **measure(engine, workload, args, vocab, args.tuning_seed)})
         print(f"tuning budget {budget}: attainment {rows[-1]['attainment']:.3f} goodput {rows[-1]['goodput_rps']:.3f}", flush=True)
         engine.engine_core.shutdown()
@@ -170,6 +187,7 @@ def main() -> None:
     from sloweave.vllm_plugin.offline import tiny_model_dir
 
     check_writable(args.out, "--out")
+    args.out.mkdir(parents=True, exist_ok=True)
     model_dir = str(tiny_model_dir())
     vocab = 1024
     seeds = [int(s) for s in args.seeds.split(",")]
@@ -186,18 +204,24 @@ def main() -> None:
         pd.DataFrame(searched).to_csv(args.out / "load_search.csv", index=False)
     span_s = float(workload_for(args, args.tuning_seed, rate).arrival_s[-1])
     print(f"load point: {rate:.3f} req/s (arrivals over {span_s:.1f} s, TTFT target {args.ttft_ms / 1000:g} s)", flush=True)
-    tuning = tune(args, model_dir, vocab, rate, budgets)
-    tuning.to_csv(args.out / "tuning.csv", index=False)
-    tuned = [int(b) for b in tuning["budget"].iloc[:2]]
+    if args.tuned_budgets:
+        tuned = [int(b) for b in args.tuned_budgets.split(",")]
+    else:
+        tuning = tune(args, model_dir, vocab, rate, budgets)
+        tuning.to_csv(args.out / "tuning.csv", index=False)
+        tuned = [int(b) for b in tuning["budget"].iloc[:2]]
 
     plugin_config = {"tpot_ms": args.tpot_ms, "cost": str(profile_path), "online_correction": True}
     engines = [(f"vllm-default-{VLLM_CPU_DEFAULT_BUDGET}", VLLM_CPU_DEFAULT_BUDGET, None)]
     engines += [(f"vllm-tuned-{b}", b, None) for b in tuned]
     engines += [("sloweave", VLLM_CPU_DEFAULT_BUDGET, plugin_config)]
-    rows = []
+    rows, capacities = [], []
     for name, budget, config in engines:
-        engine = engine_for(model_dir, budget, config, warm_up=args)
+        engine = engine_for(model_dir, budget, config, warm=args)
         for seed in seeds:
+            if args.capacity_steps:
+                capacities.append({"engine": name, "seed": seed, **capacity(engine, args, vocab, seed, rate)})
+                print(f"{name} seed {seed}: capacity {capacities[-1]['capacity_rps']:.2f} req/s", flush=True)
             workload = workload_for(args, seed, rate)
             policy = "sloweave-multi" if config else f"sarathi-{budget}"
             sim = simulated(workload, policy, resolved.model, args, budget)
@@ -210,6 +234,9 @@ def main() -> None:
     runs = pd.DataFrame(rows)
     runs.to_csv(args.out / "runs.csv", index=False)
     medians = summarize_runs(runs, f"vllm-default-{VLLM_CPU_DEFAULT_BUDGET}")
+    if capacities:
+        pd.DataFrame(capacities).to_csv(args.out / "capacity.csv", index=False)
+        medians = medians.merge(summarize_capacity(pd.DataFrame(capacities)), on="engine")
     medians.to_csv(args.out / "medians.csv", index=False)
     print(medians.to_string(index=False))
     write_result_json(args.out / "summary.json", {
@@ -218,6 +245,30 @@ def main() -> None:
         "load_1min_start": load_start[0], "load_1min_end": os.getloadavg()[0], "wall_s": time.time() - started,
         "medians": medians.to_dict("records"),
     })  # fmt: skip
+
+
+def capacity(engine, args, vocab: int, seed: int, rate: float) -> dict:
+    """Highest rate in [0.5, 1.6] x ``rate`` at which this engine attains ``--target`` on ``seed``."""
+    low, high = 0.5 * rate, 1.6 * rate
+    for _ in range(args.capacity_steps):
+        mid = (low * high) ** 0.5
+        attained = measure(engine, workload_for(args, seed, mid), args, vocab, seed)["attainment"]
+        low, high = (mid, high) if attained >= args.target else (low, mid)
+    # 0.5 x the load point is the floor of the search: an engine below it reports the floor, flagged
+    return {"capacity_rps": low, "at_floor": low == 0.5 * rate, "resolution": (high / low) - 1.0}
+
+
+def summarize_capacity(capacities: pd.DataFrame) -> pd.DataFrame:
+    by_seed = capacities.pivot(index="seed", columns="engine", values="capacity_rps")
+    best_tuned = by_seed[[c for c in by_seed.columns if c.startswith("vllm-tuned")]].max(axis=1)
+    rows = []
+    for engine in by_seed.columns:
+        ratio = by_seed[engine] / best_tuned
+        rows.append({"engine": engine, "capacity_rps_median": float(by_seed[engine].median()),
+                     "capacity_rps_min": float(by_seed[engine].min()), "capacity_rps_max": float(by_seed[engine].max()),
+                     "capacity_vs_best_tuned_median": float(ratio.median()), "capacity_vs_best_tuned_min": float(ratio.min()),
+                     "capacity_vs_best_tuned_max": float(ratio.max())})  # fmt: skip
+    return pd.DataFrame(rows)
 
 
 def summarize_runs(runs: pd.DataFrame, baseline: str) -> pd.DataFrame:

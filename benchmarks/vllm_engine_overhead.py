@@ -72,6 +72,7 @@ def main() -> None:
     from sloweave.vllm_plugin.offline import tiny_model_dir
 
     check_writable(args.out, "--out")
+    args.out.mkdir(parents=True, exist_ok=True)
     sizes = [int(n) for n in args.running.split(",")]
     engines, samples = {}, {}
     for name, cls in (("vllm", None), ("sloweave", PLUGIN)):

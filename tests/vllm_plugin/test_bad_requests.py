@@ -31,6 +31,11 @@ def test_the_shared_rule_refuses_a_bad_target_naming_request_and_key(value):
         request_tpot_ms({"sloweave_tpot_ms": value}, "r7")
 
 
+def test_extra_arguments_that_are_not_an_object_are_refused_by_name():
+    with pytest.raises(ValueError, match=r"request r2: extra arguments must be an object"):
+        request_tpot_ms([("sloweave_tpot_ms", 5)], "r2")
+
+
 def test_the_shared_rule_accepts_good_targets_and_absence():
     assert request_tpot_ms(None, "r") is None and request_tpot_ms({"other": 1}, "r") is None
     assert request_tpot_ms({"sloweave_tpot_ms": 12}, "r") == 12.0

@@ -62,9 +62,14 @@ def tpot_target_ms(value, name: str) -> float:
 def request_tpot_ms(extra_args: Mapping | None, request_id: str | None = None) -> float | None:
     """A request's own TPOT target from its extra arguments (``vllm_xargs`` over HTTP), or
     None for the default; a bad one raises ValueError naming the key (and the request)."""
-    if not extra_args or REQUEST_TPOT_KEY not in extra_args:
+    where = "" if request_id is None else f"request {request_id}: "
+    if not extra_args:
         return None
-    name = REQUEST_TPOT_KEY if request_id is None else f"request {request_id}: {REQUEST_TPOT_KEY}"
+    if not isinstance(extra_args, Mapping):
+        raise ValueError(f"{where}extra arguments must be an object (key -> value), got {extra_args!r}")
+    if REQUEST_TPOT_KEY not in extra_args:
+        return None
+    name = f"{where}{REQUEST_TPOT_KEY}"
     return tpot_target_ms(extra_args[REQUEST_TPOT_KEY], name)
 
 

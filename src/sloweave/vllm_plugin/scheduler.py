@@ -117,11 +117,12 @@ class SLOWeaveSchedulerMixin:
         # and take every other request down (see sloweave_fault).
         try:
             tpot_ms = request_tpot_ms(extra_args_of(request), request.request_id)
-        except ValueError as err:
+        except (TypeError, ValueError) as err:  # e.g. extra_args that are not an object
             # It got past the front end (no RequestTargetCheck registered): serve it with the
             # default target rather than fail it, and say so.
             logger.warning("sloweave: %s; serving it with the default target %g ms", err, self.sloweave_config.tpot_ms)
-            self.sloweave.recorder.request_target_errors.inc()
+            if self.sloweave.recorder is not None:
+                self.sloweave.recorder.request_target_errors.inc()
             tpot_ms = None
         if tpot_ms is not None:
             self._request_tpot_ms[request.request_id] = tpot_ms
@@ -131,7 +132,8 @@ class SLOWeaveSchedulerMixin:
         """The plug-in's own bookkeeping failed: count it, log it (in full the first time per
         place), and let vLLM go on. The caller falls back to vLLM's own behaviour for this step
         (its configured token budget), so a defect here costs a step's budget, not the server."""
-        self.sloweave.recorder.plugin_errors.labels(where=where).inc()
+        if self.sloweave.recorder is not None:
+            self.sloweave.recorder.plugin_errors.labels(where=where).inc()
         if where not in self._faults_logged:
             self._faults_logged.add(where)
             logger.exception("sloweave: %s failed (%s); this step runs on vLLM's own token budget", where, err)
