@@ -190,13 +190,16 @@ class SLOWeaveSchedulerMixin:
 
     def update_from_output(self, scheduler_output, model_runner_output):
         outputs = super().update_from_output(scheduler_output, model_runner_output)
+        # Taken first, so that a failure below cannot shift later steps' flags.
+        ran = bool(scheduler_output.total_num_scheduled_tokens and self._planned_in_flight)
+        planned = ran and self._planned_in_flight.popleft()
         try:
-            self._outputs_back(scheduler_output, outputs)
+            self._outputs_back(outputs, planned)
         except Exception as err:  # noqa: BLE001 - see sloweave_fault
             self.sloweave_fault("update_from_output", err)
         return outputs
 
-    def _outputs_back(self, scheduler_output, outputs) -> None:
+    def _outputs_back(self, outputs, planned: bool) -> None:
         now_ms = self.sloweave_clock_ms()
         emitted, finished = [], []
         for engine_outputs in outputs.values():
@@ -207,7 +210,6 @@ class SLOWeaveSchedulerMixin:
                     finished.append(out.request_id)
         for request_id in emitted:
             self._prompt_progress_ms.pop(request_id, None)  # its prefill is done
-        planned = bool(scheduler_output.total_num_scheduled_tokens and self._planned_in_flight) and self._planned_in_flight.popleft()
         if planned:
             self.sloweave.on_step_done(now_ms, emitted)
         else:  # an empty step, or one that ran on vLLM's own budget: only token times to record
