@@ -91,3 +91,10 @@ def test_study_config_rejects_bad_input():
         StudyConfig(static_policies=("sloweave",))
     with pytest.raises(ValueError, match="must include 25"):
         StudyConfig(tpot_targets_ms=(10.0,))
+
+
+def test_decide_with_no_deadline_prints_strict_json():
+    result = CliRunner().invoke(main, ["decide", "--decodes", "4", "--waiting-tokens", "4096"])
+    assert result.exit_code == 0, result.output
+    decision = json.loads(result.output, parse_constant=lambda name: pytest.fail(f"non-strict JSON: {name}"))
+    assert decision["chunk_tokens"] == 4096 and decision["budget_ms"] is None

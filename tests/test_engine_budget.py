@@ -408,3 +408,20 @@ def test_plugin_refuses_profile_margin_with_online_correction(tmp_path):
         PluginConfig(cost=str(path), profile_margin=True, online_correction=True)
     with pytest.raises(PluginConfigError, match="exclude each other"):
         PluginConfig.from_sources({"sloweave": {"cost": str(path), "online_correction": True}}, environ={"SLOWEAVE_PROFILE_MARGIN": "1"})
+
+
+@pytest.mark.parametrize("margin", [None, ConstantMargin(1.0)])
+def test_decodes_without_a_tracked_deadline_get_the_largest_chunk(margin):
+    """Decodes running while no deadline is tracked yet (the budget is +inf) used to overflow
+    (int(inf)) in the analytic model's closed-form guess; the whole chunk fits."""
+    policy = make_policy_for_engine(AnalyticCost(), margin, 4096)
+    c = BudgetController(policy, default_tpot_ms=10.0, max_budget_tokens=8192)
+    plan = c.plan_step(StepState(now_ms=0.0, decode_tokens=3, pending_prompt_tokens=10_000))
+    assert math.isinf(plan.budget_ms) and plan.chunk_tokens == 4096 and plan.token_budget == 4099
+
+
+def test_the_largest_configured_target_plans_without_overflow():
+    c = controller(tpot_ms=3_600_000.0)
+    c.on_token("a", 0.0)
+    plan = c.plan_step(StepState(now_ms=1.0, decode_tokens=1, pending_prompt_tokens=10_000))
+    assert plan.chunk_tokens == 4096 and not plan.infeasible

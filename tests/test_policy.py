@@ -13,9 +13,10 @@ from sloweave.core.cost import (
     CostModelError,
     MonotoneRepair,
     RelativeMargin,
+    ZeroMargin,
     check_monotone_in_chunk,
 )
-from sloweave.core.policy import FixedChunk, FullPrefill, SLOWeave, TokenBudget, make_policy
+from sloweave.core.policy import Decision, FixedChunk, FullPrefill, SLOWeave, TokenBudget, make_policy
 
 
 def test_analytic_cost_matches_spec():
@@ -287,3 +288,20 @@ def test_a_cost_without_tile_edges_keeps_the_largest_fitting_chunk():
     policy = SLOWeave(cost=AnalyticCost())
     for n, budget in ((4, 10.0), (64, 25.0), (200, 40.0)):
         assert policy.decide(n, 4096, budget) == policy._largest_fitting(n, 4096, budget)
+
+
+@pytest.mark.parametrize("margin", [ZeroMargin(), ConstantMargin(0.5)])
+def test_an_infinite_budget_with_decodes_gives_the_largest_chunk(margin):
+    policy = SLOWeave(margin=margin, max_chunk_tokens=2048)
+    assert policy.decide(4, 4096, math.inf) == Decision(2048)
+    assert policy.decide(4, 100, math.inf) == Decision(100)
+    assert policy.decide(4, 4096, 1e300).chunk_tokens == 2048  # huge but finite
+
+
+@pytest.mark.parametrize(
+    "args",
+    [(4, 4096, math.nan), (4, -1, 10.0), (-1, 100, 10.0)],
+)
+def test_decide_refuses_what_it_cannot_answer(args):
+    with pytest.raises(ValueError, match="decide needs n_decodes >= 0, waiting_tokens >= 0 and a budget_ms"):
+        SLOWeave().decide(*args)

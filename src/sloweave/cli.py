@@ -5,7 +5,6 @@ Each sub-command lives next to the code it drives; this module only assembles th
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import replace
 from pathlib import Path
@@ -46,21 +45,20 @@ def _margin(kind: str, value: float, cost):
 @click.option("--budget-ms", type=float, default=math.inf, show_default=True, help="time to the earliest next-token deadline")
 @click.option("--max-chunk", type=click.IntRange(min=1), default=DEFAULT_MAX_CHUNK_TOKENS, show_default=True)
 def decide(n_decodes: int, waiting_tokens: int, budget_ms: float, max_chunk: int) -> None:
-    """One SLOWeave decision on the paper's analytic cost model (e.g. --decodes 4 --budget-ms 10)."""
+    """One SLOWeave decision on the paper's analytic cost model (e.g. --decodes 4 --budget-ms 10).
+
+    Prints strict JSON; the default budget (no deadline, +inf) is printed as null."""
     if budget_ms < 0 or math.isnan(budget_ms):
         raise click.BadParameter(f"must be >= 0, got {budget_ms!r}", param_hint="--budget-ms")
     policy = SLOWeave(max_chunk_tokens=max_chunk)
     decision = policy.decide(n_decodes, waiting_tokens, budget_ms)
-    click.echo(
-        json.dumps(
-            {
-                "chunk_tokens": decision.chunk_tokens,
-                "infeasible": decision.infeasible,
-                "predicted_ms": policy.predicted_ms(n_decodes, decision.chunk_tokens),
-                "budget_ms": budget_ms,
-            }
-        )
-    )
+    printed = {
+        "chunk_tokens": decision.chunk_tokens,
+        "infeasible": decision.infeasible,
+        "predicted_ms": policy.predicted_ms(n_decodes, decision.chunk_tokens),
+        "budget_ms": budget_ms,
+    }
+    click.echo(strict_json(printed), nl=False)
 
 
 @main.command()

@@ -10,6 +10,8 @@ Nothing here imports an engine or the simulator, so the same objects decide in e
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
@@ -70,8 +72,8 @@ class AnalyticCost:
 
         The policy checks the guess against T itself, so it only saves search steps.
         """
-        if self.prefill_per_token_ms <= 0:
-            return 1 << 62
+        if self.prefill_per_token_ms <= 0 or budget_ms == math.inf:
+            return 1 << 62  # no finite deadline (e.g. decodes whose deadline is not tracked): any chunk fits
         room = budget_ms - self.base_ms - self.prefill_base_ms
         if n_decodes > 0:
             room -= self.decode_base_ms + self.decode_per_req_ms * n_decodes

@@ -100,6 +100,13 @@ class SLOWeave:
         return self._predicted(n_decodes, chunk_tokens)
 
     def decide(self, n_decodes: int, waiting_tokens: int, budget_ms: float) -> Decision:
+        # Cheap comparisons, on the hot path on purpose: a NaN budget compares False with
+        # everything and would otherwise pass as "fits", a negative count gives a negative chunk.
+        if not (n_decodes >= 0 and waiting_tokens >= 0 and budget_ms == budget_ms):
+            raise ValueError(
+                f"decide needs n_decodes >= 0, waiting_tokens >= 0 and a budget_ms that is a number (+inf: no deadline); "
+                f"got n_decodes={n_decodes!r}, waiting_tokens={waiting_tokens!r}, budget_ms={budget_ms!r}"
+            )
         decision = self._largest_fitting(n_decodes, waiting_tokens, budget_ms)
         chunk = decision.chunk_tokens
         if self._tile_edges is None or not chunk or chunk >= min(self.max_chunk_tokens, waiting_tokens):
