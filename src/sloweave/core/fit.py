@@ -45,6 +45,8 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from sloweave.core.csv_shape import check_csv_shape
+
 PROFILE_FORMAT = "sloweave-profile"
 PROFILE_VERSION = 1
 REQUIRED_COLUMNS = ("n_decodes", "chunk_tokens", "decode_kv_tokens", "prefill_prefix_tokens", "step_ms")
@@ -75,7 +77,8 @@ def read_profile(path: str | Path) -> pd.DataFrame:
                 raise ProfileError(f"profile {path}: unsupported version {doc.get('version')!r} (expected {PROFILE_VERSION})")
             frame = pd.DataFrame(doc.get("rows", []))
         else:
-            frame = pd.read_csv(path)
+            check_csv_shape(path, lambda line, problem: ProfileError(f"profile {path}{'' if line is None else f', line {line}'}: {problem}"))
+            frame = pd.read_csv(path, index_col=False)
     except ProfileError:
         raise
     except (ValueError, OSError, pd.errors.ParserError) as err:

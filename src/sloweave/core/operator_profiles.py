@@ -24,6 +24,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from sloweave.core.csv_shape import check_csv_shape
 from sloweave.core.fit import ProfileError, _show
 
 # Per-layer token-parallel operators that make up a decoder layer besides attention (Vidur's set:
@@ -145,6 +146,7 @@ def _read_csv(path: Path, columns: tuple[str, ...], counts: tuple[str, ...] = ()
     """The file with ``columns`` present; ``counts`` checked as whole numbers >= 0."""
     if not path.exists():
         raise ProfileError(f"{path}: missing (a profile folder needs it)")
+    check_csv_shape(path, lambda line, problem: ProfileError(f"{path}{'' if line is None else f', line {line}'}: {problem}"))
     try:
         frame = pd.read_csv(path, index_col=False)
     except (ValueError, OSError, pd.errors.ParserError, UnicodeDecodeError) as err:

@@ -34,6 +34,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from sloweave.core.csv_shape import check_csv_shape, not_text
 from sloweave.sim.workloads import Workload, WorkloadError, poisson_arrivals
 
 # Columns that identify each CSV format, in the order they are tried.
@@ -141,8 +142,9 @@ def _parse_timestamps(path: Path, raw: pd.Series, column: str, lines: np.ndarray
 
 def _read_csv(path: Path) -> pd.DataFrame:
     """All cells as stripped-later strings; blank lines kept so line numbers stay exact."""
+    check_csv_shape(path, lambda line, problem: _fail(path, line, problem))
     try:
-        frame = pd.read_csv(path, dtype=str, keep_default_na=False, skip_blank_lines=False)
+        frame = pd.read_csv(path, dtype=str, keep_default_na=False, skip_blank_lines=False, index_col=False)
     except pd.errors.EmptyDataError:
         raise _fail(path, None, "file is empty (no header, no requests)") from None
     except pd.errors.ParserError as err:
@@ -217,7 +219,10 @@ def _load_csv(path: Path, fmt: str) -> Trace:
 
 
 def _load_jsonl(path: Path) -> Trace:
-    text = path.read_text()
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as err:
+        raise _fail(path, None, not_text(err)) from None
     if text.strip() == "":
         raise _fail(path, None, "file is empty (no requests)")
     rows = text.split("\n")
@@ -263,9 +268,9 @@ def load_trace(path: str | Path, fmt: str = "auto") -> Trace:
 def _looks_like_jsonl(path: Path) -> bool:
     if path.suffix.lower() in (".jsonl", ".json", ".ndjson"):
         return True
-    with path.open() as f:
+    with path.open("rb") as f:  # bytes: a binary file is refused by the reader, with its path
         head = f.read(256).lstrip()
-    return head.startswith("{")
+    return head.startswith(b"{")
 
 
 # --------------------------------------------------------------------------- replay

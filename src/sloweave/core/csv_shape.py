@@ -1,0 +1,58 @@
+"""One shape check for every CSV file the project reads: traces, step-time profiles, operator profiles.
+
+pandas reads a file whose rows all have one field more than the header by making the first
+column an index, which shifts every column by one (prompt lengths read as arrival times),
+renames a duplicated header column silently (``x``, ``x.1``), and reports a compressed or
+binary file as a codec error without the path. So before pandas sees a file, this reads it
+once with the csv module and refuses, naming the file and the line:
+- bytes that are not UTF-8 text (a gzip-compressed or binary file);
+- a header cell after the first that is empty (a trailing comma on the header) or a column
+  named twice (an empty first cell is a written row index, as pandas and Vidur write it);
+- a row whose number of fields differs from the header's (a trailing comma, a missing field).
+Blank lines are left to the caller (traces count them for line numbers).
+"""
+
+from __future__ import annotations
+
+import csv
+from collections.abc import Callable
+from pathlib import Path
+
+# fail(line or None, problem) -> the caller's own error, which names the file
+Fail = Callable[[int | None, str], Exception]
+
+
+def check_csv_shape(path: Path, fail: Fail) -> None:
+    try:
+        with open(path, newline="", encoding="utf-8") as handle:
+            reader = csv.reader(handle)
+            header = next(reader, None)
+            if header is None:
+                return  # empty: the caller says what an empty file means for it
+            _check_header([cell.strip() for cell in header], fail)
+            for row in reader:
+                if row and len(row) != len(header):
+                    raise fail(
+                        reader.line_num,
+                        f"{len(row)} fields where the header has {len(header)} ({', '.join(header)}); "
+                        "a trailing comma or a missing or extra value?",
+                    )
+    except UnicodeDecodeError as err:
+        raise fail(None, not_text(err)) from None
+    except csv.Error as err:
+        raise fail(None, f"not a readable CSV file ({err})") from None
+
+
+def _check_header(header: list[str], fail: Fail) -> None:
+    # An empty FIRST cell is a written row index (pandas' to_csv, Vidur's profiles): allowed.
+    for i, name in enumerate(header[1:], start=2):
+        if not name:
+            raise fail(1, f"header field {i} is empty (a trailing comma on the header?)")
+    repeated = sorted({name for name in header if header.count(name) > 1})
+    if repeated:
+        raise fail(1, f"column(s) named more than once in the header: {', '.join(repeated)}")
+
+
+def not_text(err: UnicodeDecodeError) -> str:
+    """What to say about a file that is not UTF-8 text (the same words for every reader)."""
+    return f"not a UTF-8 text file (byte {err.start} is 0x{err.object[err.start]:02x}; compressed or binary?)"
