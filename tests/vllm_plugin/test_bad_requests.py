@@ -129,7 +129,7 @@ def test_a_failing_output_bookkeeping_step_does_not_lose_the_outputs():
     assert counter("sloweave_plugin_errors", where="update_from_output") - before == 1
 
 
-def test_prefix_caching_on_as_vllm_defaults(tmp_path):
+def test_prefix_caching_on_as_vllm_defaults():
     """vLLM 0.32 turns prefix caching on by default; requests then carry block hashes."""
     scheduler = build_scheduler(SLOWeaveScheduler, additional_config={"sloweave": {"tpot_ms": 15.0}}, prefix_caching=True)
     eng = OfflineEngine(scheduler, step_ms=lambda d, p: COST(d, p))

@@ -18,8 +18,13 @@ import csv
 from collections.abc import Callable
 from pathlib import Path
 
-# fail(line or None, problem) -> the caller's own error, which names the file
+# fail(line or None, problem) -> the caller's own error, which names the file (see ``located``)
 Fail = Callable[[int | None, str], Exception]
+
+
+def located(path: Path, line: int | None) -> str:
+    """``PATH`` or ``PATH, line N``: how every reader names where a problem is."""
+    return f"{path}" if line is None else f"{path}, line {line}"
 
 
 def check_csv_shape(path: Path, fail: Fail) -> None:

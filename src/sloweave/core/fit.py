@@ -45,7 +45,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from sloweave.core.csv_shape import check_csv_shape
+from sloweave.core.csv_shape import check_csv_shape, located
 
 PROFILE_FORMAT = "sloweave-profile"
 PROFILE_VERSION = 1
@@ -77,7 +77,7 @@ def read_profile(path: str | Path) -> pd.DataFrame:
                 raise ProfileError(f"profile {path}: unsupported version {doc.get('version')!r} (expected {PROFILE_VERSION})")
             frame = pd.DataFrame(doc.get("rows", []))
         else:
-            check_csv_shape(path, lambda line, problem: ProfileError(f"profile {path}{'' if line is None else f', line {line}'}: {problem}"))
+            check_csv_shape(path, lambda line, problem: ProfileError(f"profile {located(path, line)}: {problem}"))
             frame = pd.read_csv(path, index_col=False)
     except ProfileError:
         raise

@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from sloweave.core.csv_shape import check_csv_shape
+from sloweave.core.csv_shape import check_csv_shape, located
 from sloweave.core.fit import ProfileError, _show
 
 # Per-layer token-parallel operators that make up a decoder layer besides attention (Vidur's set:
@@ -146,10 +146,11 @@ def _read_csv(path: Path, columns: tuple[str, ...], counts: tuple[str, ...] = ()
     """The file with ``columns`` present; ``counts`` checked as whole numbers >= 0."""
     if not path.exists():
         raise ProfileError(f"{path}: missing (a profile folder needs it)")
-    check_csv_shape(path, lambda line, problem: ProfileError(f"{path}{'' if line is None else f', line {line}'}: {problem}"))
+    # not UTF-8 text, rows of the wrong width, a repeated column: refused here, with the line
+    check_csv_shape(path, lambda line, problem: ProfileError(f"{located(path, line)}: {problem}"))
     try:
         frame = pd.read_csv(path, index_col=False)
-    except (ValueError, OSError, pd.errors.ParserError, UnicodeDecodeError) as err:
+    except (ValueError, OSError, pd.errors.ParserError) as err:
         raise ProfileError(f"{path}: cannot be read as CSV ({err})") from None
     missing = [c for c in columns if c not in frame.columns]
     if missing:

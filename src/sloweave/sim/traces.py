@@ -34,7 +34,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from sloweave.core.csv_shape import check_csv_shape, not_text
+from sloweave.core.csv_shape import check_csv_shape, located, not_text
 from sloweave.sim.workloads import Workload, WorkloadError, poisson_arrivals
 
 # Columns that identify each CSV format, in the order they are tried.
@@ -84,8 +84,7 @@ class Trace:
 
 
 def _fail(path: Path, line: int | None, problem: str) -> TraceError:
-    where = f"{path}" if line is None else f"{path}, line {line}"
-    return TraceError(f"{where}: {problem}")
+    return TraceError(f"{located(path, line)}: {problem}")
 
 
 def _parse_lengths(path: Path, raw: pd.Series, column: str, lines: np.ndarray) -> np.ndarray:

@@ -36,7 +36,7 @@ from vllm.v1.request import Request, RequestStatus
 from sloweave.core.budget import BudgetController, StepPlan, StepState, make_policy_for_engine
 from sloweave.vllm_plugin.config import PluginConfig, PluginConfigError, request_tpot_ms
 from sloweave.vllm_plugin.metrics import default_recorder
-from sloweave.vllm_plugin.request_check import REQUEST_TARGET_CHECK
+from sloweave.vllm_plugin.request_check import REQUEST_TARGET_CHECK, RequestTargetCheck
 
 logger = logging.getLogger(__name__)
 
@@ -100,7 +100,8 @@ class SLOWeaveSchedulerMixin:
         # One flag per step scheduled and not yet back: did it run on a SLOWeave plan?
         self._planned_in_flight: deque[bool] = deque()
         self._faults_logged: set[str] = set()
-        if REQUEST_TARGET_CHECK not in [str(p) for p in (getattr(self.vllm_config.model_config, "logits_processors", None) or ())]:
+        registered = getattr(self.vllm_config.model_config, "logits_processors", None) or ()
+        if not any(p is RequestTargetCheck or p == REQUEST_TARGET_CHECK for p in registered):  # a class or its name
             logger.info(
                 "sloweave: per-request targets are checked in the engine only (a bad one is logged and served with the "
                 "default target); add --logits-processors %s to refuse it at the API with HTTP 400",
