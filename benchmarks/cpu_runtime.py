@@ -14,13 +14,13 @@ Writes ``runs.csv`` (one row per policy and seed), ``medians.csv`` and ``medians
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from pathlib import Path
 
 import pandas as pd
 
 from sloweave.core.fit import fit_profile_file
+from sloweave.studies.outputs import write_result_json
 from sloweave.runtime.engine import Engine, blocks_needed
 from sloweave.runtime.experiment import add_ratios, run_policy, scaled_workload
 from sloweave.runtime.model import load_model
@@ -100,7 +100,7 @@ def main() -> None:
     medians = runs.groupby("policy", sort=False)[COLUMNS].median()
     medians.to_csv(args.out / "medians.csv")
     (args.out / "medians.md").write_text(markdown_table(medians))
-    (args.out / "config.json").write_text(json.dumps(vars(args), default=str, indent=2))
+    write_result_json(args.out / "config.json", {"settings": {k: v if isinstance(v, (int, float, bool)) or v is None else str(v) for k, v in vars(args).items()}})
     print(f"\nmedians over seeds {seeds} (TPOT target {args.tpot_ms} ms, TTFT target {args.ttft_ms} ms):")
     print(medians.round(3).to_string())
 

@@ -55,6 +55,7 @@ from sloweave.sim.metrics import per_request_frame
 from sloweave.core.policy import make_policy
 from sloweave.sim.engine import SimResult, simulate
 from sloweave.sim.workloads import Workload
+from sloweave.studies.outputs import write_result_json
 
 REPO = Path(__file__).resolve().parent.parent
 DRIVER = REPO / "benchmarks" / "vidur" / "analytic_driver.py"
@@ -642,7 +643,7 @@ def main() -> None:
         "vidur_metric_definitions": notes,
         "boundary_probe": probe,
     }
-    (out / "summary.json").write_text(json.dumps(summary, indent=1, default=float))
+    write_result_json(out / "summary.json", summary)
 
     print("\nAgreement (ours vs Vidur, same trace, same analytic cost):")
     print(format_table(agreement, ["scheduler", "quantity", "unit", "compared", "identical", "beyond_tolerance", "max_abs_diff"]))

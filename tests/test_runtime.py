@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 
 import numpy as np
@@ -177,6 +178,25 @@ def test_run_command_end_to_end(profile_frame, tmp_path):
     assert (summary["measured_num_finished"] == 6).all()
     assert summary.loc[summary["policy"] == "fixed-32", "goodput_vs_best_fixed"].iloc[0] in (1.0, pytest.approx(1.0))
     assert (out_dir / "summary.png").stat().st_size > 0
+    summary_json = json.loads((out_dir / "summary.json").read_text())
+    assert summary_json["sloweave_version"] and summary_json["settings"]["max_prompt"] == 256
+    assert [r["policy"] for r in summary_json["runs"]] == list(summary["policy"])
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--max-prompt", "4090", "--max-output", "48"], "--max-prompt 4090 + --max-output 48 tokens exceed the model's context of 4096"),
+        (["--model", "no-such-model"], "neither a packaged model"),
+    ],
+)
+def test_run_command_refuses_requests_beyond_the_models_context(profile_frame, tmp_path, extra, message):
+    path = write_profile(profile_frame, tmp_path / "profile.csv")
+    args = ["run", "--model", "tiny", "--profile", str(path), "--out", str(tmp_path / "run"), "--monotone-tolerance-ms", "25", *extra]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 2, result.output
+    assert message in result.output
+    assert not (tmp_path / "run").exists()
 
 
 def test_runtime_policy_setup_uses_the_cores_self_correction(fitted):

@@ -16,19 +16,14 @@ from sloweave.core.costs import cost_option
 from sloweave.core.policy import DEFAULT_MAX_CHUNK_TOKENS, SLOWeave, make_policy
 from sloweave.sim.options import engine_options
 from sloweave.sim.workloads import ALL_WORKLOADS, WorkloadError, get_workload_spec
-from sloweave.studies.outputs import strict_json
+from sloweave.studies.inputs import POSITIVE, REQUESTS, SEED
+from sloweave.studies.outputs import check_writable, command_settings, strict_json, write_result_json
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="sloweave")
 def main() -> None:
     """sloweave: deadline-aware adaptive chunked prefill for LLM serving."""
-
-
-def _positive(ctx: click.Context, param: click.Parameter, value: float | None) -> float | None:
-    if value is not None and not (value > 0 and math.isfinite(value)):
-        raise click.BadParameter(f"must be a finite number > 0, got {value!r}")
-    return value
 
 
 def _margin(kind: str, value: float, cost):
@@ -64,24 +59,26 @@ def decide(n_decodes: int, waiting_tokens: int, budget_ms: float, max_chunk: int
 @main.command()
 @click.option("--workload", type=click.Choice(list(ALL_WORKLOADS)), default="mixed", show_default=True)
 @click.option("--policy", "policy_name", default="sloweave", show_default=True, help="sloweave, sloweave-multi, full, orca, fixed-C, budget-B or sarathi-B")
-@click.option("--tpot-ms", type=float, default=25.0, show_default=True, callback=_positive)
-@click.option("--ttft-ms", type=float, default=None, callback=_positive, help="default: the workload's target")
-@click.option("--requests", "num_requests", type=click.IntRange(min=1), default=2000, show_default=True)
-@click.option("--seed", type=int, default=0, show_default=True)
-@click.option("--rate-scale", type=float, default=1.0, show_default=True, callback=_positive, help="multiplies the arrival rate")
+@click.option("--tpot-ms", type=POSITIVE, default=25.0, show_default=True)
+@click.option("--ttft-ms", type=POSITIVE, default=None, help="default: the workload's target")
+@click.option("--requests", "num_requests", type=REQUESTS, default=2000, show_default=True)
+@click.option("--seed", type=SEED, default=0, show_default=True)
+@click.option("--rate-scale", type=POSITIVE, default=1.0, show_default=True, help="multiplies the arrival rate")
 @click.option("--max-chunk", type=click.IntRange(min=1), default=DEFAULT_MAX_CHUNK_TOKENS, show_default=True)
 @click.option("--margin", "margin_kind", type=click.Choice(["none", "constant", "relative"]), default="none", show_default=True)
 @click.option("--margin-value", type=click.FloatRange(min=0), default=0.0, show_default=True, help="ms (constant) or fraction of T (relative)")
 @engine_options()
 @cost_option()
-@click.option("--kv-memory-gib", type=float, default=None, callback=_positive, help="KV cache size in GiB (all GPUs): a capacity in tokens from the profiled model's KV bytes per token; needs a preset or profile folder as --cost")
+@click.option("--kv-memory-gib", type=POSITIVE, default=None, help="KV cache size in GiB (all GPUs): a capacity in tokens from the profiled model's KV bytes per token; needs a preset or profile folder as --cost")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), default=None, help="write requests.csv, iterations.csv, prefills.csv, metrics.json, decision_metrics.json")
 def simulate(workload, policy_name, tpot_ms, ttft_ms, num_requests, seed, rate_scale, max_chunk, margin_kind, margin_value, engine, cost, kv_memory_gib, out_dir) -> None:
     """Simulate one workload under one policy and print its metrics."""
-    from sloweave.core.decision_metrics import write_simulation_summary
+    from sloweave.core.decision_metrics import summarize_simulation
     from sloweave.studies.reproduce import write_single_run
     from sloweave.sim.metrics import evaluate, per_request_frame
 
+    if out_dir is not None:
+        check_writable(out_dir, "--out")
     spec = get_workload_spec(workload)
     resolved = cost
     cost = resolved.model
@@ -94,7 +91,11 @@ def simulate(workload, policy_name, tpot_ms, ttft_ms, num_requests, seed, rate_s
             raise click.BadParameter(str(err), param_hint="--kv-memory-gib") from None
     kv_capacity_tokens = engine.kv_capacity_tokens
     try:
-        policy = make_policy(policy_name, cost, _margin(margin_kind, margin_value, cost), max_chunk)
+        margin = _margin(margin_kind, margin_value, cost)
+    except ValueError as err:
+        raise click.BadParameter(str(err), param_hint="--margin-value") from None
+    try:
+        policy = make_policy(policy_name, cost, margin, max_chunk)
     except ValueError as err:
         raise click.BadParameter(str(err), param_hint="--policy") from None
     try:
@@ -112,6 +113,8 @@ def simulate(workload, policy_name, tpot_ms, ttft_ms, num_requests, seed, rate_s
     click.echo(strict_json(printed), nl=False)
     if out_dir is not None:
         run_info = {
+            "command": "simulate",
+            "settings": command_settings(),
             "cost": resolved.description,
             "kv_memory_gib": kv_memory_gib,
             "kv_capacity_tokens": kv_capacity_tokens,
@@ -123,7 +126,8 @@ def simulate(workload, policy_name, tpot_ms, ttft_ms, num_requests, seed, rate_s
         # the scheduler's decisions under the names the vLLM plug-in exports (issue 8); a cost
         # that reads the KV context cannot be re-asked afterwards (the run records no context)
         reads_context = getattr(cost, "set_context", None) is not None
-        write_simulation_summary(result, out_dir, None if reads_context else getattr(policy, "predicted_ms", cost))
+        predicted_ms_of = None if reads_context else getattr(policy, "predicted_ms", cost)
+        write_result_json(out_dir / "decision_metrics.json", summarize_simulation(result, predicted_ms_of))
         click.echo(f"wrote {out_dir}/requests.csv, iterations.csv, prefills.csv, metrics.json, decision_metrics.json", err=True)
 
 

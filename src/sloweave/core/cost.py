@@ -128,8 +128,10 @@ def check_monotone_in_chunk(
     max_chunk_tokens: int,
     decode_counts: tuple[int, ...] = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512),
     points: int = 257,
+    allow_drops: bool = False,
 ) -> None:
-    """Raise CostModelError if ``cost`` decreases in c anywhere on a sample grid.
+    """Raise CostModelError if ``cost`` decreases in c anywhere on a sample grid, or gives a
+    negative or non-finite time (``allow_drops``: only the latter, for a model to be repaired).
 
     Binary search silently returns a wrong chunk for a non-monotone model, so a model
     is checked once, when a policy is built, rather than trusted.
@@ -144,7 +146,7 @@ def check_monotone_in_chunk(
             bad = int(chunks[values < 0][0])
             raise CostModelError(f"cost model returned a negative time at n={n}, c={bad}")
         drops = np.flatnonzero(np.diff(values) < 0)
-        if drops.size:
+        if drops.size and not allow_drops:
             i = int(drops[0])
             raise CostModelError(
                 "cost model is not monotone non-decreasing in the chunk size: "
@@ -173,7 +175,15 @@ class MonotoneRepair:
         cache: dict[int, np.ndarray] = self._cache  # type: ignore[attr-defined]
         envelope = cache.get(n_decodes)
         if envelope is None:
-            values = [self.cost(n_decodes, c) for c in range(self.max_chunk_tokens + 1)]
+            values = np.array([self.cost(n_decodes, c) for c in range(self.max_chunk_tokens + 1)], dtype=float)
+            # the running maximum repairs drops in c; it must not hide a negative or NaN time
+            invalid = np.flatnonzero(~(values >= 0))
+            if invalid.size:
+                c = int(invalid[0])
+                raise CostModelError(
+                    f"cost model returned a negative or non-finite time ({values[c]:g} ms) at n={n_decodes}, c={c}; "
+                    "repair_non_monotone only repairs drops in c"
+                )
             envelope = cache[n_decodes] = np.maximum.accumulate(values)
         if chunk_tokens > self.max_chunk_tokens:
             return float(max(envelope[-1], self.cost(n_decodes, chunk_tokens)))

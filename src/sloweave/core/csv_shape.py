@@ -8,8 +8,12 @@ once with the csv module and refuses, naming the file and the line:
 - bytes that are not UTF-8 text (a gzip-compressed or binary file);
 - a header cell after the first that is empty (a trailing comma on the header) or a column
   named twice (an empty first cell is a written row index, as pandas and Vidur write it);
-- a row whose number of fields differs from the header's (a trailing comma, a missing field).
-Blank lines are left to the caller (traces count them for line numbers).
+- a row whose number of fields differs from the header's (a trailing comma, a missing field);
+- a blank first line (pandas would take the next line as the header, the csv module none);
+- a quoted cell holding a line break: pandas' rows would then drift from the file's lines, so
+  every later error would name the wrong line (no file read here has text cells that need one).
+Blank lines are left to the caller (traces count them for line numbers); the line of every
+other row is returned, so a caller that lets pandas skip blank lines still names the right one.
 """
 
 from __future__ import annotations
@@ -27,25 +31,37 @@ def located(path: Path, line: int | None) -> str:
     return f"{path}" if line is None else f"{path}, line {line}"
 
 
-def check_csv_shape(path: Path, fail: Fail) -> None:
+def check_csv_shape(path: Path, fail: Fail) -> list[int]:
+    """Refuse a misshapen file; return the line number of each non-blank row after the header
+    (pandas' rows in order when it skips blank lines)."""
+    lines: list[int] = []
     try:
         with open(path, newline="", encoding="utf-8") as handle:
             reader = csv.reader(handle)
             header = next(reader, None)
             if header is None:
-                return  # empty: the caller says what an empty file means for it
+                return lines  # empty: the caller says what an empty file means for it
+            if not header:
+                raise fail(1, "the header is blank (the first line must name the columns)")
             _check_header([cell.strip() for cell in header], fail)
+            last = reader.line_num
             for row in reader:
+                start, last = last + 1, reader.line_num
+                if last != start:
+                    raise fail(start, "a quoted cell spans lines (a line break inside quotes); write each row on one line")
                 if row and len(row) != len(header):
                     raise fail(
-                        reader.line_num,
+                        start,
                         f"{len(row)} fields where the header has {len(header)} ({', '.join(header)}); "
                         "a trailing comma or a missing or extra value?",
                     )
+                if row:
+                    lines.append(start)
     except UnicodeDecodeError as err:
         raise fail(None, not_text(err)) from None
     except csv.Error as err:
         raise fail(None, f"not a readable CSV file ({err})") from None
+    return lines
 
 
 def _check_header(header: list[str], fail: Fail) -> None:

@@ -38,8 +38,11 @@ class DeadlineTracker:
         """Start tracking a request whose prefill completed (first token) at ``last_token_ms``."""
         if request_id in self._current:
             raise ValueError(f"request {request_id!r} is already tracked")
-        target = self.default_tpot_ms if tpot_ms is None else float(tpot_ms)
-        positive_ms(target, f"tpot_ms of request {request_id!r}")
+        target = self.default_tpot_ms if tpot_ms is None else tpot_ms
+        target = positive_ms(target, f"tpot_ms of request {request_id!r}")
+        # a NaN time would sit in the heap comparing False with everything: the earliest
+        # deadline would then depend on the order requests were added
+        _check_time(last_token_ms, "last_token_ms", request_id)
         self._targets[request_id] = target
         self._push(request_id, last_token_ms + target)
 
@@ -47,6 +50,12 @@ class DeadlineTracker:
         """Record that ``request_id`` emitted a token at ``emitted_ms``."""
         if request_id not in self._current:
             raise KeyError(f"request {request_id!r} is not tracked")
+        try:  # inlined _check_time: this runs for every token
+            finite = -math.inf < emitted_ms < math.inf
+        except TypeError:
+            finite = False
+        if not finite:
+            _check_time(emitted_ms, "emitted_ms", request_id)
         self._push(request_id, emitted_ms + self._targets[request_id])
 
     def remove(self, request_id: Hashable) -> None:
@@ -75,6 +84,12 @@ class DeadlineTracker:
         Rounded to the nanosecond: (l + D) - l differs from D in the last bits of a float,
         which would make a chunk whose cost ties the budget flip by a token.
         """
+        try:  # inlined _check_time: this runs every iteration
+            finite = -math.inf < now_ms < math.inf
+        except TypeError:
+            finite = False
+        if not finite:
+            _check_time(now_ms, "now_ms")
         return budget_until(self.earliest_deadline_ms(), now_ms)
 
     def _push(self, request_id: Hashable, deadline_ms: float) -> None:
@@ -86,6 +101,17 @@ class DeadlineTracker:
         if len(self._heap) > 4 * len(self._current) + 64:
             self._heap = [(d, v, r) for r, (d, v) in self._current.items()]
             heapq.heapify(self._heap)
+
+
+def _check_time(value: float, name: str, request_id: Hashable = None) -> None:
+    # the hot path (every token): one comparison, the message only when it fails
+    try:
+        if -math.inf < value < math.inf:
+            return
+    except TypeError:
+        pass
+    of = "" if request_id is None else f" of request {request_id!r}"
+    raise ValueError(f"{name}{of} must be a finite time in milliseconds, got {value!r}")
 
 
 def budget_until(deadline_ms: float, now_ms: float) -> float:

@@ -17,9 +17,8 @@ Per scheduling step:
 
 from __future__ import annotations
 
-import json
+
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Protocol
 
 import numpy as np
@@ -167,13 +166,3 @@ def summarize_simulation(result, predicted_ms_of=None) -> dict:
         measured_step_ms=result.iter_end_ms - result.iter_start_ms,
     )
     return {"source": "simulator", "policy": result.policy_name, "tpot_ms": result.tpot_ms, "metrics": summary}
-
-
-SIMULATION_SUMMARY_FILE = "decision_metrics.json"
-
-
-def write_simulation_summary(result, out_dir, predicted_ms_of=None) -> Path:
-    """Write ``decision_metrics.json`` for one simulated run (``sloweave simulate --out``)."""
-    path = Path(out_dir) / SIMULATION_SUMMARY_FILE
-    path.write_text(json.dumps(summarize_simulation(result, predicted_ms_of), indent=2) + "\n")
-    return path

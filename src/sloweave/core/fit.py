@@ -39,6 +39,7 @@ from __future__ import annotations
 import bisect
 import itertools
 import json
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -68,22 +69,36 @@ def read_profile(path: str | Path) -> pd.DataFrame:
     path = Path(path)
     if not path.exists():
         raise ProfileError(f"profile {path} does not exist")
+    lines = None  # the file line of each row (CSV only)
     try:
         if path.suffix.lower() == ".json":
-            doc = json.loads(path.read_text())
+            doc = json.loads(path.read_text(encoding="utf-8"))
             if not isinstance(doc, dict) or doc.get("format") != PROFILE_FORMAT:
                 raise ProfileError(f"profile {path}: JSON must be an object with format={PROFILE_FORMAT!r}")
-            if doc.get("version") != PROFILE_VERSION:
-                raise ProfileError(f"profile {path}: unsupported version {doc.get('version')!r} (expected {PROFILE_VERSION})")
-            frame = pd.DataFrame(doc.get("rows", []))
+            version = doc.get("version")
+            if isinstance(version, bool) or version != PROFILE_VERSION:  # true == 1 in Python, not a version
+                raise ProfileError(f"profile {path}: unsupported version {version!r} (expected {PROFILE_VERSION})")
+            frame = pd.DataFrame(_json_rows(path, doc.get("rows", [])))
         else:
-            check_csv_shape(path, lambda line, problem: ProfileError(f"profile {located(path, line)}: {problem}"))
+            lines = check_csv_shape(path, lambda line, problem: ProfileError(f"profile {located(path, line)}: {problem}"))
             frame = pd.read_csv(path, index_col=False)
     except ProfileError:
         raise
+    except RecursionError:  # JSON nested a few thousand deep
+        raise ProfileError(f"profile {path} cannot be parsed: JSON nested too deeply") from None
     except (ValueError, OSError, pd.errors.ParserError) as err:
         raise ProfileError(f"profile {path} cannot be parsed: {err}") from None
-    return validate_profile(frame, str(path))
+    return validate_profile(frame, str(path), lines)
+
+
+def _json_rows(path: Path, rows) -> list[dict]:
+    """A JSON profile's rows: a list of objects (pandas would read a dict as columns, or fail)."""
+    if not isinstance(rows, list):
+        raise ProfileError(f"{path}: rows must be a list of objects (one per step), got {type(rows).__name__}")
+    for i, row in enumerate(rows):
+        if not isinstance(row, dict):
+            raise ProfileError(f"{path}: rows[{i}] is {row!r}, not an object (one per step)")
+    return rows
 
 
 def write_profile(frame: pd.DataFrame, path: str | Path, meta: dict | None = None) -> Path:
@@ -101,8 +116,15 @@ def write_profile(frame: pd.DataFrame, path: str | Path, meta: dict | None = Non
     return path
 
 
-def validate_profile(frame: pd.DataFrame, where: str = "profile") -> pd.DataFrame:
-    """Check columns and values; return a clean copy with integer columns as int64."""
+def validate_profile(frame: pd.DataFrame, where: str = "profile", lines: list[int] | None = None) -> pd.DataFrame:
+    """Check columns and values; return a clean copy with integer columns as int64.
+
+    ``lines``: the file line of each row (a CSV file's), so a bad row is named by its line;
+    without it, by its position in the table ("row 3", from 0)."""
+
+    def at(row: int) -> str:
+        return f"{located(where, lines[row])}: " if lines is not None else f"{where}: row {row}: "
+
     missing = [c for c in REQUIRED_COLUMNS if c not in frame.columns]
     if missing:
         raise ProfileError(f"{where}: missing column(s) {', '.join(missing)} (required: {', '.join(REQUIRED_COLUMNS)})")
@@ -112,30 +134,38 @@ def validate_profile(frame: pd.DataFrame, where: str = "profile") -> pd.DataFram
     for column in INT_COLUMNS:
         if column not in frame.columns:
             continue
-        values = pd.to_numeric(frame[column], errors="coerce").to_numpy(dtype=float)
-        bad = np.flatnonzero(~np.isfinite(values) | (values < 0) | (values != np.round(values)))
+        values = _numbers(frame[column])
+        # at 2**63 and beyond a count no longer fits the int64 it is stored in (it would wrap)
+        bad = np.flatnonzero(~np.isfinite(values) | (values < 0) | (values != np.round(values)) | (values >= 2.0**63))
         if bad.size:
-            raise ProfileError(
-                f"{where}: row {int(bad[0])} has {column}={_show(frame[column].iloc[bad[0]])}; expected a whole number >= 0"
-            )
+            raise ProfileError(f"{at(bad[0])}{column}={_show(frame[column].iloc[bad[0]])}; expected a whole number >= 0")
         frame[column] = values.astype(np.int64)
-    step = pd.to_numeric(frame["step_ms"], errors="coerce").to_numpy(dtype=float)
+    step = _numbers(frame["step_ms"])
     bad = np.flatnonzero(~np.isfinite(step) | (step <= 0))
     if bad.size:
-        raise ProfileError(f"{where}: row {int(bad[0])} has step_ms={_show(frame['step_ms'].iloc[bad[0]])}; expected a time > 0 ms")
+        raise ProfileError(f"{at(bad[0])}step_ms={_show(frame['step_ms'].iloc[bad[0]])}; expected a time > 0 ms")
     frame["step_ms"] = step
     empty = np.flatnonzero((frame["n_decodes"].to_numpy() == 0) & (frame["chunk_tokens"].to_numpy() == 0))
     if empty.size:
-        raise ProfileError(f"{where}: row {int(empty[0])} is an empty step (n_decodes=0 and chunk_tokens=0)")
+        raise ProfileError(f"{at(empty[0])}an empty step (n_decodes=0 and chunk_tokens=0)")
     if "split" in frame.columns:
-        split = frame["split"].fillna("fit").astype(str)
-        unknown = sorted(set(split) - {"fit", "holdout"})
-        if unknown:
-            raise ProfileError(f"{where}: unknown split value(s) {unknown}; use 'fit' or 'holdout'")
+        # as objects first: an all-empty split column reads as floats, which a future pandas won't fill with text
+        split = frame["split"].astype(object).fillna("fit").astype(str)
+        unknown = np.flatnonzero(~split.isin(["fit", "holdout"]).to_numpy())
+        if unknown.size:
+            raise ProfileError(f"{at(unknown[0])}unknown split value {split.iloc[unknown[0]]!r}; use 'fit' or 'holdout'")
         frame["split"] = split
     else:
         frame["split"] = "fit"
     return frame
+
+
+def _numbers(column: pd.Series) -> np.ndarray:
+    """A column as floats, NaN where a cell is no number. A boolean is none: pandas reads a
+    column of True/False (or JSON true/false) as booleans, which would count as 1 and 0. Nor
+    is an integer past the largest float (10**400 in JSON), on which pandas raises OverflowError."""
+    cells = column.map(lambda v: np.nan if isinstance(v, (bool, np.bool_)) or (isinstance(v, int) and abs(v) > sys.float_info.max) else v)
+    return pd.to_numeric(cells, errors="coerce").to_numpy(dtype=float, copy=True)
 
 
 def _show(value) -> str:

@@ -25,7 +25,7 @@ import numpy as np
 import pandas as pd
 
 from sloweave.core.csv_shape import check_csv_shape, located
-from sloweave.core.fit import ProfileError, _show
+from sloweave.core.fit import ProfileError, _numbers, _show
 
 # Per-layer token-parallel operators that make up a decoder layer besides attention (Vidur's set:
 # the embedding and the LM head run once per iteration and are not profiled per layer).
@@ -121,9 +121,11 @@ def _read_model(folder: Path) -> tuple[ModelShape, dict, pd.DataFrame]:
     if not path.exists():
         raise ProfileError(f"{folder}: no model.json (it names the model and gives num_layers and tensor_parallel)")
     try:
-        model = json.loads(path.read_text())
+        model = json.loads(path.read_text(encoding="utf-8"))
     except ValueError as err:
         raise ProfileError(f"{path}: not valid JSON ({err})") from None
+    except RecursionError:  # nested a few thousand deep
+        raise ProfileError(f"{path}: not valid JSON (nested too deeply)") from None
     if not isinstance(model, dict):
         raise ProfileError(f"{path}: must be a JSON object")
     for key in ("num_layers", "tensor_parallel"):
@@ -133,8 +135,16 @@ def _read_model(folder: Path) -> tuple[ModelShape, dict, pd.DataFrame]:
     shape_columns = ("n_head", "n_kv_head", "n_embd", "num_tokens", "num_tensor_parallel_workers")
     mlp = _read_csv(folder / "mlp.csv", shape_columns + tuple(median(op) for op in TOKEN_OPS), counts=shape_columns)
     for column in ("n_head", "n_kv_head", "n_embd"):
+        # a model without heads (or narrower than its heads) has a head size of 0: a division by zero later
+        none = np.flatnonzero(mlp[column].to_numpy() < 1)
+        if none.size:
+            raise ProfileError(f"{folder / 'mlp.csv'}, line {_line(mlp, none[0])}: {column}={mlp[column].iloc[none[0]]:g}; "
+                               "expected a whole number >= 1")
         if mlp[column].nunique() != 1:
             raise ProfileError(f"{folder / 'mlp.csv'}: {column} takes several values; one model per folder")
+    if mlp["n_embd"].iloc[0] < mlp["n_head"].iloc[0]:
+        raise ProfileError(f"{folder / 'mlp.csv'}: n_embd={mlp['n_embd'].iloc[0]:g} is less than n_head={mlp['n_head'].iloc[0]:g} "
+                           "(a head size below 1)")
     shape = ModelShape(
         str(model.get("name", folder.name)), model["num_layers"], int(mlp["n_embd"].iloc[0]),
         int(mlp["n_head"].iloc[0]), int(mlp["n_kv_head"].iloc[0]), model["tensor_parallel"],
@@ -147,11 +157,14 @@ def _read_csv(path: Path, columns: tuple[str, ...], counts: tuple[str, ...] = ()
     if not path.exists():
         raise ProfileError(f"{path}: missing (a profile folder needs it)")
     # not UTF-8 text, rows of the wrong width, a repeated column: refused here, with the line
-    check_csv_shape(path, lambda line, problem: ProfileError(f"{located(path, line)}: {problem}"))
+    lines = check_csv_shape(path, lambda line, problem: ProfileError(f"{located(path, line)}: {problem}"))
     try:
         frame = pd.read_csv(path, index_col=False)
     except (ValueError, OSError, pd.errors.ParserError) as err:
         raise ProfileError(f"{path}: cannot be read as CSV ({err})") from None
+    if len(lines) == len(frame):
+        # Each row's index is its line in the file: pandas skips blank lines, so "row + 2" would drift.
+        frame.index = pd.Index(lines, name="line")
     missing = [c for c in columns if c not in frame.columns]
     if missing:
         raise ProfileError(f"{path}: missing column(s) {', '.join(missing)}")
@@ -164,7 +177,7 @@ def _read_csv(path: Path, columns: tuple[str, ...], counts: tuple[str, ...] = ()
 
 def _check_numbers(frame: pd.DataFrame, column: str, path: Path, kind: str, rows=None) -> None:
     """Every value a finite number >= 0 (``kind`` "count": also whole); names the first bad line."""
-    values = pd.to_numeric(frame[column], errors="coerce").to_numpy(dtype=float)
+    values = _numbers(frame[column])
     index = np.arange(len(frame)) if rows is None else np.flatnonzero(rows)
     bad = ~np.isfinite(values[index]) | (values[index] < 0)
     if kind == "count":
@@ -172,8 +185,13 @@ def _check_numbers(frame: pd.DataFrame, column: str, path: Path, kind: str, rows
     if bad.any():
         row = int(index[np.flatnonzero(bad)[0]])
         what = "a whole number >= 0" if kind == "count" else "a time >= 0 ms"
-        raise ProfileError(f"{path}, line {row + 2}: {column}={_show(frame[column].iloc[row])}; expected {what}")
+        raise ProfileError(f"{path}, line {_line(frame, row)}: {column}={_show(frame[column].iloc[row])}; expected {what}")
     frame[column] = values
+
+
+def _line(frame: pd.DataFrame, row: int) -> int:
+    """The file line of the frame's ``row``-th row (its index, set by ``_read_csv``)."""
+    return int(frame.index[row]) if frame.index.name == "line" else int(row) + 2
 
 
 def _read_mlp(frame: pd.DataFrame, path: Path, shape: ModelShape) -> pd.DataFrame:
@@ -197,12 +215,12 @@ def _read_attention(path: Path, shape: ModelShape) -> tuple[pd.DataFrame, pd.Dat
                              ("num_tensor_parallel_workers", shape.tensor_parallel)):
         wrong = np.flatnonzero(frame[column].to_numpy() != expected)
         if wrong.size:
-            raise ProfileError(f"{path}, line {int(wrong[0]) + 2}: {column}={frame[column].iloc[wrong[0]]:g} does not match the model "
+            raise ProfileError(f"{path}, line {_line(frame, wrong[0])}: {column}={frame[column].iloc[wrong[0]]:g} does not match the model "
                                f"({shape.name}: {expected})")
     is_prefill = frame["is_prefill"].astype(str).str.lower().map({"true": True, "false": False})
     if is_prefill.isna().any():
         row = int(np.flatnonzero(is_prefill.isna())[0])
-        raise ProfileError(f"{path}, line {row + 2}: is_prefill={frame['is_prefill'].iloc[row]!r}; expected True or False")
+        raise ProfileError(f"{path}, line {_line(frame, row)}: is_prefill={frame['is_prefill'].iloc[row]!r}; expected True or False")
     _check_numbers(frame, median("attn_decode"), path, "time", rows=~is_prefill.to_numpy())
     _check_numbers(frame, median("attn_prefill"), path, "time", rows=is_prefill.to_numpy())
     decode = frame[~is_prefill].groupby(["batch_size", "kv_cache_size"])[median("attn_decode")].median().rename("attn_ms").reset_index()
@@ -218,6 +236,8 @@ def _derived_attention(source: str, folder: Path, shape: ModelShape) -> tuple[pd
     Decode attention reads the KV cache (memory-bound): time x (KV heads per GPU x head size).
     Prefill attention is compute-bound: time x (query heads per GPU x head size).
     """
+    if "\0" in source:  # no path holds a NUL byte (resolving one raises ValueError)
+        raise ProfileError(f"{folder / 'model.json'}: attention derived_from {source!r} is neither a preset nor a folder")
     source_folder = preset_folder(source) if source in PRESETS else (folder / source).resolve()
     source_shape, _, _ = _read_model(source_folder)
     decode, prefill = _read_attention(source_folder / "attention.csv", source_shape)

@@ -80,6 +80,9 @@ class SLOWeave:
         positive_tokens(self.max_chunk_tokens, "max_chunk_tokens")
         _check_max_prefills(self.max_prefills)
         if self.repair_non_monotone:
+            # negative or non-finite times are refused, not repaired (the running maximum would hide them)
+            with getattr(self.cost, "uncounted", nullcontext)():
+                check_monotone_in_chunk(self.cost, self.max_chunk_tokens, allow_drops=True)
             object.__setattr__(self, "cost", MonotoneRepair(self.cost, self.max_chunk_tokens))
         # A cost that counts queries past its data (ProfileCost) does not count the check's.
         with getattr(self.cost, "uncounted", nullcontext)():
@@ -102,7 +105,11 @@ class SLOWeave:
     def decide(self, n_decodes: int, waiting_tokens: int, budget_ms: float) -> Decision:
         # Cheap comparisons, on the hot path on purpose: a NaN budget compares False with
         # everything and would otherwise pass as "fits", a negative count gives a negative chunk.
-        if not (n_decodes >= 0 and waiting_tokens >= 0 and budget_ms == budget_ms):
+        try:
+            valid = n_decodes >= 0 and waiting_tokens >= 0 and budget_ms == budget_ms
+        except TypeError:
+            valid = False
+        if not valid:
             raise ValueError(
                 f"decide needs n_decodes >= 0, waiting_tokens >= 0 and a budget_ms that is a number (+inf: no deadline); "
                 f"got n_decodes={n_decodes!r}, waiting_tokens={waiting_tokens!r}, budget_ms={budget_ms!r}"
@@ -358,6 +365,8 @@ def make_policy(
     ``sloweave`` / ``sloweave-multi`` (either with ``+lookahead``), ``full`` / ``orca``, ``fixed-C``, ``budget-B`` (one
     prompt per iteration) or ``sarathi-B`` (several prompts per iteration).
     """
+    if not isinstance(spec, str):
+        raise ValueError(f"a policy is named by a string (e.g. 'sloweave', 'fixed-1024'), got {spec!r}")
     spec = spec.strip().lower()
     base, plus, option = spec.partition("+")
     if base in ("sloweave", "sloweave-multi") and (not plus or option == "lookahead"):

@@ -5,12 +5,23 @@ from __future__ import annotations
 import math
 from numbers import Integral, Real
 
+# The default limit on one request's tokens (prompt + output), what a served model's context
+# allows: 2**20 tokens, the longest context of widely served open models (Qwen2.5-1M, Llama 4
+# Scout serves more only with special set-ups). Traces and workloads beyond it are refused (a
+# 1e12-token prompt would otherwise run until killed); --max-model-len (vLLM's name) raises it.
+DEFAULT_MAX_MODEL_LEN_TOKENS = 1_048_576
+
 
 def finite_number(value, name: str, *, positive: bool = True, unit: str = "", otherwise: str = "") -> float:
     """A finite number > 0 (``positive``) or >= 0; ``unit`` (" of GiB") and ``otherwise`` (" or None")
     only shape the message: "<name> must be a finite number<unit> > 0<otherwise>, got <value>"."""
-    if isinstance(value, bool) or not isinstance(value, Real) or not (math.isfinite(value) and (value > 0 if positive else value >= 0)):
-        raise ValueError(f"{name} must be a finite number{unit} {'>' if positive else '>='} 0{otherwise}, got {value!r}")
+    shown = None
+    try:
+        ok = not isinstance(value, bool) and isinstance(value, Real) and math.isfinite(value) and (value > 0 if positive else value >= 0)
+    except OverflowError:  # an integer too large for a float (10**400 in a JSON request): not finite
+        ok, shown = False, f"an integer of {len(str(value))} digits"
+    if not ok:
+        raise ValueError(f"{name} must be a finite number{unit} {'>' if positive else '>='} 0{otherwise}, got {shown or repr(value)}")
     return float(value)
 
 
@@ -46,3 +57,16 @@ def positive_tokens(value, name: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise ValueError(f"{name} must be a positive whole number of tokens, got {value!r}")
     return value
+
+
+def max_model_len(value, name: str = "max_model_len_tokens") -> int:
+    """The limit on one request's prompt + output tokens (a model's context length)."""
+    return whole_number(value, name, 1, " of tokens")
+
+
+def over_context(prompt_tokens, output_tokens, max_model_len_tokens: int) -> str:
+    """Why one request does not fit the model's context (the same words for files and the API)."""
+    return (
+        f"prompt {prompt_tokens} + output {output_tokens} tokens exceed the model's context of "
+        f"{max_model_len_tokens} tokens (--max-model-len / max_model_len_tokens raises the limit)"
+    )

@@ -6,14 +6,14 @@ This module imports neither torch nor transformers at import time (``sloweave --
 
 from __future__ import annotations
 
-import json
-import math
 import time
 from pathlib import Path
 
 import click
 
 from sloweave.sim.workloads import WORKLOADS
+from sloweave.studies.inputs import POSITIVE, REQUESTS, SEED
+from sloweave.studies.outputs import check_writable, command_settings, strict_json, write_result_json
 
 
 def _int_list(ctx, param, value: str) -> tuple[int, ...]:
@@ -24,6 +24,18 @@ def _int_list(ctx, param, value: str) -> tuple[int, ...]:
     if not items or any(v < 0 for v in items):
         raise click.BadParameter(f"expected whole numbers >= 0, got {value!r}")
     return items
+
+
+def _need_runtime(command: str) -> None:
+    """Say how to install the runtime extra instead of an ImportError traceback."""
+    for module in ("torch", "transformers"):
+        try:
+            __import__(module)
+        except ImportError as err:
+            raise click.ClickException(
+                f"`sloweave {command}` drives a real model and needs the CPU runtime ({module} cannot be imported: {err}); "
+                "install it with `pip install 'sloweave[runtime]'` (`make setup` does)"
+            ) from None
 
 
 def _fit_or_fail(profile: Path, monotone_tolerance_ms: float = 5.0):
@@ -44,9 +56,11 @@ def _fit_or_fail(profile: Path, monotone_tolerance_ms: float = 5.0):
 @click.option("--repeats", type=click.IntRange(min=1), default=3, show_default=True)
 @click.option("--holdout", "holdout_per_state", type=click.IntRange(min=0), default=3, show_default=True, help="off-grid held-out steps per (context, n)")
 @click.option("--threads", type=click.IntRange(min=1), default=1, show_default=True, help="torch threads")
-@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--seed", type=SEED, default=0, show_default=True)
 def profile(model, out_path, decodes, chunks, contexts, repeats, holdout_per_state, threads, seed) -> None:
     """Measure step times of the real CPU engine over a (decodes, chunk, context) grid."""
+    check_writable(out_path, "--out", is_file=True)
+    _need_runtime("profile")
     import torch
     import transformers
 
@@ -73,7 +87,7 @@ def profile(model, out_path, decodes, chunks, contexts, repeats, holdout_per_sta
     }
     write_profile(frame, out_path, meta)
     click.echo(f"wrote {len(frame)} steps to {out_path} in {meta['seconds']} s")
-    click.echo(json.dumps(fit_profile(frame, seed=seed).report, indent=2))
+    click.echo(strict_json(fit_profile(frame, seed=seed).report), nl=False)
 
 
 @click.command(name="fit")
@@ -82,40 +96,44 @@ def profile(model, out_path, decodes, chunks, contexts, repeats, holdout_per_sta
 @click.option("--monotone-tolerance-ms", type=click.FloatRange(min=0), default=5.0, show_default=True, help="a drop along c smaller than this is noise, not a broken profile")
 def fit_command(profile_path: Path, out_path: Path | None, monotone_tolerance_ms: float) -> None:
     """Fit the lookup table, the context-aware regression and the P99 margin from a profile."""
+    if out_path is not None:
+        check_writable(out_path, "--out", is_file=True)
     result = _fit_or_fail(profile_path, monotone_tolerance_ms)
     doc = result.as_dict()
     if out_path is not None:
         out_path.parent.mkdir(parents=True, exist_ok=True)
-        out_path.write_text(json.dumps(doc, indent=2))
-        click.echo(f"wrote {out_path}")
-    click.echo(json.dumps({"regression": doc["regression"], "report": doc["report"]}, indent=2))
+        write_result_json(out_path, {"settings": {"command": "fit", "profile": str(profile_path), "monotone_tolerance_ms": monotone_tolerance_ms}, **doc})
+        click.echo(f"wrote {out_path}", err=True)
+    click.echo(strict_json({"regression": doc["regression"], "report": doc["report"]}), nl=False)
 
 
 @click.command(name="run")
 @click.option("--model", default="small", show_default=True, help="packaged model (tiny, small) or a local model directory")
 @click.option("--profile", "profile_path", type=click.Path(exists=True, dir_okay=False, path_type=Path), required=True, help="profile from `sloweave profile`")
 @click.option("--workload", type=click.Choice(list(WORKLOADS)), default="mixed", show_default=True)
-@click.option("--requests", "num_requests", type=click.IntRange(min=1), default=80, show_default=True)
-@click.option("--rate-scale", type=float, default=0.25, show_default=True, help="multiplies the workload's arrival rate")
-@click.option("--prompt-scale", type=float, default=0.25, show_default=True, help="multiplies prompt lengths")
-@click.option("--output-scale", type=float, default=0.1, show_default=True, help="multiplies output lengths")
+@click.option("--requests", "num_requests", type=REQUESTS, default=80, show_default=True)
+@click.option("--rate-scale", type=POSITIVE, default=0.25, show_default=True, help="multiplies the workload's arrival rate")
+@click.option("--prompt-scale", type=POSITIVE, default=0.25, show_default=True, help="multiplies prompt lengths")
+@click.option("--output-scale", type=POSITIVE, default=0.1, show_default=True, help="multiplies output lengths")
 @click.option("--max-prompt", type=click.IntRange(min=1), default=1536, show_default=True)
 @click.option("--max-output", type=click.IntRange(min=1), default=48, show_default=True)
 @click.option("--policies", default="sloweave,fixed-32,fixed-64,fixed-128,fixed-256,fixed-512,full", show_default=True)
-@click.option("--tpot-ms", type=float, default=100.0, show_default=True, help="TPOT target; 100 ms suits the small model on one CPU thread")
-@click.option("--ttft-ms", type=float, default=None, help="TTFT target; default: the workload's own")
+@click.option("--tpot-ms", type=POSITIVE, default=100.0, show_default=True, help="TPOT target; 100 ms suits the small model on one CPU thread")
+@click.option("--ttft-ms", type=POSITIVE, default=None, help="TTFT target; default: the workload's own")
 @click.option("--cost", "cost_kind", type=click.Choice(["regression", "table"]), default="regression", show_default=True)
 @click.option("--margin/--no-margin", default=True, show_default=True)
 @click.option("--calibrate/--no-calibrate", default=True, show_default=True, help="online recalibration (SLOWeave)")
-@click.option("--stale-factor", type=float, default=1.0, show_default=True, help="scale the fitted cost (drift experiment)")
+@click.option("--stale-factor", type=POSITIVE, default=1.0, show_default=True, help="scale the fitted cost (drift experiment)")
 @click.option("--max-chunk", type=click.IntRange(min=1), default=1024, show_default=True, help="SLOWeave's C_max")
 @click.option("--seeds", default="0", show_default=True, callback=_int_list)
-@click.option("--horizon-s", type=float, default=None, help="stop a run after this long")
+@click.option("--horizon-s", type=POSITIVE, default=None, help="stop a run after this long")
 @click.option("--threads", type=click.IntRange(min=1), default=1, show_default=True)
 @click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), default=Path("results/cpu-run"), show_default=True)
 @click.option("--monotone-tolerance-ms", type=click.FloatRange(min=0), default=5.0, show_default=True, help="a drop along c smaller than this is noise, not a broken profile")
 def run_command(model, profile_path, workload, num_requests, rate_scale, prompt_scale, output_scale, max_prompt, max_output, policies, tpot_ms, ttft_ms, cost_kind, margin, calibrate, stale_factor, max_chunk, seeds, horizon_s, threads, out_dir, monotone_tolerance_ms) -> None:
     """Serve a workload on the real CPU model under each policy; report measured and simulated metrics."""
+    check_writable(out_dir, "--out")
+    _need_runtime("run")
     import pandas as pd
 
     from sloweave.runtime.engine import Engine, blocks_needed
@@ -123,14 +141,22 @@ def run_command(model, profile_path, workload, num_requests, rate_scale, prompt_
     from sloweave.runtime.model import load_model
     from sloweave.sim.workloads import get_workload_spec
 
-    if not (tpot_ms > 0 and math.isfinite(tpot_ms)):
-        raise click.BadParameter("must be > 0", param_hint="--tpot-ms")
     fit = _fit_or_fail(profile_path, monotone_tolerance_ms)
     ttft_ms = ttft_ms or get_workload_spec(workload).ttft_ms
     names = [p.strip() for p in policies.split(",") if p.strip()]
+    try:
+        model_obj = load_model(model)
+    except ValueError as err:
+        raise click.BadParameter(str(err), param_hint="--model") from None
+    # A request longer than the model's positions is not servable (RoPE past its range).
+    context = getattr(model_obj.config, "max_position_embeddings", None)
+    if context is not None and max_prompt + max_output > context:
+        raise click.BadParameter(
+            f"--max-prompt {max_prompt} + --max-output {max_output} tokens exceed the model's context of {context} tokens "
+            "(max_position_embeddings)", param_hint="--max-prompt",
+        )
     out_dir.mkdir(parents=True, exist_ok=True)
     rows = []
-    model_obj = load_model(model)
     for seed in seeds:
         wl = scaled_workload(workload, num_requests, seed, rate_scale, prompt_scale, output_scale, max_prompt, max_output)
         engine = Engine(
@@ -153,7 +179,7 @@ def run_command(model, profile_path, workload, num_requests, rate_scale, prompt_
             )
     frame = pd.concat([add_ratios(pd.DataFrame([r for r in rows if r["seed"] == s])) for s in seeds], ignore_index=True)
     frame.to_csv(out_dir / "summary.csv", index=False)
-    (out_dir / "summary.json").write_text(frame.to_json(orient="records", indent=2))
+    write_result_json(out_dir / "summary.json", {"command": "run", "settings": command_settings(), "runs": frame.to_dict(orient="records")})
     _plot(frame, out_dir / "summary.png", tpot_ms)
     click.echo(f"wrote {out_dir}/summary.csv, summary.json, summary.png")
 

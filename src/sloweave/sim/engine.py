@@ -199,6 +199,11 @@ def build_engine(workload, policy, tpot_ms=25.0, actual_cost=None, horizon_s=Non
                  deadline_form="per-token", aging=None, admission=None, ttft_ms=None, kv_capacity_tokens=None, correction=None) -> Engine:
     """The engine for ``simulate``'s options, each option turned into its part."""
     tpot_ms = positive_ms(tpot_ms, "tpot_ms")
+    if not isinstance(workload, Workload):
+        raise TypeError(f"workload must be a sloweave.sim.workloads.Workload, got {type(workload).__name__}")
+    if actual_cost is not None and not callable(actual_cost):
+        # a target passed in its place (the 4th argument) would otherwise fail mid-run
+        raise TypeError(f"actual_cost must be a cost model, (n_decodes, chunk_tokens) -> ms, got {actual_cost!r}")
     if horizon_s is not None and not horizon_s > 0:
         raise ValueError(f"horizon_s must be > 0, got {horizon_s!r}")
     if max_batch_size is not None:

@@ -6,7 +6,7 @@ workload, ``tier_report`` judges every request against its own tier.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import pandas as pd
@@ -47,7 +47,7 @@ class TieredWorkload:
     def untiered(self) -> Workload:
         """The same requests without their own TPOT targets (for a single-target policy)."""
         wl = self.workload
-        return Workload(wl.name, wl.arrival_s, wl.prompt_tokens, wl.output_tokens, params=dict(wl.params))
+        return replace(wl, tpot_ms=None, params=dict(wl.params))
 
 
 def assign_tiers(workload: Workload, tiers: tuple[Tier, ...], seed: int) -> TieredWorkload:
@@ -61,9 +61,7 @@ def assign_tiers(workload: Workload, tiers: tuple[Tier, ...], seed: int) -> Tier
     tier_of = rng.choice(len(tiers), size=len(workload), p=shares)
     tpot = np.array([t.tpot_ms for t in tiers])[tier_of]
     ttft = np.array([t.ttft_ms for t in tiers])[tier_of]
-    labelled = Workload(
-        workload.name, workload.arrival_s, workload.prompt_tokens, workload.output_tokens, tpot_ms=tpot, params=dict(workload.params)
-    )
+    labelled = replace(workload, tpot_ms=tpot, params=dict(workload.params))
     return TieredWorkload(labelled, tuple(tiers), tier_of, ttft)
 
 

@@ -35,6 +35,7 @@ import numpy as np
 import pandas as pd
 
 from sloweave.core.csv_shape import check_csv_shape, located, not_text
+from sloweave.core.validate import DEFAULT_MAX_MODEL_LEN_TOKENS, max_model_len, over_context
 from sloweave.sim.workloads import Workload, WorkloadError, poisson_arrivals
 
 # Columns that identify each CSV format, in the order they are tried.
@@ -43,6 +44,13 @@ AZURE_COLUMNS = ("TIMESTAMP", "ContextTokens", "GeneratedTokens")
 VIDUR_COLUMNS = ("num_prefill_tokens", "num_decode_tokens")
 MOONCAKE_KEYS = ("timestamp", "input_length", "output_length")
 CSV_FORMATS = {"normalised": NORMALISED_COLUMNS, "azure": AZURE_COLUMNS, "vidur": VIDUR_COLUMNS}
+# (prompt, output) length columns of each format
+LENGTH_COLUMNS = {
+    "normalised": ("prompt_tokens", "output_tokens"),
+    "azure": ("ContextTokens", "GeneratedTokens"),
+    "vidur": ("num_prefill_tokens", "num_decode_tokens"),
+    "mooncake": ("input_length", "output_length"),
+}
 FORMATS = ("auto", "normalised", "azure", "mooncake", "vidur")
 ARRIVALS = ("trace", "poisson")
 
@@ -61,6 +69,8 @@ class Trace:
     arrival_s: np.ndarray | None
     prompt_tokens: np.ndarray
     output_tokens: np.ndarray
+    # the limit the file was read under (every request's prompt + output fits it)
+    max_model_len_tokens: int = DEFAULT_MAX_MODEL_LEN_TOKENS
 
     @property
     def has_arrivals(self) -> bool:
@@ -105,7 +115,22 @@ def _parse_lengths(path: Path, raw: pd.Series, column: str, lines: np.ndarray) -
         else:
             problem = f"{column} is {shown}; token lengths must be >= 1"
         raise _fail(path, int(lines[i]), problem)
-    return values.astype(np.int64)
+    return values  # float64 until the context check, so lengths beyond int64 cannot wrap
+
+
+def _lengths_within(path: Path, prompt: np.ndarray, output: np.ndarray, lines: np.ndarray, limit: int):
+    """Both length columns as int64, once every request fits the model's context."""
+    long = np.flatnonzero(prompt + output > limit)
+    if long.size:
+        i = int(long[0])
+        raise _fail(path, int(lines[i]), over_context(f"{prompt[i]:.0f}", f"{output[i]:.0f}", limit))
+    # A limit raised past int64 (max_model_len_tokens=2**70) lets through lengths that would
+    # wrap to negative numbers when stored as int64: refused, not wrapped.
+    wide = np.flatnonzero(prompt + output >= 2.0**63)
+    if wide.size:
+        i = int(wide[0])
+        raise _fail(path, int(lines[i]), f"prompt {prompt[i]:.0f} + output {output[i]:.0f} tokens do not fit a 64-bit count")
+    return prompt.astype(np.int64), output.astype(np.int64)
 
 
 def _check_sorted(path: Path, arrival_s: np.ndarray, lines: np.ndarray, column: str) -> None:
@@ -129,13 +154,29 @@ def _parse_seconds(path: Path, raw: pd.Series, column: str, lines: np.ndarray) -
     return values
 
 
+# A wall-clock stamp as the Azure trace writes it: a date and a time of day, optionally a
+# fraction and a zone. pandas' ISO 8601 parser alone also takes "2023" (1 January), "-1" (the
+# year -1) and "now" (the clock at load time): silent misreads, so the shape is checked first.
+STAMP = r"\d{4}-\d{2}-\d{2}[ T]\d{2}:\d{2}:\d{2}(?:\.\d+)?(?:Z|[+-]\d{2}:?\d{2})?"
+ZONE = r"(?:Z|[+-]\d{2}:?\d{2})$"
+
+
 def _parse_timestamps(path: Path, raw: pd.Series, column: str, lines: np.ndarray) -> np.ndarray:
     """Wall-clock timestamps to seconds since the first one."""
     text = raw.astype(str).str.strip()
-    stamps = pd.to_datetime(text, format="ISO8601", errors="coerce")
+    shaped = text.str.fullmatch(STAMP).to_numpy(dtype=bool)
+    # utc=True: stamps in different zones are compared as instants (naive ones all read alike)
+    stamps = pd.to_datetime(text.where(shaped), format="ISO8601", errors="coerce", utc=True)
     for i in np.flatnonzero(stamps.isna().to_numpy()):
         what = "is missing" if text.iloc[i] == "" else f"is not a timestamp: {text.iloc[i]!r}"
         raise _fail(path, lines[i], f"{column} {what}")
+    # A zone on some stamps only: the others' zone is unknown, so their order is too.
+    zoned = text.str.contains(ZONE).to_numpy(dtype=bool)
+    mixed = np.flatnonzero(zoned != zoned[0])
+    if mixed.size:
+        i = int(mixed[0])
+        has = "has a time zone" if zoned[i] else "has no time zone"
+        raise _fail(path, lines[i], f"{column} {has}, unlike line {lines[0]}; write every stamp with a zone or none")
     return (stamps - stamps.iloc[0]).dt.total_seconds().to_numpy(dtype=np.float64)
 
 
@@ -156,7 +197,7 @@ def _rebased(arrival_s: np.ndarray) -> np.ndarray:
     return arrival_s - arrival_s[0]
 
 
-def _load_csv(path: Path, fmt: str) -> Trace:
+def _load_csv(path: Path, fmt: str, limit: int) -> Trace:
     frame = _read_csv(path)
     columns = set(frame.columns)
     if fmt == "auto":
@@ -189,14 +230,15 @@ def _load_csv(path: Path, fmt: str) -> Trace:
     if blank.any():
         raise _fail(path, int(lines[np.flatnonzero(blank)[0]]), "blank line inside the trace")
 
+    prompt, output = _lengths_within(
+        path, *(_parse_lengths(path, frame[c], c, lines) for c in LENGTH_COLUMNS[fmt]), lines, limit
+    )
     if fmt == "normalised":
-        prompt = _parse_lengths(path, frame["prompt_tokens"], "prompt_tokens", lines)
-        output = _parse_lengths(path, frame["output_tokens"], "output_tokens", lines)
         arrival_text = frame["arrival_s"].astype(str).str.strip()
         empty = (arrival_text == "").to_numpy()
         if empty.all():
             # A length distribution published in the normalised layout (shared/traces/lengths_only).
-            return Trace(path.stem, str(path), "normalised", None, prompt, output)
+            return Trace(path.stem, str(path), "normalised", None, prompt, output, limit)
         if empty.any():
             raise _fail(
                 path,
@@ -205,19 +247,15 @@ def _load_csv(path: Path, fmt: str) -> Trace:
             )
         arrival = _parse_seconds(path, frame["arrival_s"], "arrival_s", lines)
         _check_sorted(path, arrival, lines, "arrival_s")
-        return Trace(path.stem, str(path), "normalised", _rebased(arrival), prompt, output)
+        return Trace(path.stem, str(path), "normalised", _rebased(arrival), prompt, output, limit)
     if fmt == "azure":
-        prompt = _parse_lengths(path, frame["ContextTokens"], "ContextTokens", lines)
-        output = _parse_lengths(path, frame["GeneratedTokens"], "GeneratedTokens", lines)
         arrival = _parse_timestamps(path, frame["TIMESTAMP"], "TIMESTAMP", lines)
         _check_sorted(path, arrival, lines, "TIMESTAMP")
-        return Trace(path.stem, str(path), "azure", _rebased(arrival), prompt, output)
-    prompt = _parse_lengths(path, frame["num_prefill_tokens"], "num_prefill_tokens", lines)
-    output = _parse_lengths(path, frame["num_decode_tokens"], "num_decode_tokens", lines)
-    return Trace(path.stem, str(path), "vidur", None, prompt, output)
+        return Trace(path.stem, str(path), "azure", _rebased(arrival), prompt, output, limit)
+    return Trace(path.stem, str(path), "vidur", None, prompt, output, limit)
 
 
-def _load_jsonl(path: Path) -> Trace:
+def _load_jsonl(path: Path, limit: int) -> Trace:
     try:
         text = path.read_text(encoding="utf-8")
     except UnicodeDecodeError as err:
@@ -232,9 +270,13 @@ def _load_jsonl(path: Path) -> Trace:
         if row.strip() == "":
             raise _fail(path, number, "blank line inside the trace")
         try:
-            record = json.loads(row)
+            record = json.loads(row, object_pairs_hook=_one_value_per_key)
+        except _RepeatedKey as err:
+            raise _fail(path, number, f"key {err} is given twice (which one is meant?)") from None
         except json.JSONDecodeError as err:
             raise _fail(path, number, f"not valid JSON ({err.msg})") from None
+        except RecursionError:  # "[[[[..." a few thousand deep: the parser gives up
+            raise _fail(path, number, "not valid JSON (nested too deeply)") from None
         if not isinstance(record, dict):
             raise _fail(path, number, f"expected a JSON object, got {type(record).__name__}")
         missing = [k for k in MOONCAKE_KEYS if k not in record]
@@ -243,25 +285,47 @@ def _load_jsonl(path: Path) -> Trace:
         records.append([str(record[k]) if record[k] is not None else "" for k in MOONCAKE_KEYS])
     frame = pd.DataFrame(records, columns=list(MOONCAKE_KEYS))
     lines = np.arange(len(frame)) + 1
-    prompt = _parse_lengths(path, frame["input_length"], "input_length", lines)
-    output = _parse_lengths(path, frame["output_length"], "output_length", lines)
+    prompt, output = _lengths_within(
+        path, *(_parse_lengths(path, frame[c], c, lines) for c in LENGTH_COLUMNS["mooncake"]), lines, limit
+    )
     arrival = _parse_seconds(path, frame["timestamp"], "timestamp", lines) / 1000.0  # Mooncake stamps are ms
     _check_sorted(path, arrival, lines, "timestamp")
-    return Trace(path.stem, str(path), "mooncake", _rebased(arrival), prompt, output)
+    return Trace(path.stem, str(path), "mooncake", _rebased(arrival), prompt, output, limit)
 
 
-def load_trace(path: str | Path, fmt: str = "auto") -> Trace:
-    """Read one trace file (format detected from its header unless ``fmt`` says otherwise)."""
+class _RepeatedKey(Exception):
+    pass
+
+
+def _one_value_per_key(pairs: list) -> dict:
+    # json.loads keeps the last of a repeated key: one of the two values would be dropped silently
+    seen = set()
+    for key, _ in pairs:
+        if key in seen:
+            raise _RepeatedKey(repr(key))
+        seen.add(key)
+    return dict(pairs)
+
+
+def load_trace(path: str | Path, fmt: str = "auto", max_model_len_tokens: int = DEFAULT_MAX_MODEL_LEN_TOKENS) -> Trace:
+    """Read one trace file (format detected from its header unless ``fmt`` says otherwise).
+
+    A request whose prompt + output tokens exceed ``max_model_len_tokens`` (the served
+    model's context) is refused with its line."""
     path = Path(path)
     if fmt not in FORMATS:
         raise TraceError(f"unknown trace format {fmt!r}: choose one of {', '.join(FORMATS)}")
+    try:
+        limit = max_model_len(max_model_len_tokens)
+    except ValueError as err:
+        raise TraceError(str(err)) from None
     if not path.is_file():
         raise TraceError(f"{path}: no such file")
     if path.stat().st_size == 0:
         raise _fail(path, None, "file is empty (no header, no requests)")
     if fmt == "mooncake" or (fmt == "auto" and _looks_like_jsonl(path)):
-        return _load_jsonl(path)
-    return _load_csv(path, fmt)
+        return _load_jsonl(path, limit)
+    return _load_csv(path, fmt, limit)
 
 
 def _looks_like_jsonl(path: Path) -> bool:
@@ -431,6 +495,7 @@ def replay_workload(trace: Trace, options: ReplayOptions = ReplayOptions()) -> t
         prompt_tokens=prompt,
         output_tokens=output,
         params={"trace": report.as_dict()},
+        max_model_len_tokens=trace.max_model_len_tokens,
     )
     return workload, report
 

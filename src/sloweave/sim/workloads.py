@@ -9,12 +9,14 @@ sampling from quantiles of real data shipped with the package
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import lru_cache
 from importlib import resources
 
 import numpy as np
 import pandas as pd
+
+from sloweave.core.validate import DEFAULT_MAX_MODEL_LEN_TOKENS, max_model_len, over_context
 
 
 class WorkloadError(ValueError):
@@ -32,6 +34,8 @@ class Workload:
     # Per-request TPOT targets in ms; None means every request uses the run's shared target.
     tpot_ms: np.ndarray | None = None
     params: dict = field(default_factory=dict)
+    # The longest request (prompt + output tokens) the served model's context allows.
+    max_model_len_tokens: int = DEFAULT_MAX_MODEL_LEN_TOKENS
 
     def __post_init__(self) -> None:
         arrival = np.asarray(self.arrival_s, dtype=np.float64)
@@ -46,6 +50,9 @@ class Workload:
                 f"(got {arrival.shape}, {prompt.shape}, {output.shape})"
             )
         for label, values in (("prompt_tokens", prompt), ("output_tokens", output)):
+            # booleans and strings are not lengths (True would silently read as 1 token)
+            if values.dtype == np.bool_ or not np.issubdtype(values.dtype, np.number):
+                raise WorkloadError(f"workload {self.name!r}: {label} must be numbers of tokens, got dtype {values.dtype}")
             if not np.issubdtype(values.dtype, np.integer):
                 if not np.all(np.isfinite(values)) or not np.all(values == np.round(values)):
                     raise WorkloadError(f"workload {self.name!r}: {label} must be whole numbers")
@@ -54,6 +61,15 @@ class Workload:
                 raise WorkloadError(
                     f"workload {self.name!r}: request {int(bad[0])} has {label}={values[bad[0]]}; lengths must be >= 1"
                 )
+        try:
+            limit = max_model_len(self.max_model_len_tokens)
+        except ValueError as err:
+            raise WorkloadError(f"workload {self.name!r}: {err}") from None
+        # Compared in floating point, so lengths beyond int64 are refused before any cast.
+        long = np.flatnonzero(prompt.astype(np.float64) + output.astype(np.float64) > limit)
+        if long.size:
+            i = int(long[0])
+            raise WorkloadError(f"workload {self.name!r}: request {i}: {over_context(prompt[i], output[i], limit)}")
         if not np.all(np.isfinite(arrival)) or np.any(arrival < 0):
             raise WorkloadError(f"workload {self.name!r}: arrival_s must be finite and >= 0")
         unsorted = np.flatnonzero(np.diff(arrival) < 0)
@@ -82,6 +98,11 @@ class Workload:
         return pd.DataFrame(
             {"arrival_s": self.arrival_s, "prompt_tokens": self.prompt_tokens, "output_tokens": self.output_tokens}
         )
+
+
+def _check_seed(name: str, seed) -> None:
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
+        raise WorkloadError(f"workload {name!r}: seed must be a whole number >= 0, got {seed!r}")
 
 
 @lru_cache(maxsize=1)
@@ -141,6 +162,7 @@ class WorkloadSpec:
     def generate(self, num_requests: int, seed: int, rate_scale: float = 1.0) -> Workload:
         if num_requests <= 0:
             raise WorkloadError(f"workload {self.name!r}: num_requests must be >= 1, got {num_requests!r}")
+        _check_seed(self.name, seed)
         if not rate_scale > 0:
             raise WorkloadError(f"workload {self.name!r}: rate_scale must be > 0, got {rate_scale!r}")
         rng = np.random.default_rng(seed)
@@ -233,6 +255,7 @@ def back_to_back_workloads(parts: list[Workload], name: str) -> Workload:
         output_tokens=np.concatenate([p.output_tokens for p in parts]),
         tpot_ms=np.concatenate([p.tpot_ms for p in parts]) if has_targets else None,
         params={"parts": [p.name for p in parts], "requests_per_part": [len(p) for p in parts]},
+        max_model_len_tokens=max(p.max_model_len_tokens for p in parts),
     )
 
 
@@ -265,6 +288,7 @@ class PhasedSpec:
         return [int(n) for n in sizes]
 
     def generate(self, num_requests: int, seed: int, rate_scale: float = 1.0) -> Workload:
+        _check_seed(self.name, seed)
         if num_requests < len(self.phases):
             raise WorkloadError(f"workload {self.name!r}: needs at least one request per phase ({len(self.phases)}), got {num_requests!r}")
         # Each phase draws from its own stream (seed, phase): phases do not share draws.
@@ -273,7 +297,7 @@ class PhasedSpec:
             for i, (spec, n) in enumerate(zip(self.phases, self.phase_sizes(num_requests)))
         ]
         wl = back_to_back_workloads(parts, self.name)
-        return Workload(wl.name, wl.arrival_s, wl.prompt_tokens, wl.output_tokens, None, {**wl.params, "seed": seed, "rate_scale": rate_scale})
+        return replace(wl, params={**wl.params, "seed": seed, "rate_scale": rate_scale})
 
 
 SCENARIOS: dict[str, PhasedSpec] = {

@@ -15,7 +15,6 @@ ctx-blind predicts with the same model asked at zero context.
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,6 +35,8 @@ from sloweave.core.policy import Aging, SLOWeave
 from sloweave.sim.engine import simulate
 from sloweave.sim.traces import ReplayOptions, load_trace, replay_workload, split_windows
 from sloweave.sim.workloads import WORKLOADS, Workload
+from sloweave.studies.inputs import POSITIVE, REQUESTS
+from sloweave.studies.outputs import check_writable, command_settings, write_result_json
 
 TPOT_TARGETS_MS = (10.0, 25.0, 50.0)
 DEFAULT_SEEDS = 5
@@ -312,7 +313,7 @@ def write_ablation(runs: pd.DataFrame, tiers: pd.DataFrame, configs: tuple[Confi
     ]
     (out_dir / "ablation.md").write_text("\n".join(lines))
     summary = {**meta, "configs": [c.__dict__ | {"options": None} for c in configs], "goal": goal, "table": table.to_dict(orient="records"), "tiers": tier_means.to_dict(orient="records")}
-    (out_dir / "ablation.json").write_text(json.dumps(summary, indent=2, default=float))
+    write_result_json(out_dir / "ablation.json", summary)
     plot_ablation(table, out_dir / "ablation.png")
     return {"table": table, "wide": wide, "goal": goal, "tiers": tier_means}
 
@@ -320,19 +321,20 @@ def write_ablation(runs: pd.DataFrame, tiers: pd.DataFrame, configs: tuple[Confi
 @click.command()
 @click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), default=Path("results/ablation"), show_default=True)
 @click.option("--seeds", type=click.IntRange(min=1), default=DEFAULT_SEEDS, show_default=True, help="seeds per workload (trace: disjoint windows)")
-@click.option("--requests", "num_requests", type=click.IntRange(min=1), default=None, help=f"requests per synthetic seed [default: {DEFAULT_REQUESTS}, --quick: {QUICK_REQUESTS}]")
+@click.option("--requests", "num_requests", type=REQUESTS, default=None, help=f"requests per synthetic seed [default: {DEFAULT_REQUESTS}, --quick: {QUICK_REQUESTS}]")
 @click.option("--quick", is_flag=True, help=f"{QUICK_REQUESTS} requests per seed, {QUICK_TRACE_WINDOW_S:g} s trace windows")
 @click.option("--workload", "workloads", multiple=True, type=click.Choice(list(WORKLOADS)), help="repeatable; default: all four")
 @click.option("--config", "config_names", multiple=True, type=click.Choice(list(CONFIG_NAMES)), help="repeatable; default: all (greedy is always run)")
 @click.option("--trace", "trace_path", type=click.Path(dir_okay=False, path_type=Path), default=DEFAULT_TRACE, show_default=True)
 @click.option("--no-trace", is_flag=True, help="skip the real trace")
-@click.option("--trace-rate-scale", type=click.FloatRange(min=0, min_open=True), default=TRACE_RATE_SCALE, show_default=True)
-@click.option("--trace-window-s", type=click.FloatRange(min=0, min_open=True), default=None, help=f"[default: {TRACE_WINDOW_S:g}, --quick: {QUICK_TRACE_WINDOW_S:g}]")
+@click.option("--trace-rate-scale", type=POSITIVE, default=TRACE_RATE_SCALE, show_default=True)
+@click.option("--trace-window-s", type=POSITIVE, default=None, help=f"[default: {TRACE_WINDOW_S:g}, --quick: {QUICK_TRACE_WINDOW_S:g}]")
 @cost_option()
 def ablate(out_dir, seeds, num_requests, quick, workloads, config_names, trace_path, no_trace, trace_rate_scale, trace_window_s, cost: ResolvedCost) -> None:
     """Ablation of the options beyond the paper: CSV, Markdown, JSON and a plot under --out."""
     from sloweave.sim.traces import TraceError
 
+    check_writable(out_dir, "--out")
     if num_requests is None:
         num_requests = QUICK_REQUESTS if quick else DEFAULT_REQUESTS
     if trace_window_s is None:
@@ -352,6 +354,8 @@ def ablate(out_dir, seeds, num_requests, quick, workloads, config_names, trace_p
             raise click.UsageError(f"{err} (pass --no-trace to run without the real trace)") from None
     runs, tiers = run_ablation(sources, configs, TPOT_TARGETS_MS, cost=cost)
     meta = {
+        "command": "ablate",
+        "settings": command_settings(),
         "seeds": seeds,
         "num_requests": num_requests,
         "trace": None if no_trace else f"{trace_path} x{trace_rate_scale:g}, {seeds} windows of {trace_window_s:g} s",

@@ -42,7 +42,8 @@ from sloweave.core.costs import ResolvedCost, analytic_description, cost_option
 from sloweave.sim.metrics import RunMetrics, summarize
 from sloweave.core.policy import DEFAULT_MAX_CHUNK_TOKENS
 from sloweave.core.validate import whole_number
-from sloweave.studies.outputs import check_writable, write_result_json
+from sloweave.studies.inputs import POSITIVE, REQUESTS, max_model_len_option, model_len_or_default
+from sloweave.studies.outputs import check_writable, command_settings, write_result_json
 from sloweave.studies.replay import DEFAULT_TRACE_TTFT_MS, _pyplot, build_policy, plot_cdfs, policy_style, run_policy
 from sloweave.sim.traces import FORMATS, ReplayOptions, Trace, TraceError, load_trace, replay_workload, split_windows
 from sloweave.sim.options import DEFAULT_OPTIONS, EngineOptions, engine_options
@@ -108,14 +109,7 @@ class ScaledWorkloads:
 
     def workload(self, seed: int, rate_scale: float) -> Workload:
         wl = self.base[seed]
-        return Workload(
-            name=wl.name,
-            arrival_s=wl.arrival_s / rate_scale,
-            prompt_tokens=wl.prompt_tokens,
-            output_tokens=wl.output_tokens,
-            tpot_ms=wl.tpot_ms,
-            params={**wl.params, "rate_scale": rate_scale},
-        )
+        return replace(wl, arrival_s=wl.arrival_s / rate_scale, params={**wl.params, "rate_scale": rate_scale})
 
     def base_rate_rps(self, seed: int) -> float:
         return self.base_rates_rps[seed]
@@ -189,7 +183,7 @@ def trace_source(
         for seed in range(num_seeds):
             rng = np.random.default_rng(seed)
             rows = np.sort(rng.choice(len(trace), size=n, replace=False))
-            sub = Trace(trace.name, trace.path, trace.fmt, None, trace.prompt_tokens[rows], trace.output_tokens[rows])
+            sub = replace(trace, arrival_s=None, prompt_tokens=trace.prompt_tokens[rows], output_tokens=trace.output_tokens[rows])
             options = ReplayOptions(arrivals="poisson", poisson_rate_rps=rate_rps, seed=seed, max_prompt_tokens=max_prompt_tokens)
             wl, report = replay_workload(sub, options)
             base.append(wl)
@@ -344,6 +338,18 @@ def _in_worker(method: str, task: tuple):
     return result, {key: run for key, run in study._runs.items() if key not in before}
 
 
+def _check_scalable(source: LoadSource) -> None:
+    """A load scale divides arrival times: with every request at one instant it changes nothing."""
+    for seed in range(source.num_seeds):
+        workload = source.workload(seed, 1.0)
+        if workload.span_s <= 0:
+            raise ValueError(
+                f"{source.name}, seed {seed}: all {len(workload)} request(s) arrive at the same instant, so scaling "
+                "the load (which divides arrival times) cannot change it and capacity is undefined; use a trace "
+                "(window) whose arrivals are spread in time, more requests, or generated arrivals (--arrivals poisson)"
+            )
+
+
 class CapacityStudy:
     """Simulations on the load lattice, cached; capacity searches and load curves on top.
 
@@ -403,6 +409,7 @@ class CapacityStudy:
         self.curve_points_per_doubling = curve_points_per_doubling
         self.progress = progress
         self._runs: dict[tuple, _Run] = {}
+        _check_scalable(source)
 
     # ---- lattice and cached simulations
 
@@ -740,11 +747,6 @@ def plot_curves(
 # --------------------------------------------------------------------------- command
 
 
-def _check_positive(label: str, value: float | None) -> None:
-    if value is not None and not (math.isfinite(value) and value > 0):
-        raise click.BadParameter(f"must be a finite number > 0, got {value!r}", param_hint=label)
-
-
 def run_capacity(study: CapacityStudy, out_dir: Path, meta: dict, cost: ResolvedCost | None = None, curves: bool = True) -> dict:
     """Search (and, unless ``curves`` is off, load curves and CDFs); write every output file
     under ``out_dir``; return the JSON payload.
@@ -831,40 +833,37 @@ def _describe(cost: CostModel) -> dict:
 @click.option("--workload", type=click.Choice(list(ALL_WORKLOADS)), default=None, help="synthetic workload or scenario instead of a trace")
 @click.option("--format", "fmt", type=click.Choice(FORMATS), default="auto", show_default=True)
 @click.option("--policy", "policies", multiple=True, help=f"repeat for several; fixed-tuned / budget-tuned / sarathi-tuned: that rule at its best budget per target, from a refined sweep [default: {', '.join(DEFAULT_POLICIES)}]")
-@click.option("--tpot-ms", "tpot_targets", type=float, multiple=True, help="repeat for several [default: 10, 25, 50]")
-@click.option("--tpot-change-ms", type=float, default=None, help="the TPOT target changes to this for requests arriving in the second half of each run")
-@click.option("--ttft-ms", type=float, default=None, help=f"TTFT target [default: the workload's; {DEFAULT_TRACE_TTFT_MS:g} for a trace]")
+@click.option("--tpot-ms", "tpot_targets", type=POSITIVE, multiple=True, help="repeat for several [default: 10, 25, 50]")
+@click.option("--tpot-change-ms", type=POSITIVE, default=None, help="the TPOT target changes to this for requests arriving in the second half of each run")
+@click.option("--ttft-ms", type=POSITIVE, default=None, help=f"TTFT target [default: the workload's; {DEFAULT_TRACE_TTFT_MS:g} for a trace]")
 @click.option("--attainment", type=click.FloatRange(min=0, max=1, min_open=True), default=DEFAULT_ATTAINMENT, show_default=True)
 @click.option("--seeds", type=click.IntRange(min=1), default=None, help="seeds / trace windows [default: 5; --quick 3]")
-@click.option("--window-s", type=float, default=DEFAULT_WINDOW_S, show_default=True, help="trace window length; windows are spread evenly over the trace")
+@click.option("--window-s", type=POSITIVE, default=DEFAULT_WINDOW_S, show_default=True, help="trace window length; windows are spread evenly over the trace")
 @click.option("--whole-trace", is_flag=True, help="cut the whole trace into --seeds equal consecutive windows instead")
-@click.option("--requests", "num_requests", type=click.IntRange(min=1), default=None, help="requests per seed for workloads and length-only files [default: 2000; --quick 800]")
+@click.option("--requests", "num_requests", type=REQUESTS, default=None, help="requests per seed for workloads and length-only files [default: 2000; --quick 800]")
 @click.option("--max-prompt-tokens", type=click.IntRange(min=1), default=None, help="cap prompts (the count is reported)")
 @click.option("--arrivals", type=click.Choice(["trace", "poisson"]), default="trace", show_default=True, help="poisson: generate arrivals (length-only files)")
-@click.option("--rate-rps", type=float, default=None, help="base rate of generated arrivals (load scale 1)")
+@click.option("--rate-rps", type=POSITIVE, default=None, help="base rate of generated arrivals (load scale 1)")
 @click.option("--steps-per-doubling", type=click.IntRange(min=1), default=None, help="load lattice resolution [default: 16 (4.4%); --quick 8 (9%)]")
-@click.option("--min-scale", type=float, default=1.0 / 16.0, show_default=True)
-@click.option("--max-scale", type=float, default=256.0, show_default=True)
+@click.option("--min-scale", type=POSITIVE, default=1.0 / 16.0, show_default=True)
+@click.option("--max-scale", type=POSITIVE, default=256.0, show_default=True)
 @click.option("--max-chunk", type=click.IntRange(min=1), default=DEFAULT_MAX_CHUNK_TOKENS, show_default=True)
 @click.option("--quick", is_flag=True, help="3 seeds instead of 5, a lattice of 8 instead of 16 steps per doubling, fewer curve points")
 @click.option("--jobs", type=click.IntRange(min=1), default=None, help="parallel simulation processes [default: all local cores]; results are the serial run's")
 @click.option("--no-curves", is_flag=True, help="capacities only: skip the load curves and CDFs")
+@max_model_len_option()
 @engine_options()
 @cost_option()
 @click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), default=Path("results/capacity"), show_default=True)
-def capacity(trace_paths, workload, fmt, policies, tpot_targets, tpot_change_ms, ttft_ms, attainment, seeds, window_s, whole_trace, num_requests, max_prompt_tokens, arrivals, rate_rps, steps_per_doubling, min_scale, max_scale, max_chunk, quick, jobs, no_curves, engine: EngineOptions, cost: ResolvedCost, out_dir) -> None:
+def capacity(trace_paths, workload, fmt, policies, tpot_targets, tpot_change_ms, ttft_ms, attainment, seeds, window_s, whole_trace, num_requests, max_prompt_tokens, arrivals, rate_rps, max_model_len_tokens, steps_per_doubling, min_scale, max_scale, max_chunk, quick, jobs, no_curves, engine: EngineOptions, cost: ResolvedCost, out_dir) -> None:
     """Highest load (arrival-rate scale) at which each policy keeps SLO attainment >= the target."""
     if bool(trace_paths) == (workload is not None):
         raise click.UsageError("give --trace PATH (one or more) or --workload NAME, not both and not neither")
-    for label, value in (("--ttft-ms", ttft_ms), ("--window-s", window_s), ("--rate-rps", rate_rps), ("--min-scale", min_scale), ("--max-scale", max_scale), ("--tpot-change-ms", tpot_change_ms)):
-        _check_positive(label, value)
-    for value in tpot_targets:
-        _check_positive("--tpot-ms", value)
     check_writable(out_dir, "--out")
     policies = list(policies) or list(DEFAULT_POLICIES)
     seeds = seeds or (3 if quick else 5)
     try:
-        source, ttft_ms = _cli_source(trace_paths, workload, fmt, seeds, window_s, whole_trace, num_requests, max_prompt_tokens, arrivals, rate_rps, quick, ttft_ms)
+        source, ttft_ms = _cli_source(trace_paths, workload, fmt, seeds, window_s, whole_trace, num_requests, max_prompt_tokens, arrivals, rate_rps, quick, ttft_ms, max_model_len_tokens)
         study = CapacityStudy(
             source, policies, list(tpot_targets) or list(DEFAULT_TPOT_TARGETS_MS), ttft_ms,
             attainment_target=attainment, steps_per_doubling=steps_per_doubling or (8 if quick else 16),
@@ -875,9 +874,7 @@ def capacity(trace_paths, workload, fmt, policies, tpot_targets, tpot_change_ms,
     except (TraceError, WorkloadError, ValueError) as err:
         raise click.UsageError(str(err)) from None
     _print_notes(source.describe(), rate_rps, trace_paths, max_prompt_tokens)
-    options = {k: str(v) if isinstance(v, Path) else (v.spec if isinstance(v, ResolvedCost) else v) for k, v in click.get_current_context().params.items()}
-    options["engine"] = engine.describe()
-    meta = {"command": "capacity", "options": options, "policies": policies, "max_chunk_tokens": max_chunk}
+    meta = {"command": "capacity", "options": command_settings(), "policies": policies, "max_chunk_tokens": max_chunk}
     payload = run_capacity(study, out_dir, meta, cost, curves=not no_curves)
     _print_results(payload, cost, out_dir, study)
 
@@ -888,18 +885,18 @@ def default_jobs() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
-def _cli_source(trace_paths, workload, fmt, seeds, window_s, whole_trace, num_requests, max_prompt_tokens, arrivals, rate_rps, quick, ttft_ms):
+def _cli_source(trace_paths, workload, fmt, seeds, window_s, whole_trace, num_requests, max_prompt_tokens, arrivals, rate_rps, quick, ttft_ms, max_model_len_tokens=None):
     """The load source the options describe, and the TTFT target (the source's default unless given)."""
     if workload is not None:
-        if whole_trace or max_prompt_tokens is not None or arrivals != "trace" or rate_rps is not None:
-            raise click.UsageError("--whole-trace, --max-prompt-tokens, --arrivals and --rate-rps apply to --trace only")
+        if whole_trace or max_prompt_tokens is not None or arrivals != "trace" or rate_rps is not None or max_model_len_tokens is not None:
+            raise click.UsageError("--whole-trace, --max-prompt-tokens, --arrivals, --rate-rps and --max-model-len apply to --trace only")
         spec = ALL_WORKLOADS[workload]
         return SpecSource(spec, num_requests or (800 if quick else 2000), tuple(range(seeds))), ttft_ms or spec.ttft_ms
     if arrivals == "trace" and rate_rps is not None:
         raise click.UsageError("--rate-rps only applies with --arrivals poisson")
     sources = []
     for path in trace_paths:
-        trace = load_trace(path, fmt)
+        trace = load_trace(path, fmt, model_len_or_default(max_model_len_tokens))
         window = None if whole_trace else window_s
         if window is not None and trace.has_arrivals and arrivals == "trace" and window * seeds > trace.span_s:
             raise click.UsageError(

@@ -48,12 +48,36 @@ def write_result_json(path: Path, payload: dict) -> None:
     path.write_text(strict_json({"sloweave_version": package_version(), **payload}))
 
 
-def check_writable(out_dir: Path, label: str) -> None:
-    """Fail before any work when the output folder cannot be made or written."""
-    probe = Path(out_dir)
+def check_writable(out: Path, label: str, is_file: bool = False) -> None:
+    """Fail before any work when the output folder (or, ``is_file``, the output file) cannot be
+    made or written: the nearest existing ancestor must be a writable folder."""
+    import click
+
+    out = Path(out)
+    if is_file:
+        if out.is_dir():
+            raise click.BadParameter(f"{out} is a folder, not a file", param_hint=label)
+        if out.exists() and not os.access(out, os.W_OK):
+            raise click.BadParameter(f"cannot write {out} (the file is not writable)", param_hint=label)
+        out = out.parent
+    probe = out
     while not probe.exists() and probe.parent != probe:
         probe = probe.parent
     if probe.exists() and (not probe.is_dir() or not os.access(probe, os.W_OK | os.X_OK)):
-        import click
+        raise click.BadParameter(f"cannot write results under {out} ({probe} is not a writable folder)", param_hint=label)
 
-        raise click.BadParameter(f"cannot write results under {out_dir} ({probe} is not a writable folder)", param_hint=label)
+
+def command_settings() -> dict:
+    """The running command's options as JSON-able settings (what a result file was made with)."""
+    import click
+
+    def plain(value):
+        for attribute in ("spec", "describe"):  # a resolved cost model, engine options
+            if hasattr(value, attribute):
+                found = getattr(value, attribute)
+                return found() if callable(found) else found
+        return str(value) if isinstance(value, Path) else value
+
+    # where the results are written is not what made them (two runs differing only there match byte for byte)
+    params = click.get_current_context().params  # in the order given on the command line: sort
+    return {k: plain(params[k]) for k in sorted(params) if k not in ("out_dir", "out_path")}

@@ -5,7 +5,6 @@ Also holds what the capacity search shares with it: running one policy and the p
 
 from __future__ import annotations
 
-import math
 from collections import Counter
 from pathlib import Path
 
@@ -18,6 +17,7 @@ from sloweave.core.costs import ResolvedCost, cost_option
 from sloweave.sim.metrics import RunMetrics, per_request_frame, run_duration_ms, slo_met, summarize
 from sloweave.core.policy import DEFAULT_MAX_CHUNK_TOKENS, Policy, make_policy
 from sloweave.sim.options import DEFAULT_OPTIONS, EngineOptions, engine_options
+from sloweave.studies.inputs import POSITIVE, SEED, max_model_len_option, model_len_or_default
 from sloweave.studies.outputs import check_writable, write_result_json
 from sloweave.sim.traces import FORMATS, ReplayOptions, ReplayReport, TraceError, load_trace, replay_workload
 from sloweave.sim.workloads import Workload
@@ -168,23 +168,21 @@ def describe_report(report: ReplayReport) -> str:
 @click.option("--max-requests", type=click.IntRange(min=1), default=None, help="keep the first N requests of the window")
 @click.option("--arrivals", type=click.Choice(["trace", "poisson"]), default="trace", show_default=True, help="poisson: generate arrivals (needed for length-only files)")
 @click.option("--rate-rps", type=float, default=None, help="rate of generated Poisson arrivals (before --rate-scale)")
-@click.option("--seed", type=int, default=0, show_default=True, help="seed of generated arrivals")
+@click.option("--seed", type=SEED, default=0, show_default=True, help="seed of generated arrivals")
 @click.option("--policy", "policies", multiple=True, default=DEFAULT_REPLAY_POLICIES, show_default=True, help="repeat for several")
-@click.option("--tpot-ms", type=float, default=25.0, show_default=True)
-@click.option("--ttft-ms", type=float, default=DEFAULT_TRACE_TTFT_MS, show_default=True)
+@click.option("--tpot-ms", type=POSITIVE, default=25.0, show_default=True)
+@click.option("--ttft-ms", type=POSITIVE, default=DEFAULT_TRACE_TTFT_MS, show_default=True)
 @click.option("--max-chunk", type=click.IntRange(min=1), default=DEFAULT_MAX_CHUNK_TOKENS, show_default=True)
+@max_model_len_option()
 @engine_options()
 @cost_option()
 @click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), default=Path("results/replay"), show_default=True)
-def replay(trace_path, fmt, start_s, end_s, duration_s, rate_scale, max_prompt_tokens, max_requests, arrivals, rate_rps, seed, policies, tpot_ms, ttft_ms, max_chunk, engine: EngineOptions, cost: ResolvedCost, out_dir) -> None:
+def replay(trace_path, fmt, start_s, end_s, duration_s, rate_scale, max_prompt_tokens, max_requests, arrivals, rate_rps, seed, max_model_len_tokens, policies, tpot_ms, ttft_ms, max_chunk, engine: EngineOptions, cost: ResolvedCost, out_dir) -> None:
     """Replay a request trace under each policy; write requests.csv, metrics.csv/json and CDF plots."""
-    for label, value in (("--tpot-ms", tpot_ms), ("--ttft-ms", ttft_ms)):
-        if not (math.isfinite(value) and value > 0):
-            raise click.BadParameter(f"must be a finite number > 0, got {value!r}", param_hint=label)
     check_writable(out_dir, "--out")
     try:
         options = _options_from_cli(start_s, end_s, duration_s, rate_scale, max_prompt_tokens, max_requests, arrivals, rate_rps, seed)
-        trace = load_trace(trace_path, fmt)
+        trace = load_trace(trace_path, fmt, model_len_or_default(max_model_len_tokens))
         workload, report = replay_workload(trace, options)
         click.echo(describe_report(report), err=True)
         requests, metrics = replay_policies(workload, list(policies), tpot_ms, ttft_ms, cost.model, max_chunk, True, engine, seed)

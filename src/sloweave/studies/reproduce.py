@@ -8,7 +8,6 @@ the tables report the mean over seeds.
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,6 +23,8 @@ from sloweave.sim.metrics import RunMetrics, per_request_frame, run_duration_ms,
 from sloweave.core.policy import DEFAULT_MAX_CHUNK_TOKENS, SLOWeave, make_policy
 from sloweave.sim.engine import SimResult, simulate
 from sloweave.sim.workloads import WORKLOADS, get_workload_spec
+from sloweave.studies.inputs import REQUESTS
+from sloweave.studies.outputs import check_writable, write_result_json
 
 # Table 3 and Table 4 use the paper's static set, so they are a reproduction.
 PAPER_STATIC_POLICIES = ("full", "fixed-64", "fixed-256", "fixed-1024")
@@ -289,9 +290,9 @@ def write_study(
     for name, text in (("table3.md", _markdown(t3_paper)), ("table4.md", _markdown(t4_paper)), ("table4_extended.md", _markdown(t4x_paper))):
         (out_dir / name).write_text(text + "\n")
     (out_dir / "report.md").write_text("\n".join(report))
-    (out_dir / "summary.json").write_text(
-        json.dumps(
-            {
+    write_result_json(
+        out_dir / "summary.json",
+        {
                 "seeds": config.seeds,
                 "num_requests": config.num_requests,
                 "workloads": {w: {"rate_rps": get_workload_spec(w).rate_rps, "ttft_ms": get_workload_spec(w).ttft_ms} for w in config.workloads},
@@ -300,9 +301,7 @@ def write_study(
                 "cost": cost.description if cost is not None else _describe(config.cost),
                 "table4": t4.to_dict(orient="records"),
                 "table4_extended": t4x.to_dict(orient="records"),
-            },
-            indent=2,
-        )
+        },
     )
     plot_goodput_vs_tpot(means, out_dir / "goodput_vs_tpot.png")
     sample = samples.get("mixed") or next(iter(samples.values()))
@@ -334,18 +333,19 @@ def write_single_run(result: SimResult, requests: pd.DataFrame, metrics: RunMetr
     pd.DataFrame(
         {"iteration": result.prefill_iter, "request": result.prefill_request, "tokens": result.prefill_tokens}
     ).to_csv(out_dir / "prefills.csv", index=False)
-    (out_dir / "metrics.json").write_text(json.dumps({**metrics.as_dict(), **(extra or {})}, indent=2))
+    write_result_json(out_dir / "metrics.json", {**metrics.as_dict(), **(extra or {})})
 
 
 @click.command()
 @click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), default=Path("results/reproduce"), show_default=True)
 @click.option("--seeds", type=click.IntRange(min=1), default=DEFAULT_SEEDS, show_default=True)
-@click.option("--requests", "num_requests", type=click.IntRange(min=1), default=None, help=f"requests per workload and seed [default: {DEFAULT_REQUESTS}, --quick: {QUICK_REQUESTS}]")
+@click.option("--requests", "num_requests", type=REQUESTS, default=None, help=f"requests per workload and seed [default: {DEFAULT_REQUESTS}, --quick: {QUICK_REQUESTS}]")
 @click.option("--quick", is_flag=True, help=f"{QUICK_REQUESTS} requests per run instead of {DEFAULT_REQUESTS}")
 @click.option("--workload", "workloads", multiple=True, type=click.Choice(list(WORKLOADS)), help="repeatable; default: all four")
 @cost_option()
 def reproduce(out_dir: Path, seeds: int, num_requests: int | None, quick: bool, workloads: tuple[str, ...], cost: ResolvedCost) -> None:
     """Reproduce the paper's study: Table 3 (25 ms) and Table 4 (10/25/50 ms), with plots."""
+    check_writable(out_dir, "--out")
     if num_requests is None:
         num_requests = QUICK_REQUESTS if quick else DEFAULT_REQUESTS
     config = StudyConfig(workloads=workloads or tuple(WORKLOADS), seeds=seeds, num_requests=num_requests, cost=cost.model)

@@ -38,7 +38,8 @@ import pandas as pd
 
 from sloweave.sim.options import DEFAULT_OPTIONS, EngineOptions, engine_options
 from sloweave.studies.capacity import best_of_rule, budget_of, default_jobs, refined_budgets
-from sloweave.studies.outputs import write_result_json
+from sloweave.studies.inputs import POSITIVE, REQUESTS, max_model_len_option, model_len_or_default
+from sloweave.studies.outputs import check_writable, command_settings, write_result_json
 from sloweave.studies.capacity import DEFAULT_ATTAINMENT, DEFAULT_WINDOW_S, CapacityStudy, LoadSource, SpecSource, trace_source
 from sloweave.core.cost import AnalyticCost, CostModel
 from sloweave.core.costs import KIND_STEP_PROFILE, ResolvedCost, cost_option
@@ -471,42 +472,43 @@ def _cost_from_profile(path: Path, kind: str, context_tokens: float | None, sour
 @click.option("--format", "fmt", type=click.Choice(FORMATS), default="auto", show_default=True)
 @click.option("--engine", type=click.Choice(list(ENGINES)), default="vllm", show_default=True, help="whose flag to print")
 @click.option("--rule", type=click.Choice(RULES), default=None, help="the engine's budget rule [default: the engine's: vllm/trtllm sarathi, sglang fixed]")
-@click.option("--tpot-ms", type=float, default=25.0, show_default=True)
-@click.option("--ttft-ms", type=float, default=None, help=f"TTFT target [default: the workload's; {DEFAULT_TRACE_TTFT_MS:g} for a trace]")
+@click.option("--tpot-ms", type=POSITIVE, default=25.0, show_default=True)
+@click.option("--ttft-ms", type=POSITIVE, default=None, help=f"TTFT target [default: the workload's; {DEFAULT_TRACE_TTFT_MS:g} for a trace]")
 @click.option("--attainment", type=click.FloatRange(min=0, max=1, min_open=True), default=DEFAULT_ATTAINMENT, show_default=True)
 @click.option("--budget", "budgets", type=click.IntRange(min=1), multiple=True, help="repeat for a custom sweep [default: 256 ... 8192, powers of two and 1.5x between]")
-@click.option("--load-scale", type=float, default=None, help="load for the goodput comparison, as a rate scale [default: the best budget's capacity]")
+@click.option("--load-scale", type=POSITIVE, default=None, help="load for the goodput comparison, as a rate scale [default: the best budget's capacity]")
 @cost_option()
 @click.option("--cost-kind", type=click.Choice(["regression", "table"]), default="regression", show_default=True, help="model fitted from a step-time profile file")
-@click.option("--context-tokens", type=float, default=None, help="KV context per decode for a step-time profile file [default: mean prompt + half the mean output]")
+@click.option("--context-tokens", type=POSITIVE, default=None, help="KV context per decode for a step-time profile file [default: mean prompt + half the mean output]")
 @click.option("--seeds", type=click.IntRange(min=1), default=None, help="seeds / trace windows [default: 5; --quick 3]")
-@click.option("--requests", "num_requests", type=click.IntRange(min=1), default=None, help="requests per seed of a workload [default: 2000; --quick 800]")
-@click.option("--window-s", type=float, default=DEFAULT_WINDOW_S, show_default=True, help="trace window length")
-@click.option("--min-scale", type=float, default=1.0 / 16.0, show_default=True, help="lowest load searched (rate scale); lower it for slow cost models")
+@click.option("--requests", "num_requests", type=REQUESTS, default=None, help="requests per seed of a workload [default: 2000; --quick 800]")
+@click.option("--window-s", type=POSITIVE, default=DEFAULT_WINDOW_S, show_default=True, help="trace window length")
+@click.option("--min-scale", type=POSITIVE, default=1.0 / 16.0, show_default=True, help="lowest load searched (rate scale); lower it for slow cost models")
 @click.option("--max-chunk", type=click.IntRange(min=1), default=DEFAULT_MAX_CHUNK_TOKENS, show_default=True, help="SLOWeave's C_max")
 @click.option("--refine/--no-refine", default=True, show_default=True, help="one more round between the best budget and its neighbours")
 @click.option("--quick", is_flag=True, help="3 seeds, 800 requests, 6 budgets (powers of two), lattice step 9 %")
 @click.option("--jobs", type=click.IntRange(min=1), default=None, help="parallel simulation processes [default: all local cores]; results are the serial run's")
+@max_model_len_option()
 @engine_options(dest="engine_opts")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), default=Path("results/tune"), show_default=True)
-def tune_command(workload, trace_path, fmt, engine, rule, tpot_ms, ttft_ms, attainment, budgets, load_scale, cost, cost_kind, context_tokens, seeds, num_requests, window_s, min_scale, max_chunk, refine, quick, jobs, engine_opts, out_dir) -> None:
+def tune_command(workload, trace_path, fmt, engine, rule, tpot_ms, ttft_ms, attainment, budgets, load_scale, cost, cost_kind, context_tokens, seeds, num_requests, window_s, min_scale, max_chunk, refine, quick, jobs, max_model_len_tokens, engine_opts, out_dir) -> None:
     """Sweep the fixed token budget of an engine and print the value to set."""
     if (trace_path is None) == (workload is None):
         raise click.UsageError("give exactly one of --workload NAME or --trace PATH")
+    if workload is not None and max_model_len_tokens is not None:
+        raise click.UsageError("--max-model-len applies to --trace only")
+    check_writable(out_dir, "--out")
     if cost.kind != KIND_STEP_PROFILE:
         given = click.get_current_context().get_parameter_source
         for name, label in (("cost_kind", "--cost-kind"), ("context_tokens", "--context-tokens")):
             if given(name) == click.core.ParameterSource.COMMANDLINE:
                 raise click.BadParameter(f"applies to a step-time profile file only, not --cost {cost.spec}", param_hint=label)
-    for label, value in (("--tpot-ms", tpot_ms), ("--ttft-ms", ttft_ms), ("--load-scale", load_scale), ("--window-s", window_s), ("--context-tokens", context_tokens), ("--min-scale", min_scale)):
-        if value is not None and not (math.isfinite(value) and value > 0):
-            raise click.BadParameter(f"must be a finite number > 0, got {value!r}", param_hint=label)
     rule = rule or ENGINES[engine][1]
     seeds = seeds or (3 if quick else 5)
     budgets = tuple(budgets) or (QUICK_BUDGETS_TOKENS if quick else DEFAULT_BUDGETS_TOKENS)
     try:
         if trace_path is not None:
-            trace = load_trace(trace_path, fmt)
+            trace = load_trace(trace_path, fmt, model_len_or_default(max_model_len_tokens))
             source = trace_source(trace, seeds, window_s if trace.has_arrivals else None, requests_per_seed=num_requests)
             ttft_ms = ttft_ms or DEFAULT_TRACE_TTFT_MS
         else:
@@ -534,8 +536,7 @@ def tune_command(workload, trace_path, fmt, engine, rule, tpot_ms, ttft_ms, atta
         )
     except (TraceError, WorkloadError, ValueError) as err:
         raise click.UsageError(str(err)) from None
-    options = {k: str(v) if isinstance(v, Path) else (v.spec if isinstance(v, ResolvedCost) else v) for k, v in click.get_current_context().params.items()}
-    options["engine_options"] = engine_opts.describe()
+    options = command_settings()
     notes = [] if cost.is_analytic else cost.summary_lines()
     payload = write_outputs(result, engine, out_dir, {"command": "tune", "options": options, "cost": cost.description}, notes)
     for line in notes:

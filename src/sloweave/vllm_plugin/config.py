@@ -53,7 +53,7 @@ def tpot_target_ms(value, name: str) -> float:
     """A TPOT target: a finite number of milliseconds > 0 and at most ``MAX_TPOT_MS``
     (ValueError naming ``name`` otherwise). One rule for the configured default and for a
     request's own target."""
-    target_ms = positive_ms(value, name)
+    target_ms = positive_ms(value, name)  # ValueError for 10**400 too: served with the default, no crash
     if target_ms > MAX_TPOT_MS:
         raise ValueError(f"{name} must be at most {MAX_TPOT_MS:.0f} milliseconds (one hour per token), got {value!r}")
     return target_ms
@@ -92,11 +92,13 @@ class PluginConfig:
     online_correction: bool = False
 
     def __post_init__(self) -> None:
-        _checked(tpot_target_ms, self.tpot_ms, "tpot_ms")
+        # Numbers are kept as the checked floats: an integer past int64 (2**64 in the JSON) is a
+        # fine number of milliseconds, but numpy in the cost models cannot take it as it is.
+        object.__setattr__(self, "tpot_ms", _checked(tpot_target_ms, self.tpot_ms, "tpot_ms"))
         _whole(self.max_chunk_tokens, "max_chunk_tokens")
         _whole(self.aging_chunk_tokens, "aging_chunk_tokens")
         for name in ("margin_ms", "margin_fraction", "aging_ms"):
-            _checked(non_negative_number, getattr(self, name), name)
+            object.__setattr__(self, name, _checked(non_negative_number, getattr(self, name), name))
         if self.cost_kind not in ("regression", "table"):
             raise PluginConfigError(f"sloweave config: cost_kind must be 'regression' or 'table', got {self.cost_kind!r}")
         if not isinstance(self.cost, str) or not (self.cost == "analytic" or self.cost in _presets() or os.path.exists(self.cost)):
@@ -104,14 +106,15 @@ class PluginConfig:
                 f"sloweave config: cost must be 'analytic', a preset ({', '.join(_presets())}), an operator-profile folder "
                 f"or an existing profile file, got {self.cost!r}"
             )
+        # the types first: "false" is truthy, and would be refused below for the wrong reason
+        for name in ("profile_margin", "online_correction"):
+            if not isinstance(getattr(self, name), bool):
+                raise PluginConfigError(f"sloweave config: {name} must be true or false, got {getattr(self, name)!r}")
         if self.profile_margin and not os.path.isfile(self.cost):
             raise PluginConfigError(
                 "sloweave config: profile_margin needs cost set to a step-time profile file "
                 "(the analytic model, a preset and an operator-profile folder have no residual margin)"
             )
-        for name in ("profile_margin", "online_correction"):
-            if not isinstance(getattr(self, name), bool):
-                raise PluginConfigError(f"sloweave config: {name} must be true or false, got {getattr(self, name)!r}")
         if self.profile_margin and self.online_correction:
             raise PluginConfigError(
                 "sloweave config: profile_margin and online_correction exclude each other: with online_correction "
@@ -125,15 +128,24 @@ class PluginConfig:
     def from_sources(cls, additional_config: Mapping | None, environ: Mapping[str, str] | None = None) -> PluginConfig:
         environ = os.environ if environ is None else environ
         values: dict = {}
-        for f in fields(cls):
-            raw = environ.get(f"SLOWEAVE_{f.name.upper()}")
-            if raw is not None and f.name != "analytic":
-                values[f.name] = _parse_env(f.name, raw, f.type)
-        section = (additional_config or {}).get(CONFIG_KEY, {}) if isinstance(additional_config, Mapping) else {}
+        by_variable = {f"SLOWEAVE_{f.name.upper()}": f for f in fields(cls) if f.name != "analytic"}
+        # a misspelt variable (SLOWEAVE_TPOT) would otherwise be ignored without a word
+        stray = sorted(k for k in environ if k.startswith("SLOWEAVE_") and k not in by_variable)
+        if stray:
+            raise PluginConfigError(
+                f"sloweave config: unknown environment variable(s) {', '.join(stray)}; known: {', '.join(sorted(by_variable))} "
+                "(the analytic coefficients are given in additional_config only)"
+            )
+        for variable, f in by_variable.items():
+            if variable in environ:
+                values[f.name] = _parse_env(f.name, environ[variable], f.type)
+        if additional_config is not None and not isinstance(additional_config, Mapping):
+            raise PluginConfigError(f"additional_config must be an object (a JSON object on the command line), got {additional_config!r}")
+        section = (additional_config or {}).get(CONFIG_KEY, {})
         if not isinstance(section, Mapping):
             raise PluginConfigError(f"additional_config['{CONFIG_KEY}'] must be an object, got {section!r}")
         known = {f.name for f in fields(cls)}
-        unknown = sorted(set(section) - known)
+        unknown = sorted(set(section) - known, key=repr)  # keys of several types (1, "a") do not sort
         if unknown:
             raise PluginConfigError(f"sloweave config: unknown key(s) {unknown}; known: {sorted(known)}")
         values.update(section)
@@ -231,10 +243,10 @@ def _sum_margins(*margins: Margin) -> Margin:
     return margins[0] if len(margins) == 1 else _MarginSum(margins)
 
 
-def _checked(check, value, name: str) -> None:
-    """The core's shared check, its message as a configuration error."""
+def _checked(check, value, name: str):
+    """The core's shared check (its result), its message as a configuration error."""
     try:
-        check(value, name)
+        return check(value, name)
     except ValueError as err:
         raise PluginConfigError(f"sloweave config: {err}") from None
 
