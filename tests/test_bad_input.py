@@ -341,3 +341,18 @@ def test_a_mooncake_line_with_a_repeated_key_is_refused(tmp_path):
     path.write_text('{"timestamp": 0, "input_length": 10, "output_length": 5}\n{"timestamp": 5, "input_length": 10, "input_length": 900, "output_length": 5}\n')
     with pytest.raises(TraceError, match=r"m\.jsonl, line 2: key 'input_length' is given twice"):
         load_trace(path)
+
+
+def test_replay_of_several_traces_writes_a_folder_each_and_refuses_clashing_names(tmp_path):
+    first = _trace(tmp_path, ["0.0,100,20", "0.5,300,20", "1.0,50,5"], "first.csv")
+    second = _trace(tmp_path, ["0.0,900,10", "0.2,100,20"], "second.csv")
+    result = _invoke("replay", str(first), str(second), "--policy", "sloweave", "--policy", "full", "--jobs", "1", "--out", str(tmp_path / "r"))
+    assert result.exit_code == 0, result.output
+    alone = _invoke("replay", str(second), "--policy", "sloweave", "--policy", "full", "--jobs", "1", "--out", str(tmp_path / "alone"))
+    assert alone.exit_code == 0, alone.output
+    assert (tmp_path / "r" / "second" / "requests.csv").read_bytes() == (tmp_path / "alone" / "requests.csv").read_bytes()
+    assert len(json.loads((tmp_path / "r" / "first" / "replay.json").read_text())["metrics"]) == 2
+    (tmp_path / "other").mkdir()
+    clash = _trace(tmp_path / "other", ["0.0,100,20", "0.5,100,20"], "first.csv")
+    result = _invoke("replay", str(first), str(clash), "--out", str(tmp_path / "x"))
+    assert result.exit_code == 2 and "two traces would write the same folder first" in result.output

@@ -20,7 +20,17 @@ from sloweave.studies.inputs import POSITIVE, REQUESTS, SEED
 from sloweave.studies.outputs import check_writable, command_settings, strict_json, write_result_json
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+class _Commands(click.Group):
+    def invoke(self, ctx):
+        from sloweave.studies.parallel import TaskFailed
+
+        try:
+            return super().invoke(ctx)
+        except TaskFailed as err:  # a study task failed in a worker: its inputs and cause, no traceback
+            raise click.ClickException(str(err)) from err
+
+
+@click.group(cls=_Commands, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="sloweave")
 def main() -> None:
     """sloweave: deadline-aware adaptive chunked prefill for LLM serving."""

@@ -72,10 +72,10 @@ def test_budgets_follow_deadlines_from_measured_token_times_and_per_request_targ
     # time of a full 2,048-token step on this CPU (about 65 ms), so the deadline must cut chunks
     extra = {rid: {"sloweave_tpot_ms": 30.0 + 2 * i} for i, rid in enumerate(batch) if i % 2}
     extra["r0"] = {"sloweave_tpot_ms": -1}  # a bad one: served with the default, nobody else harmed
-    bad_before = REGISTRY.get_sample_value("sloweave_request_target_errors_total") or 0.0
+    bad_before = REGISTRY.get_sample_value("sloweave_request_target_errors_total", {"engine": "0"}) or 0.0
     out = generate(engine, batch, max_tokens=30, extra_args=extra)
     assert all(len(tokens) == 30 for tokens in out.values())
-    assert REGISTRY.get_sample_value("sloweave_request_target_errors_total") - bad_before == 1
+    assert REGISTRY.get_sample_value("sloweave_request_target_errors_total", {"engine": "0"}) - bad_before == 1
 
     checked = tight = 0
     for state, plan, last_token_ms in log.plans:

@@ -151,10 +151,11 @@ def test_decision_metrics_on_vllms_metrics_endpoint(server):
         if line.startswith("sloweave_") and " " in line:
             name, value = line.rsplit(" ", 1)
             values[name] = float(value)
-    assert values["sloweave_steps_total"] > 0
-    assert values['sloweave_chunk_tokens_bucket{le="+Inf"}'] == values["sloweave_steps_total"]
-    assert values["sloweave_measured_step_ms_count"] > 0
-    assert values["sloweave_request_target_errors_total"] == 0  # the front end refused the bad ones first
+    # one replica: every metric labelled with its data-parallel rank, engine "0"
+    assert values['sloweave_steps_total{engine="0"}'] > 0
+    assert values['sloweave_chunk_tokens_bucket{engine="0",le="+Inf"}'] == values['sloweave_steps_total{engine="0"}']
+    assert values['sloweave_measured_step_ms_count{engine="0"}'] > 0
+    assert values['sloweave_request_target_errors_total{engine="0"}'] == 0  # the front end refused the bad ones first
     assert any(name.startswith("vllm:") for name in (line.split(" ")[0] for line in text.splitlines()))
 
 
@@ -174,7 +175,7 @@ def test_without_the_front_end_check_a_bad_target_is_served_with_the_default(tmp
             thread.join(timeout=REQUEST_TIMEOUT_S)
         assert sorted(results) == [0, 1, 2, 3] and all(len(tokens) == 16 for tokens in results.values())
         metrics = urllib.request.urlopen(f"{base}/metrics", timeout=10).read().decode()
-        assert "sloweave_request_target_errors_total 1.0" in metrics
+        assert 'sloweave_request_target_errors_total{engine="0"} 1.0' in metrics
         log = log_path.read_text()
         assert "sloweave_tpot_ms must be a finite number of milliseconds > 0, got -1; serving it with the default target 80 ms" in log
         assert "EngineDeadError" not in log

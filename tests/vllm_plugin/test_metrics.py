@@ -26,7 +26,7 @@ def engine_with_registry(cls=SLOWeaveScheduler, overlap=False, step_ms=None, **c
 
 
 def value(registry, name, **labels):
-    return registry.get_sample_value(name, labels)
+    return registry.get_sample_value(name, {"engine": "0", **labels})  # the data-parallel rank
 
 
 @pytest.mark.parametrize("cls, overlap", [(SLOWeaveScheduler, False), (SLOWeaveAsyncScheduler, True)])
@@ -97,11 +97,11 @@ def test_production_path_registers_once_on_the_default_registry():
     first = build_scheduler(SLOWeaveScheduler)
     second = build_scheduler(SLOWeaveAsyncScheduler)  # no duplicate-registration error
     assert first.sloweave.recorder is second.sloweave.recorder is default_recorder()
-    before = REGISTRY.get_sample_value("sloweave_steps_total") or 0.0
+    before = value(REGISTRY, "sloweave_steps_total") or 0.0
     eng = OfflineEngine(first, step_ms=lambda d, p: COST(d, p))
     eng.add(make_request(100, 3))
     eng.run()
-    assert REGISTRY.get_sample_value("sloweave_steps_total") - before == len(eng.steps)
+    assert value(REGISTRY, "sloweave_steps_total") - before == len(eng.steps)
     assert b"# TYPE sloweave_chunk_tokens histogram" in generate_latest(REGISTRY)
 
 
@@ -131,6 +131,6 @@ def test_metrics_of_an_engine_core_process_reach_vllms_metrics_registry(tmp_path
     monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(tmp_path))
     registry = get_prometheus_registry()  # what vLLM's /metrics endpoint serves
     assert registry is not REGISTRY
-    assert registry.get_sample_value("sloweave_steps_total") == ran["steps"]
-    assert registry.get_sample_value("sloweave_chunk_tokens_sum") == ran["chunk_sum"] == 3250
+    assert value(registry, "sloweave_steps_total") == ran["steps"]
+    assert value(registry, "sloweave_chunk_tokens_sum") == ran["chunk_sum"] == 3250
     assert b"sloweave_infeasible_steps_total" in generate_latest(registry)

@@ -22,7 +22,6 @@ from pathlib import Path
 import click
 import numpy as np
 import pandas as pd
-from tqdm import tqdm
 
 from sloweave.core.admission import AdmissionControl
 from sloweave.core.cost import AnalyticCost
@@ -35,8 +34,9 @@ from sloweave.core.policy import Aging, SLOWeave
 from sloweave.sim.engine import simulate
 from sloweave.sim.traces import ReplayOptions, load_trace, replay_workload, split_windows
 from sloweave.sim.workloads import WORKLOADS, Workload
-from sloweave.studies.inputs import POSITIVE, REQUESTS
+from sloweave.studies.inputs import POSITIVE, parallel_options, runner_of, REQUESTS
 from sloweave.studies.outputs import check_writable, command_settings, write_result_json
+from sloweave.studies.parallel import SERIAL, Runner, run_tasks
 
 TPOT_TARGETS_MS = (10.0, 25.0, 50.0)
 DEFAULT_SEEDS = 5
@@ -136,23 +136,29 @@ def run_config(config: Config, workload: Workload, tpot_ms: float, ttft_ms: floa
 
 
 def run_ablation(
-    sources: list[Source], configs: tuple[Config, ...], tpot_targets: tuple[float, ...], progress: bool = True, cost: ResolvedCost | None = None
+    sources: list[Source], configs: tuple[Config, ...], tpot_targets: tuple[float, ...], progress: bool = True, cost: ResolvedCost | None = None,
+    runner: Runner = SERIAL,
 ) -> tuple[pd.DataFrame, pd.DataFrame]:
-    """Per-seed rows of every (source, seed, TPOT, config), and the tier study's per-seed rows."""
-    total = sum(len(s.workloads) for s in sources) * (len(configs) * len(tpot_targets) + 3)
-    bar = tqdm(total=total, desc="ablation", unit="run", disable=not progress)
-    rows, tier_rows = [], []
-    for source in sources:
-        for seed, workload in enumerate(source.workloads):
-            for tpot in tpot_targets:
-                for config in configs:
-                    result = run_config(config, workload, tpot, source.ttft_ms, cost)
-                    rows.append({"source": source.name, "seed": seed, "tpot_ms": tpot, "config": config.name, **evaluate_run(result, source.ttft_ms, tpot)})
-                    bar.update()
-            tier_rows += _tier_runs(source, seed, workload, cost)
-            bar.update(3)
-    bar.close()
+    """Per-seed rows of every (source, seed, TPOT, config), and the tier study's per-seed rows.
+
+    One task per (source, seed), run where ``runner`` says; rows come back in task order."""
+    tasks = [(source, seed) for source in sources for seed in range(len(source.workloads))]
+    outcomes = run_tasks(_source_seed_runs, tasks, (configs, tuple(tpot_targets), cost), runner, "ablation", progress)
+    rows = [row for task_rows, _ in outcomes for row in task_rows]
+    tier_rows = [row for _, task_tiers in outcomes for row in task_tiers]
     return pd.DataFrame(rows), pd.DataFrame(tier_rows)
+
+
+def _source_seed_runs(context, source: Source, seed: int) -> tuple[list[dict], list[dict]]:
+    """Every configuration at every target on one seed of one source, and its tier runs."""
+    configs, tpot_targets, cost = context
+    workload = source.workloads[seed]
+    rows = []
+    for tpot in tpot_targets:
+        for config in configs:
+            result = run_config(config, workload, tpot, source.ttft_ms, cost)
+            rows.append({"source": source.name, "seed": seed, "tpot_ms": tpot, "config": config.name, **evaluate_run(result, source.ttft_ms, tpot)})
+    return rows, _tier_runs(source, seed, workload, cost)
 
 
 def _tier_runs(source: Source, seed: int, workload: Workload, cost: ResolvedCost | None = None) -> list[dict]:
@@ -330,7 +336,8 @@ def write_ablation(runs: pd.DataFrame, tiers: pd.DataFrame, configs: tuple[Confi
 @click.option("--trace-rate-scale", type=POSITIVE, default=TRACE_RATE_SCALE, show_default=True)
 @click.option("--trace-window-s", type=POSITIVE, default=None, help=f"[default: {TRACE_WINDOW_S:g}, --quick: {QUICK_TRACE_WINDOW_S:g}]")
 @cost_option()
-def ablate(out_dir, seeds, num_requests, quick, workloads, config_names, trace_path, no_trace, trace_rate_scale, trace_window_s, cost: ResolvedCost) -> None:
+@parallel_options()
+def ablate(out_dir, seeds, num_requests, quick, workloads, config_names, trace_path, no_trace, trace_rate_scale, trace_window_s, cost: ResolvedCost, jobs, ray_address) -> None:
     """Ablation of the options beyond the paper: CSV, Markdown, JSON and a plot under --out."""
     from sloweave.sim.traces import TraceError
 
@@ -352,7 +359,7 @@ def ablate(out_dir, seeds, num_requests, quick, workloads, config_names, trace_p
             sources.append(trace_source(trace_path, seeds, trace_window_s, trace_rate_scale))
         except TraceError as err:
             raise click.UsageError(f"{err} (pass --no-trace to run without the real trace)") from None
-    runs, tiers = run_ablation(sources, configs, TPOT_TARGETS_MS, cost=cost)
+    runs, tiers = run_ablation(sources, configs, TPOT_TARGETS_MS, cost=cost, runner=runner_of(jobs, ray_address))
     meta = {
         "command": "ablate",
         "settings": command_settings(),

@@ -28,7 +28,6 @@ What a "seed" is depends on the source:
 from __future__ import annotations
 
 import math
-import sys
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Protocol
@@ -41,8 +40,8 @@ from sloweave.core.cost import AnalyticCost, CostModel
 from sloweave.core.costs import ResolvedCost, analytic_description, cost_option
 from sloweave.sim.metrics import RunMetrics, summarize
 from sloweave.core.policy import DEFAULT_MAX_CHUNK_TOKENS
-from sloweave.core.validate import whole_number
-from sloweave.studies.inputs import POSITIVE, REQUESTS, max_model_len_option, model_len_or_default
+from sloweave.studies.inputs import POSITIVE, REQUESTS, max_model_len_option, model_len_or_default, parallel_options
+from sloweave.studies.parallel import Runner, local_cores, run_tasks
 from sloweave.studies.outputs import check_writable, command_settings, write_result_json
 from sloweave.studies.replay import DEFAULT_TRACE_TTFT_MS, _pyplot, build_policy, plot_cdfs, policy_style, run_policy
 from sloweave.sim.traces import FORMATS, ReplayOptions, Trace, TraceError, load_trace, replay_workload, split_windows
@@ -325,16 +324,11 @@ def best_of_rule(capacities: list[Capacity], rule: str) -> Capacity | None:
 
 
 # The study a forked worker serves (set just before the pool forks; each worker has a copy).
-_WORKER_STUDY: CapacityStudy | None = None
-
-
-def _in_worker(method: str, task: tuple):
-    study = _WORKER_STUDY
+def _study_task(study: CapacityStudy, method: str, *task):
+    """One task of a study, wherever it runs; returns its result and the runs it simulated
+    (a worker's cache is its own: the runs come back so the curves can reuse them)."""
     before = set(study._runs)
-    try:
-        result = getattr(study, method)(*task)
-    except Exception as err:  # reported with its inputs, never dropped
-        raise RuntimeError(f"capacity task {method}{task} failed: {type(err).__name__}: {err}") from err
+    result = getattr(study, method)(*task)
     return result, {key: run for key, run in study._runs.items() if key not in before}
 
 
@@ -353,9 +347,10 @@ def _check_scalable(source: LoadSource) -> None:
 class CapacityStudy:
     """Simulations on the load lattice, cached; capacity searches and load curves on top.
 
-    ``jobs`` > 1 runs independent searches and curve points in a pool of forked processes;
-    every search is a function of its own inputs only, so the results are the serial
-    run's, bit for bit, whatever the number of workers.
+    ``jobs`` > 1 runs independent searches and curve points in a pool of forked processes,
+    ``ray`` on a Ray cluster (``sloweave.studies.parallel``); every search is a function of
+    its own inputs only, so the results are the serial run's, bit for bit, whatever the
+    number of workers.
     """
 
     def __init__(
@@ -375,6 +370,7 @@ class CapacityStudy:
         options: EngineOptions = DEFAULT_OPTIONS,
         jobs: int = 1,
         tpot_change_ms: float | None = None,
+        ray: str | None = None,
     ) -> None:
         if not 0.0 < attainment_target <= 1.0:
             raise ValueError(f"attainment target must be in (0, 1], got {attainment_target!r}")
@@ -386,7 +382,6 @@ class CapacityStudy:
             raise ValueError("SLO targets must be finite numbers of milliseconds > 0")
         if not policies or not tpot_targets_ms:
             raise ValueError("need at least one policy and one TPOT target")
-        whole_number(jobs, "jobs")
         if tpot_change_ms is not None and not (math.isfinite(tpot_change_ms) and tpot_change_ms > 0):
             raise ValueError(f"tpot_change_ms must be a finite number of milliseconds > 0, got {tpot_change_ms!r}")
         # The operator changes the TPOT target mid-run: requests in the second half of each
@@ -394,7 +389,7 @@ class CapacityStudy:
         self.tpot_change_ms = tpot_change_ms
         self.source = source
         self.options = options
-        self.jobs = int(jobs)
+        self.runner = Runner(jobs, ray)
         self.cost = cost or AnalyticCost()
         self.max_chunk_tokens = max_chunk_tokens
         self.tuned_rules, names = _expand_tuned(policies)
@@ -410,6 +405,12 @@ class CapacityStudy:
         self.progress = progress
         self._runs: dict[tuple, _Run] = {}
         _check_scalable(source)
+
+    def __getstate__(self) -> dict:
+        # Shipped to Ray workers without the cache of runs: a task never reads another task's
+        # runs (searches depend on their own inputs, curve tasks are the points not yet run),
+        # so the cache (tens of MB after a search) would be sent for nothing.
+        return {**self.__dict__, "_runs": {}}
 
     # ---- lattice and cached simulations
 
@@ -451,32 +452,8 @@ class CapacityStudy:
         return attained >= self.attainment_target - ATTAINMENT_TOLERANCE
 
     def _map(self, method: str, tasks: list[tuple], desc: str) -> list:
-        """``getattr(self, method)(*task)`` for every task, in task order; in a pool when jobs > 1."""
-        from tqdm import tqdm
-
-        bar = tqdm(total=len(tasks), desc=desc, unit="task", disable=not self.progress, file=sys.stderr)
-        if self.jobs == 1 or len(tasks) < 2:
-            results = []
-            for task in tasks:
-                results.append(getattr(self, method)(*task))
-                bar.update()
-                bar.set_postfix(sims=self.simulations)
-            bar.close()
-            return results
-        import multiprocessing
-        from concurrent.futures import ProcessPoolExecutor, as_completed
-
-        global _WORKER_STUDY
-        _WORKER_STUDY = self
-        try:
-            with ProcessPoolExecutor(min(self.jobs, len(tasks)), mp_context=multiprocessing.get_context("fork")) as pool:
-                futures = [pool.submit(_in_worker, method, task) for task in tasks]
-                for _ in as_completed(futures):
-                    bar.update()
-                outcomes = [f.result() for f in futures]
-        finally:
-            _WORKER_STUDY = None
-            bar.close()
+        """``getattr(self, method)(*task)`` for every task, in task order, where the runner says."""
+        outcomes = run_tasks(_study_task, [(method, *task) for task in tasks], self, self.runner, desc, self.progress)
         for _, runs in outcomes:
             self._runs.update(runs)
         return [result for result, _ in outcomes]
@@ -595,7 +572,7 @@ class CapacityStudy:
         return [k for k in range(first, hi + stride, stride) if self.min_k <= k <= self.max_k]
 
     def prefetch(self, points: list[tuple[str, int, float]]) -> None:
-        """Simulate every seed at the (policy, k, tpot) points not yet run (in the pool when jobs > 1)."""
+        """Simulate every seed at the (policy, k, tpot) points not yet run (where the runner says)."""
         keys = {}
         for policy, k, tpot in points:
             for seed in range(self.source.num_seeds):
@@ -772,7 +749,7 @@ def run_capacity(study: CapacityStudy, out_dir: Path, meta: dict, cost: Resolved
         "attainment_target": study.attainment_target,
         "lattice": {"steps_per_doubling": study.steps, "min_scale": study.scale(study.min_k), "max_scale": study.scale(study.max_k)},
         "simulations": study.simulations,
-        "jobs": study.jobs,
+        "parallel": study.runner.describe(),
         "cost": cost.description if cost is not None else _describe(study.cost),
         "cdf_rate_scale": {f"{t:g}": s for t, s in cdf_loads.items()},
         "capacity": table.to_dict(orient="records"),
@@ -849,13 +826,13 @@ def _describe(cost: CostModel) -> dict:
 @click.option("--max-scale", type=POSITIVE, default=256.0, show_default=True)
 @click.option("--max-chunk", type=click.IntRange(min=1), default=DEFAULT_MAX_CHUNK_TOKENS, show_default=True)
 @click.option("--quick", is_flag=True, help="3 seeds instead of 5, a lattice of 8 instead of 16 steps per doubling, fewer curve points")
-@click.option("--jobs", type=click.IntRange(min=1), default=None, help="parallel simulation processes [default: all local cores]; results are the serial run's")
+@parallel_options()
 @click.option("--no-curves", is_flag=True, help="capacities only: skip the load curves and CDFs")
 @max_model_len_option()
 @engine_options()
 @cost_option()
 @click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), default=Path("results/capacity"), show_default=True)
-def capacity(trace_paths, workload, fmt, policies, tpot_targets, tpot_change_ms, ttft_ms, attainment, seeds, window_s, whole_trace, num_requests, max_prompt_tokens, arrivals, rate_rps, max_model_len_tokens, steps_per_doubling, min_scale, max_scale, max_chunk, quick, jobs, no_curves, engine: EngineOptions, cost: ResolvedCost, out_dir) -> None:
+def capacity(trace_paths, workload, fmt, policies, tpot_targets, tpot_change_ms, ttft_ms, attainment, seeds, window_s, whole_trace, num_requests, max_prompt_tokens, arrivals, rate_rps, max_model_len_tokens, steps_per_doubling, min_scale, max_scale, max_chunk, quick, jobs, ray_address, no_curves, engine: EngineOptions, cost: ResolvedCost, out_dir) -> None:
     """Highest load (arrival-rate scale) at which each policy keeps SLO attainment >= the target."""
     if bool(trace_paths) == (workload is not None):
         raise click.UsageError("give --trace PATH (one or more) or --workload NAME, not both and not neither")
@@ -869,7 +846,7 @@ def capacity(trace_paths, workload, fmt, policies, tpot_targets, tpot_change_ms,
             attainment_target=attainment, steps_per_doubling=steps_per_doubling or (8 if quick else 16),
             min_scale=min_scale, max_scale=max_scale, cost=cost.model, max_chunk_tokens=max_chunk,
             curve_points_per_doubling=2 if quick else 4, progress=True, options=engine,
-            jobs=jobs or default_jobs(), tpot_change_ms=tpot_change_ms,
+            jobs=jobs or default_jobs(), ray=ray_address, tpot_change_ms=tpot_change_ms,
         )
     except (TraceError, WorkloadError, ValueError) as err:
         raise click.UsageError(str(err)) from None
@@ -879,10 +856,7 @@ def capacity(trace_paths, workload, fmt, policies, tpot_targets, tpot_change_ms,
     _print_results(payload, cost, out_dir, study)
 
 
-def default_jobs() -> int:
-    import os
-
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+default_jobs = local_cores  # the name tune and the benchmarks import
 
 
 def _cli_source(trace_paths, workload, fmt, seeds, window_s, whole_trace, num_requests, max_prompt_tokens, arrivals, rate_rps, quick, ttft_ms, max_model_len_tokens=None):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib
+
 import click
 
 from sloweave.core.validate import DEFAULT_MAX_MODEL_LEN_TOKENS, positive_number
@@ -49,3 +51,40 @@ class PositiveNumber(click.ParamType):
 
 
 POSITIVE = PositiveNumber()
+
+
+def _ray_address(ctx, param, value: str | None) -> str | None:
+    if value is None:
+        return None
+    if not value.strip():
+        raise click.BadParameter("give 'local', 'auto' or a cluster address (host:port, ray://host:10001)")
+    try:  # checked before the work, not after it
+        importlib.import_module("ray")
+    except ImportError as err:
+        from sloweave.studies.parallel import RAY_EXTRA_HINT
+
+        raise click.BadParameter(f"Ray cannot be imported ({err}); {RAY_EXTRA_HINT}") from None
+    return value.strip()
+
+
+def parallel_options():
+    """``--jobs`` and ``--ray``: where a study's independent simulations run (see ``runner_of``)."""
+
+    def decorate(command):
+        command = click.option(
+            "--ray", "ray_address", default=None, callback=_ray_address, metavar="local|auto|ADDRESS",
+            help="run the simulations as Ray tasks: 'local' starts a private Ray instance on loopback with --jobs CPUs, "
+            "'auto' joins the cluster Ray finds (RAY_ADDRESS, `ray start`), or give its address; results are the serial run's",
+        )(command)
+        return click.option(
+            "--jobs", type=click.IntRange(min=1), default=None,
+            help="parallel simulation processes on this machine [default: all local cores]; results are the serial run's",
+        )(command)
+
+    return decorate
+
+
+def runner_of(jobs: int | None, ray_address: str | None):
+    from sloweave.studies.parallel import Runner, local_cores
+
+    return Runner(jobs or local_cores(), ray_address)

@@ -17,8 +17,9 @@ from sloweave.core.costs import ResolvedCost, cost_option
 from sloweave.sim.metrics import RunMetrics, per_request_frame, run_duration_ms, slo_met, summarize
 from sloweave.core.policy import DEFAULT_MAX_CHUNK_TOKENS, Policy, make_policy
 from sloweave.sim.options import DEFAULT_OPTIONS, EngineOptions, engine_options
-from sloweave.studies.inputs import POSITIVE, SEED, max_model_len_option, model_len_or_default
-from sloweave.studies.outputs import check_writable, write_result_json
+from sloweave.studies.inputs import POSITIVE, SEED, max_model_len_option, model_len_or_default, parallel_options, runner_of
+from sloweave.studies.outputs import check_writable, command_settings, write_result_json
+from sloweave.studies.parallel import SERIAL, Runner, run_tasks
 from sloweave.sim.traces import FORMATS, ReplayOptions, ReplayReport, TraceError, load_trace, replay_workload
 from sloweave.sim.workloads import Workload
 
@@ -94,8 +95,8 @@ def plot_cdfs(
 # --------------------------------------------------------------------------- replay command
 
 
-def replay_policies(
-    workload: Workload,
+def replay_many(
+    workloads: list[Workload],
     policies: list[str],
     tpot_ms: float,
     ttft_ms: float,
@@ -104,24 +105,34 @@ def replay_policies(
     progress: bool = False,
     options: EngineOptions = DEFAULT_OPTIONS,
     noise_seed: int = 0,
-) -> tuple[pd.DataFrame, dict[str, RunMetrics]]:
-    """Run every policy on one workload, each with the same engine ``options``; return all
-    per-request rows and metrics by policy. A policy named twice is refused."""
-    from tqdm import tqdm
-
+    runner: Runner = SERIAL,
+) -> list[tuple[pd.DataFrame, dict[str, RunMetrics]]]:
+    """Run every policy on each workload (each trace), each with the same engine ``options``;
+    per workload, all per-request rows and the metrics by policy. A policy named twice is
+    refused. One batch of tasks, one per (workload, policy), run where ``runner`` says."""
     cost = cost or AnalyticCost()
     built = [build_policy(name, cost, max_chunk_tokens) for name in policies]
     twice = sorted(name for name, count in Counter(p.name for p in built).items() if count > 1)
     if twice:
         raise ValueError(f"policy given more than once: {', '.join(twice)} (each policy is replayed once)")
-    frames, metrics = [], {}
-    for policy in tqdm(built, desc="replay", unit="policy", disable=not progress):
-        frame, duration_ms = run_policy(workload, policy, tpot_ms, cost, options, ttft_ms, noise_seed)
-        metrics[policy.name] = summarize(frame, duration_ms, ttft_ms, tpot_ms)
-        frame.insert(0, "policy", policy.name)
-        frame["slo_met"] = slo_met(frame, ttft_ms, tpot_ms)
-        frames.append(frame)
-    return pd.concat(frames, ignore_index=True), metrics
+    context = (tuple(workloads), tpot_ms, ttft_ms, cost, options, noise_seed)
+    tasks = [(w, policy) for w in range(len(workloads)) for policy in built]
+    outcomes = iter(run_tasks(_replayed, tasks, context, runner, "replay", progress))
+    replayed = []
+    for _ in workloads:
+        runs = [next(outcomes) for _ in built]
+        metrics = {policy.name: m for policy, (_, m) in zip(built, runs)}
+        replayed.append((pd.concat([frame for frame, _ in runs], ignore_index=True), metrics))
+    return replayed
+
+
+def _replayed(context, workload_index: int, policy) -> tuple[pd.DataFrame, RunMetrics]:
+    workloads, tpot_ms, ttft_ms, cost, options, noise_seed = context
+    frame, duration_ms = run_policy(workloads[workload_index], policy, tpot_ms, cost, options, ttft_ms, noise_seed)
+    metrics = summarize(frame, duration_ms, ttft_ms, tpot_ms)
+    frame.insert(0, "policy", policy.name)
+    frame["slo_met"] = slo_met(frame, ttft_ms, tpot_ms)
+    return frame, metrics
 
 
 def _options_from_cli(start_s, end_s, duration_s, rate_scale, max_prompt_tokens, max_requests, arrivals, rate_rps, seed):
@@ -158,7 +169,7 @@ def describe_report(report: ReplayReport) -> str:
 
 
 @click.command()
-@click.argument("trace_path", metavar="TRACE", type=click.Path(dir_okay=False, path_type=Path))
+@click.argument("trace_paths", metavar="TRACE...", nargs=-1, required=True, type=click.Path(dir_okay=False, path_type=Path))
 @click.option("--format", "fmt", type=click.Choice(FORMATS), default="auto", show_default=True)
 @click.option("--start-s", type=float, default=0.0, show_default=True, help="window start, seconds after the first request")
 @click.option("--end-s", type=float, default=None, help="window end (exclusive), seconds; default: end of the trace")
@@ -174,27 +185,50 @@ def describe_report(report: ReplayReport) -> str:
 @click.option("--ttft-ms", type=POSITIVE, default=DEFAULT_TRACE_TTFT_MS, show_default=True)
 @click.option("--max-chunk", type=click.IntRange(min=1), default=DEFAULT_MAX_CHUNK_TOKENS, show_default=True)
 @max_model_len_option()
+@parallel_options()
 @engine_options()
 @cost_option()
 @click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), default=Path("results/replay"), show_default=True)
-def replay(trace_path, fmt, start_s, end_s, duration_s, rate_scale, max_prompt_tokens, max_requests, arrivals, rate_rps, seed, max_model_len_tokens, policies, tpot_ms, ttft_ms, max_chunk, engine: EngineOptions, cost: ResolvedCost, out_dir) -> None:
-    """Replay a request trace under each policy; write requests.csv, metrics.csv/json and CDF plots."""
+def replay(trace_paths, fmt, start_s, end_s, duration_s, rate_scale, max_prompt_tokens, max_requests, arrivals, rate_rps, seed, max_model_len_tokens, jobs, ray_address, policies, tpot_ms, ttft_ms, max_chunk, engine: EngineOptions, cost: ResolvedCost, out_dir) -> None:
+    """Replay request traces under each policy; write requests.csv, metrics.csv/json and CDF plots.
+
+    One trace writes under --out; several write one folder per trace (named by its file)
+    under --out, and all their runs are one batch of tasks (--jobs, --ray)."""
     check_writable(out_dir, "--out")
+    stems = [path.stem for path in trace_paths]
+    repeated = sorted({stem for stem in stems if stems.count(stem) > 1})
+    if repeated:
+        raise click.BadParameter(f"two traces would write the same folder {', '.join(repeated)}: give files of different names", param_hint="TRACE")
     try:
         options = _options_from_cli(start_s, end_s, duration_s, rate_scale, max_prompt_tokens, max_requests, arrivals, rate_rps, seed)
-        trace = load_trace(trace_path, fmt, model_len_or_default(max_model_len_tokens))
-        workload, report = replay_workload(trace, options)
-        click.echo(describe_report(report), err=True)
-        requests, metrics = replay_policies(workload, list(policies), tpot_ms, ttft_ms, cost.model, max_chunk, True, engine, seed)
+        replays = [replay_workload(load_trace(path, fmt, model_len_or_default(max_model_len_tokens)), options) for path in trace_paths]
+        for _, report in replays:
+            click.echo(describe_report(report), err=True)
+        results = replay_many([w for w, _ in replays], list(policies), tpot_ms, ttft_ms, cost.model, max_chunk, True, engine, seed, runner_of(jobs, ray_address))
     except (TraceError, ValueError) as err:
         raise click.UsageError(str(err)) from None
+    if not cost.is_analytic:
+        for line in cost.summary_lines():
+            click.echo(line)
+    for stem, (_, report), (requests, metrics) in zip(stems, replays, results):
+        where = out_dir if len(trace_paths) == 1 else out_dir / stem
+        table = _write_replay(where, report, requests, metrics, tpot_ms, ttft_ms, max_chunk, engine, cost)
+        if len(trace_paths) > 1:
+            click.echo(f"== {report.source}")
+        columns = ["policy", "attainment", "goodput_rps", "p99_ttft_ms", "p99_tpot_ms", "num_pending"]
+        click.echo(table[columns].to_string(index=False, float_format=lambda v: f"{v:.3f}"))
+        click.echo(f"wrote {where}/metrics.csv, replay.json, requests.csv, cdf_ttft.png, cdf_p99_tpot.png")
 
+
+def _write_replay(out_dir: Path, report: ReplayReport, requests: pd.DataFrame, metrics: dict, tpot_ms, ttft_ms, max_chunk, engine, cost) -> pd.DataFrame:
+    """One trace's files: metrics.csv, requests.csv, replay.json, the two CDF plots."""
     out_dir.mkdir(parents=True, exist_ok=True)
     table = pd.DataFrame([{"policy": name, "tpot_ms": tpot_ms, "ttft_ms": ttft_ms, **m.as_dict()} for name, m in metrics.items()])
     table.to_csv(out_dir / "metrics.csv", index=False)
     requests.to_csv(out_dir / "requests.csv", index=False)
     payload = {
         "command": "replay",
+        "settings": command_settings(),
         "replay": report.as_dict(),
         "tpot_ms": tpot_ms,
         "ttft_ms": ttft_ms,
@@ -215,9 +249,4 @@ def replay(trace_path, fmt, start_s, end_s, duration_s, rate_scale, max_prompt_t
         title,
         tpot_ms,
     )
-    columns = ["policy", "attainment", "goodput_rps", "p99_ttft_ms", "p99_tpot_ms", "num_pending"]
-    if not cost.is_analytic:
-        for line in cost.summary_lines():
-            click.echo(line)
-    click.echo(table[columns].to_string(index=False, float_format=lambda v: f"{v:.3f}"))
-    click.echo(f"wrote {out_dir}/metrics.csv, replay.json, requests.csv, cdf_ttft.png, cdf_p99_tpot.png")
+    return table

@@ -15,7 +15,6 @@ from pathlib import Path
 import click
 import numpy as np
 import pandas as pd
-from tqdm import tqdm
 
 from sloweave.core.cost import AnalyticCost, CostModel
 from sloweave.core.costs import ResolvedCost, analytic_description, cost_option
@@ -23,8 +22,9 @@ from sloweave.sim.metrics import RunMetrics, per_request_frame, run_duration_ms,
 from sloweave.core.policy import DEFAULT_MAX_CHUNK_TOKENS, SLOWeave, make_policy
 from sloweave.sim.engine import SimResult, simulate
 from sloweave.sim.workloads import WORKLOADS, get_workload_spec
-from sloweave.studies.inputs import REQUESTS
+from sloweave.studies.inputs import REQUESTS, parallel_options, runner_of
 from sloweave.studies.outputs import check_writable, write_result_json
+from sloweave.studies.parallel import SERIAL, Runner, run_tasks
 
 # Table 3 and Table 4 use the paper's static set, so they are a reproduction.
 PAPER_STATIC_POLICIES = ("full", "fixed-64", "fixed-256", "fixed-1024")
@@ -105,35 +105,38 @@ def _metric_row(workload: str, policy: str, tpot_ms: float, seed: int, metrics: 
     return {"workload": workload, "policy": policy, "tpot_ms": tpot_ms, "seed": seed, **metrics.as_dict()}
 
 
-def run_study(config: StudyConfig, progress: bool = True) -> tuple[pd.DataFrame, dict[str, SimResult]]:
+def run_study(config: StudyConfig, progress: bool = True, runner: Runner = SERIAL) -> tuple[pd.DataFrame, dict[str, SimResult]]:
     """Every (workload, seed, policy, TPOT target) run; returns per-seed rows and sample runs.
 
-    The sample runs (SLOWeave at 25 ms, seed 0, per workload) feed the time-series plot.
+    One task per (workload, seed), run where ``runner`` says; rows come back in task order,
+    so the table is the serial run's. The sample runs (SLOWeave at 25 ms, seed 0, per
+    workload) feed the time-series plot.
     """
-    sloweave = SLOWeave(cost=config.cost, max_chunk_tokens=config.max_chunk_tokens)
-    statics = [make_policy(name, config.cost) for name in config.static_policies]
-    jobs = [(w, s) for w in config.workloads for s in range(config.seeds)]
-    rows: list[dict] = []
-    samples: dict[str, SimResult] = {}
-    bar = tqdm(total=len(jobs) * (len(statics) + len(config.tpot_targets_ms)), desc="simulating", unit="run", disable=not progress)
-    for workload_name, seed in jobs:
-        spec = get_workload_spec(workload_name)
-        workload = spec.generate(config.num_requests, seed)
-        for policy in statics:
-            result = simulate(workload, policy, tpot_ms=TABLE3_TPOT_MS, actual_cost=config.cost)
-            frame, duration = per_request_frame(result), run_duration_ms(result)
-            for tpot in config.tpot_targets_ms:
-                rows.append(_metric_row(workload_name, policy.name, tpot, seed, summarize(frame, duration, spec.ttft_ms, tpot)))
-            bar.update()
-        for tpot in config.tpot_targets_ms:
-            result = simulate(workload, sloweave, tpot_ms=tpot, actual_cost=config.cost)
-            metrics = summarize(per_request_frame(result), run_duration_ms(result), spec.ttft_ms, tpot)
-            rows.append(_metric_row(workload_name, sloweave.name, tpot, seed, metrics))
-            if seed == 0 and tpot == TABLE3_TPOT_MS:
-                samples[workload_name] = result
-            bar.update()
-    bar.close()
+    tasks = [(w, s) for w in config.workloads for s in range(config.seeds)]
+    outcomes = run_tasks(_workload_seed_runs, tasks, config, runner, "simulating", progress)
+    rows = [row for task_rows, _ in outcomes for row in task_rows]
+    samples = {workload: sample for (workload, _), (_, sample) in zip(tasks, outcomes) if sample is not None}
     return pd.DataFrame(rows), samples
+
+
+def _workload_seed_runs(config: StudyConfig, workload_name: str, seed: int) -> tuple[list[dict], SimResult | None]:
+    """Every static policy and SLOWeave at every target on one seed of one workload."""
+    sloweave = SLOWeave(cost=config.cost, max_chunk_tokens=config.max_chunk_tokens)
+    spec = get_workload_spec(workload_name)
+    workload = spec.generate(config.num_requests, seed)
+    rows, sample = [], None
+    for policy in (make_policy(name, config.cost) for name in config.static_policies):
+        result = simulate(workload, policy, tpot_ms=TABLE3_TPOT_MS, actual_cost=config.cost)
+        frame, duration = per_request_frame(result), run_duration_ms(result)
+        for tpot in config.tpot_targets_ms:
+            rows.append(_metric_row(workload_name, policy.name, tpot, seed, summarize(frame, duration, spec.ttft_ms, tpot)))
+    for tpot in config.tpot_targets_ms:
+        result = simulate(workload, sloweave, tpot_ms=tpot, actual_cost=config.cost)
+        metrics = summarize(per_request_frame(result), run_duration_ms(result), spec.ttft_ms, tpot)
+        rows.append(_metric_row(workload_name, sloweave.name, tpot, seed, metrics))
+        if seed == 0 and tpot == TABLE3_TPOT_MS:
+            sample = result
+    return rows, sample
 
 
 def mean_over_seeds(runs: pd.DataFrame) -> pd.DataFrame:
@@ -343,14 +346,15 @@ def write_single_run(result: SimResult, requests: pd.DataFrame, metrics: RunMetr
 @click.option("--quick", is_flag=True, help=f"{QUICK_REQUESTS} requests per run instead of {DEFAULT_REQUESTS}")
 @click.option("--workload", "workloads", multiple=True, type=click.Choice(list(WORKLOADS)), help="repeatable; default: all four")
 @cost_option()
-def reproduce(out_dir: Path, seeds: int, num_requests: int | None, quick: bool, workloads: tuple[str, ...], cost: ResolvedCost) -> None:
+@parallel_options()
+def reproduce(out_dir: Path, seeds: int, num_requests: int | None, quick: bool, workloads: tuple[str, ...], cost: ResolvedCost, jobs, ray_address) -> None:
     """Reproduce the paper's study: Table 3 (25 ms) and Table 4 (10/25/50 ms), with plots."""
     check_writable(out_dir, "--out")
     if num_requests is None:
         num_requests = QUICK_REQUESTS if quick else DEFAULT_REQUESTS
     config = StudyConfig(workloads=workloads or tuple(WORKLOADS), seeds=seeds, num_requests=num_requests, cost=cost.model)
     started = time.perf_counter()
-    runs, samples = run_study(config)
+    runs, samples = run_study(config, runner=runner_of(jobs, ray_address))
     elapsed = time.perf_counter() - started
     tables = write_study(runs, samples, config, out_dir, elapsed, cost)
     pd.set_option("display.width", 200)

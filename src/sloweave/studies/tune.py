@@ -38,7 +38,7 @@ import pandas as pd
 
 from sloweave.sim.options import DEFAULT_OPTIONS, EngineOptions, engine_options
 from sloweave.studies.capacity import best_of_rule, budget_of, default_jobs, refined_budgets
-from sloweave.studies.inputs import POSITIVE, REQUESTS, max_model_len_option, model_len_or_default
+from sloweave.studies.inputs import POSITIVE, REQUESTS, max_model_len_option, model_len_or_default, parallel_options
 from sloweave.studies.outputs import check_writable, command_settings, write_result_json
 from sloweave.studies.capacity import DEFAULT_ATTAINMENT, DEFAULT_WINDOW_S, CapacityStudy, LoadSource, SpecSource, trace_source
 from sloweave.core.cost import AnalyticCost, CostModel
@@ -186,6 +186,7 @@ def tune(
     progress: bool = False,
     options: EngineOptions = DEFAULT_OPTIONS,
     jobs: int = 1,
+    ray: str | None = None,
 ) -> TuneResult:
     """Sweep the engine's fixed budget on ``source``; see the module docstring.
 
@@ -216,6 +217,7 @@ def tune(
             progress=progress,
             options=options,
             jobs=jobs,
+            ray=ray,
         )
 
     def best_of(candidates: list[int]) -> int:
@@ -487,11 +489,11 @@ def _cost_from_profile(path: Path, kind: str, context_tokens: float | None, sour
 @click.option("--max-chunk", type=click.IntRange(min=1), default=DEFAULT_MAX_CHUNK_TOKENS, show_default=True, help="SLOWeave's C_max")
 @click.option("--refine/--no-refine", default=True, show_default=True, help="one more round between the best budget and its neighbours")
 @click.option("--quick", is_flag=True, help="3 seeds, 800 requests, 6 budgets (powers of two), lattice step 9 %")
-@click.option("--jobs", type=click.IntRange(min=1), default=None, help="parallel simulation processes [default: all local cores]; results are the serial run's")
+@parallel_options()
 @max_model_len_option()
 @engine_options(dest="engine_opts")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), default=Path("results/tune"), show_default=True)
-def tune_command(workload, trace_path, fmt, engine, rule, tpot_ms, ttft_ms, attainment, budgets, load_scale, cost, cost_kind, context_tokens, seeds, num_requests, window_s, min_scale, max_chunk, refine, quick, jobs, max_model_len_tokens, engine_opts, out_dir) -> None:
+def tune_command(workload, trace_path, fmt, engine, rule, tpot_ms, ttft_ms, attainment, budgets, load_scale, cost, cost_kind, context_tokens, seeds, num_requests, window_s, min_scale, max_chunk, refine, quick, jobs, ray_address, max_model_len_tokens, engine_opts, out_dir) -> None:
     """Sweep the fixed token budget of an engine and print the value to set."""
     if (trace_path is None) == (workload is None):
         raise click.UsageError("give exactly one of --workload NAME or --trace PATH")
@@ -533,6 +535,7 @@ def tune_command(workload, trace_path, fmt, engine, rule, tpot_ms, ttft_ms, atta
             progress=True,
             options=engine_opts,
             jobs=jobs or default_jobs(),
+            ray=ray_address,
         )
     except (TraceError, WorkloadError, ValueError) as err:
         raise click.UsageError(str(err)) from None

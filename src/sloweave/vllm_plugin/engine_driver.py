@@ -38,6 +38,7 @@ def make_engine(
     async_scheduling: bool | None = None,
     logits_processors: list[str] | None = None,
     dtype: str = "bfloat16",
+    tensor_parallel_size: int = 1,
 ):
     from vllm.engine.arg_utils import EngineArgs
     from vllm.v1.engine.llm_engine import LLMEngine
@@ -59,6 +60,7 @@ def make_engine(
         logits_processors=logits_processors,
         disable_log_stats=True,
         seed=0,
+        tensor_parallel_size=tensor_parallel_size,  # one scheduler for all ranks; workers in processes
     )
     return LLMEngine.from_engine_args(args)
 

@@ -38,18 +38,23 @@ PLUGIN_ERRORS = "sloweave_plugin_errors"
 
 
 class PrometheusRecorder:
-    """A ``DecisionRecorder`` that updates Prometheus metrics; one per registry."""
+    """A ``DecisionRecorder`` that updates Prometheus metrics; one per registry.
 
-    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+    Every metric carries an ``engine`` label: the data-parallel rank of the scheduler that
+    records it (vLLM's own metrics use the same label), so each replica's decisions stay
+    apart on ``/metrics`` instead of being summed."""
+
+    def __init__(self, registry: CollectorRegistry | None = None, engine: str = "0") -> None:
         registry = REGISTRY if registry is None else registry
 
         def histogram(spec: names.MetricSpec) -> Histogram:
-            return Histogram(spec.name, spec.help, buckets=spec.buckets, registry=registry)
+            return Histogram(spec.name, spec.help, ["engine"], buckets=spec.buckets, registry=registry).labels(engine=engine)
 
         def counter(spec: names.MetricSpec) -> Counter:
-            return Counter(spec.name, spec.help, registry=registry)
+            return Counter(spec.name, spec.help, ["engine"], registry=registry).labels(engine=engine)
 
         self.registry = registry
+        self.engine = engine
         self.chunk_tokens = histogram(names.CHUNK)
         self.token_budget_tokens = histogram(names.TOKEN_BUDGET)
         self.time_budget_ms = histogram(names.TIME_BUDGET)
@@ -63,11 +68,14 @@ class PrometheusRecorder:
         # The plug-in's own health (no simulator counterpart): bad per-request targets served
         # with the default, and failures of its bookkeeping that fell back to vLLM's budget.
         self.request_target_errors = Counter(
-            REQUEST_TARGET_ERRORS, "Requests whose sloweave_tpot_ms was refused and served with the default target", registry=registry
+            REQUEST_TARGET_ERRORS, "Requests whose sloweave_tpot_ms was refused and served with the default target", ["engine"], registry=registry
+        ).labels(engine=engine)
+        self._plugin_errors = Counter(
+            PLUGIN_ERRORS, "Failures of the plug-in's bookkeeping (the step ran on vLLM's own budget)", ["engine", "where"], registry=registry
         )
-        self.plugin_errors = Counter(
-            PLUGIN_ERRORS, "Failures of the plug-in's bookkeeping (the step ran on vLLM's own budget)", ["where"], registry=registry
-        )
+
+    def plugin_error(self, where: str) -> None:
+        self._plugin_errors.labels(engine=self.engine, where=where).inc()
 
     def on_plan(self, plan, late_requests: int) -> None:
         self.steps.inc()
@@ -92,17 +100,17 @@ class PrometheusRecorder:
 _default_recorder: PrometheusRecorder | None = None
 
 
-def default_recorder() -> PrometheusRecorder:
+def default_recorder(engine: str = "0") -> PrometheusRecorder:
     """The recorder on the default registry, created once per process.
 
-    Every scheduler of a process shares it (Prometheus refuses a name registered twice),
-    so with data parallelism each engine-core process adds its own counts and
-    multiprocess mode sums them on ``/metrics``.
+    Every scheduler of a process shares it (Prometheus refuses a name registered twice).
+    With data parallelism each replica's engine core is its own process and labels its
+    metrics with its rank (``engine``), so multiprocess mode shows each replica apart.
     """
     global _default_recorder
     if _default_recorder is None:
         _warn_if_invisible()
-        _default_recorder = PrometheusRecorder(REGISTRY)
+        _default_recorder = PrometheusRecorder(REGISTRY, engine)
     return _default_recorder
 
 

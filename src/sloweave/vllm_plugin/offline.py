@@ -16,7 +16,7 @@ from importlib import resources
 from pathlib import Path
 
 import torch
-from vllm.config import CacheConfig, DeviceConfig, ModelConfig, SchedulerConfig, VllmConfig
+from vllm.config import CacheConfig, DeviceConfig, ModelConfig, ParallelConfig, SchedulerConfig, VllmConfig
 from vllm.sampling_params import SamplingParams
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.utils.hashing import get_hash_fn_by_name
@@ -44,8 +44,12 @@ def build_scheduler(
     additional_config: dict | None = None,
     model_dir: Path | None = None,
     prefix_caching: bool = False,
+    data_parallel: tuple[int, int] = (0, 1),
 ):
     """A real scheduler of class ``scheduler_cls`` (vLLM's or ours), on CPU, offline.
+
+    ``data_parallel`` = (rank, size): the replica this scheduler is, as vLLM's data
+    parallelism runs one scheduler per replica.
 
     Prefix caching is off unless asked for: the harness's prompts repeat one token, so
     cached blocks would hide the prefill work the tests count. With it on (vLLM's
@@ -70,6 +74,7 @@ def build_scheduler(
         model_config=model_config,
         cache_config=cache_config,
         device_config=DeviceConfig(device="cpu"),
+        parallel_config=ParallelConfig(data_parallel_rank=data_parallel[0], data_parallel_size=data_parallel[1]),
         additional_config=additional_config or {},
     )
     register_all_kvcache_specs(vllm_config)
@@ -155,12 +160,17 @@ class OfflineEngine:
     ``overlap=False``: schedule, run, process the output, repeat (vLLM's synchronous
     loop). ``overlap=True``: step N+1 is scheduled while step N runs and starts when it
     ends, and step N's output is processed after that (vLLM's async scheduling).
+    ``in_flight`` (with ``overlap``) is how many scheduled steps may wait for their output:
+    1 for async scheduling, the number of stages for pipeline parallelism (vLLM's batch
+    queue holds that many batches, each scheduled before the oldest one's output is back).
     """
 
     scheduler: object
     step_ms: Callable[[int, int], float]  # (decode tokens, prefill tokens) -> ms
     clock: ManualClock = field(default_factory=ManualClock)
     overlap: bool = False
+    in_flight: int = 1
+    deepest_queue: int = 0  # the most steps that were waiting for their output at once
     steps: list[StepRecord] = field(default_factory=list)
     token_times_ms: dict[str, list[float]] = field(default_factory=dict)
     finished: set[str] = field(default_factory=set)
@@ -208,8 +218,9 @@ class OfflineEngine:
         scheduled = self._schedule()
         if scheduled is not None:
             self._in_flight.append(scheduled)
-        # Synchronous: finish it now. Overlapped: keep one step in flight, finish the older.
-        while self._in_flight and (not self.overlap or len(self._in_flight) > 1 or scheduled is None):
+            self.deepest_queue = max(self.deepest_queue, len(self._in_flight))
+        # Synchronous: finish it now. Overlapped: keep up to ``in_flight`` steps, finish the oldest.
+        while self._in_flight and (not self.overlap or len(self._in_flight) > self.in_flight or scheduled is None):
             self._finish(self._in_flight.pop(0))
         return None if scheduled is None else scheduled.record
 

@@ -93,7 +93,7 @@ class SLOWeaveSchedulerMixin:
         )
         self.sloweave_correction = decision.correction
         # Decisions as Prometheus metrics on the default registry (vLLM's /metrics).
-        self.sloweave.recorder = default_recorder()
+        self.sloweave.recorder = default_recorder(engine=str(self.vllm_config.parallel_config.data_parallel_rank))
         # request id -> clock time its prompt last made progress (arrival or a chunk)
         self._prompt_progress_ms: dict[str, float] = {}
         self.last_plan: StepPlan | None = None
@@ -134,7 +134,7 @@ class SLOWeaveSchedulerMixin:
         place), and let vLLM go on. The caller falls back to vLLM's own behaviour for this step
         (its configured token budget), so a defect here costs a step's budget, not the server."""
         if self.sloweave.recorder is not None:
-            self.sloweave.recorder.plugin_errors.labels(where=where).inc()
+            self.sloweave.recorder.plugin_error(where)
         if where not in self._faults_logged:
             self._faults_logged.add(where)
             logger.exception("sloweave: %s failed (%s); this step runs on vLLM's own token budget", where, err)
