@@ -73,3 +73,17 @@ def test_ray_asked_for_without_ray_says_how_to_install_it(tmp_path):
     assert done.returncode == 2, done.stderr
     assert "Invalid value for '--ray': Ray cannot be imported" in done.stderr and "pip install 'sloweave[ray]'" in done.stderr
     assert not (tmp_path / "c").exists()
+
+
+def test_ray_auto_without_a_cluster_says_how_to_start_one(tmp_path, monkeypatch):
+    import ray
+
+    from click.testing import CliRunner
+
+    from sloweave.cli import main
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    assert not ray.is_initialized()
+    result = CliRunner().invoke(main, ["capacity", "--workload", "mixed", "--quick", "--requests", "50", "--seeds", "1", "--ray", "auto", "--out", str(tmp_path / "c")])
+    assert result.exit_code == 1, result.output
+    assert "cannot join the Ray cluster at 'auto'" in result.output and "--ray local" in result.output

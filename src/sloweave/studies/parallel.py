@@ -142,7 +142,13 @@ def _on_ray(fn, tasks, context, runner: Runner, bar) -> list:
             # a private instance on loopback for this run, with the CPUs --jobs grants
             ray.init(num_cpus=runner.jobs, include_dashboard=False, log_to_driver=False, _node_ip_address="127.0.0.1")
         else:
-            ray.init(address=runner.ray, log_to_driver=False)
+            try:
+                ray.init(address=runner.ray, log_to_driver=False)
+            except (ConnectionError, RuntimeError, ValueError) as err:
+                raise TaskFailed(
+                    f"cannot join the Ray cluster at {runner.ray!r} ({err}); start one (`ray start --head`) "
+                    "or use --ray local for a private instance on this machine"
+                ) from None
     try:
         remote = ray.remote(max_retries=runner.retries, retry_exceptions=False)(_ray_call)
         shared = ray.put(context)
