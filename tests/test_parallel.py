@@ -87,3 +87,27 @@ def test_ray_auto_without_a_cluster_says_how_to_start_one(tmp_path, monkeypatch)
     result = CliRunner().invoke(main, ["capacity", "--workload", "mixed", "--quick", "--requests", "50", "--seeds", "1", "--ray", "auto", "--out", str(tmp_path / "c")])
     assert result.exit_code == 1, result.output
     assert "cannot join the Ray cluster at 'auto'" in result.output and "--ray local" in result.output
+
+
+@pytest.mark.parametrize(
+    "args, files",
+    [
+        (["reproduce", "--workload", "chat", "--seeds", "2", "--requests", "120"], ["runs.csv", "table4.csv"]),
+        (["ablate", "--workload", "mixed", "--seeds", "2", "--requests", "80", "--no-trace", "--config", "greedy"], ["runs.csv", "tiers.csv"]),
+        (["replay", "tests/fixtures/traces/azure_conv_first150.csv", "--policy", "sloweave", "--policy", "full"], ["requests.csv", "metrics.csv"]),
+    ],
+)
+def test_studies_on_the_local_pool_equal_the_serial_run(tmp_path, args, files):
+    from pathlib import Path
+
+    from click.testing import CliRunner
+
+    from sloweave.cli import main
+
+    here = Path(__file__).resolve().parents[1]
+    args = [str(here / a) if a.startswith("tests/") else a for a in args]
+    for jobs in ("1", "2"):
+        result = CliRunner().invoke(main, [*args, "--jobs", jobs, "--out", str(tmp_path / jobs)])
+        assert result.exit_code == 0, result.output
+    for name in files:
+        assert (tmp_path / "1" / name).read_bytes() == (tmp_path / "2" / name).read_bytes(), name
