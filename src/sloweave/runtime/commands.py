@@ -102,7 +102,7 @@ def fit_command(profile_path: Path, out_path: Path | None, monotone_tolerance_ms
     doc = result.as_dict()
     if out_path is not None:
         out_path.parent.mkdir(parents=True, exist_ok=True)
-        write_result_json(out_path, {"settings": {"command": "fit", "profile": str(profile_path), "monotone_tolerance_ms": monotone_tolerance_ms}, **doc})
+        write_result_json(out_path, {"settings": {"command": "fit", **command_settings()}, **doc})
         click.echo(f"wrote {out_path}", err=True)
     click.echo(strict_json({"regression": doc["regression"], "report": doc["report"]}), nl=False)
 

@@ -323,7 +323,6 @@ def best_of_rule(capacities: list[Capacity], rule: str) -> Capacity | None:
     return max(rivals, key=lambda c: (c.capacity_rps if c.measurable else -1.0, -budget_of(c.policy, rule)))
 
 
-# The study a forked worker serves (set just before the pool forks; each worker has a copy).
 def _study_task(study: CapacityStudy, method: str, *task):
     """One task of a study, wherever it runs; returns its result and the runs it simulated
     (a worker's cache is its own: the runs come back so the curves can reuse them)."""

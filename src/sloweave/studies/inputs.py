@@ -40,10 +40,7 @@ class PositiveNumber(click.ParamType):
     name = "float"
 
     def convert(self, value, param, ctx):
-        if isinstance(value, float):
-            number = value
-        else:
-            number = click.FLOAT.convert(value, param, ctx)
+        number = click.FLOAT.convert(value, param, ctx)  # a default that is already a float passes through
         try:
             return positive_number(number, "the value")
         except ValueError as err:

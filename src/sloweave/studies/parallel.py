@@ -62,6 +62,7 @@ def local_cores() -> int:
 
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
+
 # The shared context of the tasks of a forked pool (inherited, never pickled).
 _FORK_CONTEXT = None
 
