@@ -32,23 +32,28 @@ class StepLog:
 
     def __init__(self, scheduler) -> None:
         self.scheduler, self.plans, self.last_token_ms, self.targets = scheduler, [], {}, {}
+        # when the call that returned each request's last token began: the plug-in stamps the
+        # token somewhere inside that call, so its time lies in [call start, last_token_ms]
+        self.token_call_start_ms = {}
         controller = scheduler.sloweave
         plan_step, update = controller.plan_step, scheduler.update_from_output
 
         def logged_plan(state):
             plan = plan_step(state)
-            self.plans.append((state, plan, dict(self.last_token_ms)))
+            self.plans.append((state, plan, dict(self.last_token_ms), dict(self.token_call_start_ms)))
             for request_id in state.decoding_ids:
                 self.targets.setdefault(request_id, self.requested_target_ms(request_id))
             return plan
 
         def logged_update(scheduler_output, runner_output):
+            started_ms = scheduler.sloweave_clock_ms()
             outputs = update(scheduler_output, runner_output)
             now_ms = scheduler.sloweave_clock_ms()
             for engine_outputs in outputs.values():
                 for out in engine_outputs.outputs:
                     if out.new_token_ids:
                         self.last_token_ms[out.request_id] = now_ms
+                        self.token_call_start_ms[out.request_id] = started_ms
             return outputs
 
         controller.plan_step, scheduler.update_from_output = logged_plan, logged_update
@@ -78,7 +83,7 @@ def test_budgets_follow_deadlines_from_measured_token_times_and_per_request_targ
     assert REGISTRY.get_sample_value("sloweave_request_target_errors_total", {"engine": "0"}) - bad_before == 1
 
     checked = tight = 0
-    for state, plan, last_token_ms in log.plans:
+    for state, plan, last_token_ms, _ in log.plans:
         if not state.decode_tokens:
             assert math.isinf(plan.budget_ms)
             continue
@@ -91,7 +96,7 @@ def test_budgets_follow_deadlines_from_measured_token_times_and_per_request_targ
                 tight += 1  # ...and the deadline, not the queue or vLLM's cap, limited it
         checked += 1
     assert checked >= 20 and tight >= 3
-    assert any(log.target_ms(r, default_ms) < default_ms for s, _, _ in log.plans for r in s.decoding_ids)
+    assert any(log.target_ms(r, default_ms) < default_ms for s, *_ in log.plans for r in s.decoding_ids)
     # online correction learned from the steps that ran: the corrected model's relative residuals
     # (measured / corrected prediction - 1, before any margin) are centred on this CPU's times
     residuals = np.array(scheduler_of(engine).sloweave_correction.calibrator.recent_residuals)
