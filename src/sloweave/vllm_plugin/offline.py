@@ -45,6 +45,7 @@ def build_scheduler(
     model_dir: Path | None = None,
     prefix_caching: bool = False,
     data_parallel: tuple[int, int] = (0, 1),
+    kv_transfer_config=None,
 ):
     """A real scheduler of class ``scheduler_cls`` (vLLM's or ours), on CPU, offline.
 
@@ -76,6 +77,7 @@ def build_scheduler(
         device_config=DeviceConfig(device="cpu"),
         parallel_config=ParallelConfig(data_parallel_rank=data_parallel[0], data_parallel_size=data_parallel[1]),
         additional_config=additional_config or {},
+        kv_transfer_config=kv_transfer_config,
     )
     register_all_kvcache_specs(vllm_config)
     kv_cache_config = KVCacheConfig(

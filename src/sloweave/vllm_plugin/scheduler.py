@@ -26,9 +26,10 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+from vllm.v1.core.sched.interface import PauseState
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import Request, RequestStatus
@@ -246,19 +247,21 @@ class SLOWeaveSchedulerMixin:
     def _step_state(self, now_ms: float, decodes: list[Request], partial: list[Request]) -> StepState:
         limit = self.sloweave.policy.max_chunk_tokens
         pending, oldest, offer = 0, None, []
-        # Prompts in the order vLLM will prefill them: partial chunks, then the waiting queue.
-        for request in [*partial, *self.waiting]:
+        # Prompts in the order vLLM will spend the budget on them: partial chunks in `running`,
+        # then the waiting requests that already hold KV blocks, then the rest (see _admission_order).
+        for request, tokens in self._prompt_demand(partial):
             if pending >= limit:
                 break
-            remaining = _uncomputed_prompt_tokens(request)
-            if remaining <= 0:
+            if tokens <= 0:
                 continue
-            pending += remaining
-            offer.append((remaining, request.num_computed_tokens))
+            pending += tokens
+            offer.append((tokens, request.num_computed_tokens))
             if oldest is None:
                 oldest = request
         prefix_tokens = oldest.num_computed_tokens if oldest is not None else 0
-        waited_ms = now_ms - self._prompt_progress_ms.get(oldest.request_id, now_ms) if oldest is not None else 0.0
+        waited_ms = 0.0
+        if oldest is not None:  # a request seen waiting for the first time starts aging now
+            waited_ms = now_ms - self._prompt_progress_ms.setdefault(oldest.request_id, now_ms)
         return StepState(
             now_ms=now_ms,
             decode_tokens=sum(map(_decode_demand, decodes)),
@@ -270,6 +273,56 @@ class SLOWeaveSchedulerMixin:
             prefill_prefix_tokens=prefix_tokens,
             prompts_on_offer=tuple(offer),
         )
+
+    def _prompt_demand(self, partial: list[Request]) -> Iterator[tuple[Request, int]]:
+        """(request, tokens vLLM would schedule for it with budget to spare), in vLLM's order."""
+        for request in partial:
+            yield request, _uncomputed_prompt_tokens(request)
+        for request in self._admission_order():
+            yield request, self._admission_tokens(request)
+
+    def _admission_order(self) -> Iterator[Request]:
+        """The waiting requests in the order vLLM's ``schedule()`` admits them: those holding KV
+        blocks first (a finished remote KV load, a resumed or streaming session, any waiting
+        request with computed tokens), then the others; only the former while new requests
+        are paused."""
+        yield from self.kv_holding_waiting
+        if self._pause_state == PauseState.UNPAUSED:
+            yield from self.waiting
+
+    def _admission_tokens(self, request: Request) -> int:
+        """The most tokens vLLM schedules for a waiting request when admitting it this step; 0
+        while it is blocked (a KV load still arriving, a grammar compiling, a streaming session
+        waiting for input). An upper bound on purpose: a budget counted too high is spent on
+        the prompts behind, one counted too low stalls the request."""
+        status = request.status
+        computed = request.num_computed_tokens
+        if status == RequestStatus.WAITING_FOR_REMOTE_KVS:
+            if request.request_id not in self.finished_recving_kv_req_ids:
+                return 0
+            # the load's last window may be recomputed (sliding-window replay)
+            computed -= min(self.prefix_replay_tokens, computed)
+        elif status == RequestStatus.WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR:
+            # still compiling (a failed compile must be visited: vLLM finishes it with the error)
+            compiling = request.structured_output_request
+            if compiling is None or compiling.grammar is None:
+                return 0
+        elif status == RequestStatus.WAITING_FOR_STREAMING_REQ:
+            return 0
+        # A prompt already wholly in KV (a full remote load or prefix hit) recomputes its
+        # last token to sample the next one.
+        tokens = max(1, request.num_tokens - computed)
+        if tokens == 1 and self._pads_drafts(request):
+            # vLLM pads a one-token admission to the drafts' size, or schedules nothing
+            tokens += self.num_spec_tokens
+        return tokens
+
+    def _pads_drafts(self, request: Request) -> bool:
+        """Speculative decoding pads a one-token admission to 1 + drafts when it fits the model length."""
+        if not self.num_spec_tokens or self.dynamic_sd_lookup is not None:
+            return False
+        # its last prompt token, the drafts, and room for the tokens sampled after them
+        return request.num_tokens + self.num_spec_tokens + self.num_sampled_tokens_per_step <= self.max_model_len
 
 
 class SLOWeaveScheduler(SLOWeaveSchedulerMixin, Scheduler):
