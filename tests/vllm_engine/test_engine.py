@@ -153,7 +153,8 @@ def test_online_correction_learns_from_the_steps_the_engine_ran_and_budgets_stil
     assert all(len(tokens) == 30 for tokens in out.values())
     checked, _ = log.check_budgets(default_ms, cap_tokens=2048)
     assert checked >= 20
-    assert len(log.observed) == len(log.ran) >= 40
+    # a request emits at most one token a step, so 30 tokens each take at least 30 steps
+    assert len(log.observed) == len(log.ran) >= 30
     for (n_decodes, chunk_tokens, base_ms, measured_ms), (plan, scheduled_tokens, started_ms, ended_ms) in zip(log.observed, log.ran):
         assert n_decodes + chunk_tokens == scheduled_tokens  # what vLLM scheduled, not the plan's budget
         assert base_ms > 0
