@@ -2,7 +2,6 @@
 
 import math
 
-import pytest
 from prometheus_client import REGISTRY
 
 from sloweave.vllm_plugin.engine_driver import generate, scheduler_of
@@ -39,6 +38,9 @@ class StepLog:
         # when the call that returned each request's last token began: the plug-in stamps the
         # token somewhere inside that call, so its time lies in [call start, last_token_ms]
         self.token_call_start_ms = {}
+        # each step that ran: its plan, the tokens vLLM scheduled, and when the call that returned
+        # its output began and ended; with online correction, what the calibrator was fed
+        self.ran, self.observed = [], []
         controller = scheduler.sloweave
         plan_step, update = controller.plan_step, scheduler.update_from_output
 
@@ -59,13 +61,12 @@ class StepLog:
                     if out.new_token_ids:
                         self.last_token_ms[out.request_id] = now_ms
                         self.token_call_start_ms[out.request_id] = started_ms
+            if scheduler_output.total_num_scheduled_tokens:
+                self.ran.append((scheduler.last_plan, scheduler_output.total_num_scheduled_tokens, started_ms, now_ms))
             return outputs
 
         controller.plan_step, scheduler.update_from_output = logged_plan, logged_update
-        # online correction: what the calibrator was fed, beside each step that ran (its plan,
-        # the tokens vLLM scheduled, and when the call that returned its output began and ended)
-        self.observed, self.ran = [], []
-        correction = getattr(scheduler, "sloweave_correction", None)
+        correction = scheduler.sloweave_correction
         if correction is not None:
             observe = correction.calibrator.observe
 
@@ -74,15 +75,6 @@ class StepLog:
                 observe(n_decodes, chunk_tokens, base_ms, measured_ms)
 
             correction.calibrator.observe = logged_observe
-
-            def logged_ran_update(scheduler_output, runner_output):
-                started_ms = scheduler.sloweave_clock_ms()
-                outputs = logged_update(scheduler_output, runner_output)
-                if scheduler_output.total_num_scheduled_tokens:
-                    self.ran.append((scheduler.last_plan, scheduler_output.total_num_scheduled_tokens, started_ms, scheduler.sloweave_clock_ms()))
-                return outputs
-
-            scheduler.update_from_output = logged_ran_update
 
     def requested_target_ms(self, request_id: str) -> float | None:
         """What the request asked for, if it is a usable target (None: the default)."""

@@ -17,7 +17,7 @@ TOKENS_PER_TURN = 6
 LIMIT_S = 120  # both turns take a few seconds once the engine is up
 
 
-async def _session(scheduler_cls: str | None) -> list[int]:
+async def _session() -> list[int]:
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.engine.protocol import StreamingInput
     from vllm.inputs import TokensPrompt
@@ -27,8 +27,7 @@ async def _session(scheduler_cls: str | None) -> list[int]:
     args = AsyncEngineArgs(
         model=str(tiny_model_dir()), load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16", max_model_len=4096,
         max_num_seqs=16, max_num_batched_tokens=512, enable_chunked_prefill=True, enable_prefix_caching=False,
-        enforce_eager=True, scheduler_cls=scheduler_cls, seed=0,
-        additional_config={"sloweave": {"tpot_ms": 40.0}} if scheduler_cls else {},
+        enforce_eager=True, scheduler_cls=PLUGIN, seed=0, additional_config={"sloweave": {"tpot_ms": 40.0}},
     )
     llm = AsyncLLM.from_engine_args(args)
     params = SamplingParams(max_tokens=TOKENS_PER_TURN, ignore_eos=True, temperature=0.0, output_kind=RequestOutputKind.DELTA)
@@ -52,8 +51,8 @@ async def _session(scheduler_cls: str | None) -> list[int]:
 
 
 def test_a_streaming_session_answers_every_turn():
-    # Only the plug-in runs: greedy tokens are compared with vLLM's scheduler in test_engine.py, not
-    # here, because over AsyncLLM the first engine of a process drew other dummy weights than the
-    # next ones (seen with vLLM's own scheduler on both sides), whatever the scheduler.
-    tokens = asyncio.run(_session(PLUGIN))
+    # Greedy tokens are compared with vLLM's scheduler in test_engine.py, not here: over AsyncLLM
+    # the first engine of a process drew other dummy weights than the next ones (seen with vLLM's
+    # own scheduler on both sides), whatever the scheduler.
+    tokens = asyncio.run(_session())
     assert len(tokens) == len(TURNS) * TOKENS_PER_TURN

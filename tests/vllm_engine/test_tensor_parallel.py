@@ -14,9 +14,11 @@ from sloweave.vllm_plugin.engine_driver import generate, scheduler_of
 from real_engine import CPU_ANALYTIC, PLUGIN, cpu_engine, prompts
 from test_engine import StepLog
 
+
 @pytest.fixture
 def two_ranks(monkeypatch):
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")  # rank 0 on core 0, rank 1 on core 1
+
 
 def test_tensor_parallel_2_outputs_match_vllm_and_budgets_follow_deadlines(two_ranks, release):
     batch = prompts(8, seed=3, low=50, high=1200)
