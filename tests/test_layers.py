@@ -1,7 +1,7 @@
 """The package's layers: what may import what, read from the source itself.
 
-core (decision core) < sim (simulator) < studies < the bodies runtime (CPU, transformers)
-and vllm_plugin < cli. A layer imports only the layers before it (the two bodies not each
+core (decision core) < sim (simulator) < studies < observability (dashboards, served runs)
+< the bodies runtime (CPU, transformers) and vllm_plugin < cli. A layer imports only the layers before it (the two bodies not each
 other), and only the bodies import an engine (torch, transformers, vLLM).
 """
 
@@ -19,9 +19,10 @@ MAY_IMPORT = {
     "core": {"core"},
     "sim": {"core", "sim"},
     "studies": {"core", "sim", "studies"},
+    "observability": {"core", "sim", "studies", "observability"},
     "runtime": {"core", "sim", "studies", "runtime"},
     "vllm_plugin": {"core", "sim", "vllm_plugin"},
-    "cli": {"core", "sim", "studies", "runtime", "vllm_plugin", "cli"},
+    "cli": {"core", "sim", "studies", "observability", "runtime", "vllm_plugin", "cli"},
 }
 ENGINES_ALLOWED = {"runtime": {"torch", "transformers"}, "vllm_plugin": {"torch", "vllm", "prometheus_client"}}
 

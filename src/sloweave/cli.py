@@ -137,7 +137,8 @@ def simulate(workload, policy_name, tpot_ms, ttft_ms, num_requests, seed, rate_s
         # that reads the KV context cannot be re-asked afterwards (the run records no context)
         reads_context = getattr(cost, "set_context", None) is not None
         predicted_ms_of = None if reads_context else getattr(policy, "predicted_ms", cost)
-        write_result_json(out_dir / "decision_metrics.json", summarize_simulation(result, predicted_ms_of))
+        margin_ms_of = None if reads_context else getattr(policy, "margin", None)
+        write_result_json(out_dir / "decision_metrics.json", summarize_simulation(result, predicted_ms_of, margin_ms_of))
         click.echo(f"wrote {out_dir}/requests.csv, iterations.csv, prefills.csv, metrics.json, decision_metrics.json", err=True)
 
 
@@ -169,6 +170,14 @@ def _register_optional_commands() -> None:
     from sloweave.studies.ablate import ablate
 
     main.add_command(ablate)
+
+    from sloweave.observability.served_run import served_run_command
+
+    main.add_command(served_run_command, name="served-run")
+
+    from sloweave.observability.dashboard import dashboard_command
+
+    main.add_command(dashboard_command, name="dashboard")
 
 
 _register_optional_commands()

@@ -30,10 +30,11 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def serving(tmp, check_targets: bool = True):
-    """`sloweave-vllm serve` (= `vllm serve`) with the plug-in on a free loopback port; stopped on exit."""
+def serving(tmp, check_targets: bool = True, **sloweave):
+    """`sloweave-vllm serve` (= `vllm serve`) with the plug-in on a free loopback port; stopped on exit.
+    ``sloweave``: plug-in settings over the defaults here."""
     port = free_port()
-    config = {"sloweave": {"tpot_ms": 80.0, "analytic": CPU_ANALYTIC, "online_correction": True}}
+    config = {"sloweave": {"tpot_ms": 80.0, "analytic": CPU_ANALYTIC, "online_correction": True, **sloweave}}
     command = [
         sys.executable, "-m", "sloweave.vllm_plugin.cli", "serve", str(tiny_model_dir()),
         "--host", "127.0.0.1", "--port", str(port), "--served-model-name", "tiny",

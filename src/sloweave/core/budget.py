@@ -64,6 +64,9 @@ class StepPlan:
     # the step's KV context, to price the step the engine really ran if it differs from the plan
     decode_kv_tokens: int = 0
     prefill_prefix_tokens: int = 0
+    margin_ms: float = 0.0  # delta(n, c), included in predicted_ms
+    pending_prompt_tokens: int = 0  # prompt tokens on offer (what the chunk could have been)
+    prompts_on_offer: int = 0
 
 
 @dataclass
@@ -161,7 +164,8 @@ class BudgetController:
             base_ms = self.policy.cost.base.predict(state.decode_tokens, chunk, state.decode_kv_tokens, state.prefill_prefix_tokens)
         plan = StepPlan(
             token_budget, chunk, start_ms, state.now_ms, budget_ms, predicted_ms, infeasible, aged, state.decode_tokens, base_ms,
-            state.decode_kv_tokens, state.prefill_prefix_tokens,
+            state.decode_kv_tokens, state.prefill_prefix_tokens, self.policy.margin(state.decode_tokens, chunk),
+            state.pending_prompt_tokens, len(state.prompts_on_offer),
         )
         self.stats.steps += 1
         self.stats.infeasible_steps += infeasible
@@ -192,7 +196,7 @@ class BudgetController:
             # Recorded here, not in plan_step: only steps the engine really ran count. An
             # aged plan's SLO exception is the one plan_step just appended.
             late = len(self.stats.slo_exceptions[-1].affected_ids) if plan.aged else 0
-            self.recorder.on_plan(plan, late)
+            self.recorder.on_plan(plan, late, ran_tokens)
 
     def on_step_done(self, now_ms: float, emitted: list[Hashable]) -> None:
         """The oldest step in flight returned at ``now_ms`` with tokens for ``emitted``.
@@ -212,7 +216,7 @@ class BudgetController:
             n, c, base_ms = done.observed
             self.correction.observe(n, c, base_ms, measured_ms)
         if self.recorder is not None:
-            self.recorder.on_step_done(done.plan, now_ms - done.start_ms)
+            self.recorder.on_step_done(done.plan, measured_ms, done.start_ms)
         previous_end = now_ms
         for step in self._in_flight:
             # It starts when the previous step really ends, earlier or later than planned,

@@ -17,7 +17,7 @@ Per scheduling step:
 
 from __future__ import annotations
 
-
+import math
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -35,7 +35,7 @@ UNDERPREDICTION_TOLERANCE_MS = 1e-6
 @dataclass(frozen=True)
 class MetricSpec:
     name: str  # Prometheus name without the _total / _bucket suffixes
-    kind: str  # "histogram" or "counter"
+    kind: str  # "histogram", "counter" or "gauge"
     help: str
     buckets: tuple[float, ...] = ()
 
@@ -56,6 +56,9 @@ SLO_EXCEPTION_REQUESTS = MetricSpec(
 PREDICTED_STEP = MetricSpec("sloweave_predicted_step_ms", "histogram", "Predicted step time T(n, c) + margin", TIME_BUCKETS_MS)
 MEASURED_STEP = MetricSpec("sloweave_measured_step_ms", "histogram", "Measured step time (start to output back)", TIME_BUCKETS_MS)
 UNDERPREDICTED = MetricSpec("sloweave_underpredicted_steps", "counter", "Finished steps that took longer than predicted")
+# a margin of 0 (none configured) has a bucket of its own: its quantiles are 0, not interpolated up to 1 ms
+MARGIN_BUCKETS_MS = (0, 0.1, 0.25, 0.5, 1, 2, 5, 10, 20, 50, 100)
+MARGIN = MetricSpec("sloweave_margin_ms", "histogram", "Safety margin delta(n, c) in the prediction of each step scheduled", MARGIN_BUCKETS_MS)
 
 ALL_METRICS = (
     CHUNK,
@@ -68,7 +71,24 @@ ALL_METRICS = (
     PREDICTED_STEP,
     MEASURED_STEP,
     UNDERPREDICTED,
+    MARGIN,
 )
+
+# The plug-in's own settings and health (no simulator counterpart), exported beside the above.
+MARGIN_COVERAGE = MetricSpec(
+    "sloweave_margin_coverage",
+    "gauge",
+    "Share of steps the margin is meant to cover (its residual quantile; 0.5 when the margin states none: "
+    "the model alone is held to the median)",
+)
+TPOT_TARGET = MetricSpec("sloweave_tpot_target_ms", "gauge", "Default TPOT target (requests may carry their own)")
+REQUEST_TARGET_ERRORS = MetricSpec(
+    "sloweave_request_target_errors", "counter", "Requests whose sloweave_tpot_ms was refused and served with the default target"
+)
+PLUGIN_ERRORS = MetricSpec("sloweave_plugin_errors", "counter", "Failures of the plug-in's bookkeeping (the step ran on vLLM's own budget)")
+# the places in the plug-in whose failure falls back to vLLM's budget (label ``where``)
+PLUGIN_ERROR_PLACES = ("schedule", "update_from_output", "preemption", "finish_requests")
+PLUGIN_METRICS = (MARGIN_COVERAGE, TPOT_TARGET, REQUEST_TARGET_ERRORS, PLUGIN_ERRORS)
 
 
 class DecisionRecorder(Protocol):
@@ -76,13 +96,29 @@ class DecisionRecorder(Protocol):
 
     ``plan`` is a ``sloweave.core.budget.StepPlan``; ``late_requests`` is the number of
     running requests an aging chunk is predicted to make late (0 when the step is not an
-    SLO exception). ``on_step_done`` gets the plan of the step that came back and its
-    measured duration.
+    SLO exception); ``ran_tokens`` the (decode, prefill) tokens the engine really scheduled,
+    when known (it may schedule less than the budget). ``on_step_done`` gets the plan of the
+    step that came back, its measured duration and when it started (the engine's clock).
     """
 
-    def on_plan(self, plan, late_requests: int) -> None: ...
+    def on_plan(self, plan, late_requests: int, ran_tokens: tuple[int, int] | None = None) -> None: ...
 
-    def on_step_done(self, plan, measured_ms: float) -> None: ...
+    def on_step_done(self, plan, measured_ms: float, started_ms: float = math.nan) -> None: ...
+
+
+class Recorders:
+    """Several recorders behind one hook (the Prometheus exporter and the step log)."""
+
+    def __init__(self, *recorders: DecisionRecorder) -> None:
+        self.recorders = recorders
+
+    def on_plan(self, plan, late_requests: int, ran_tokens: tuple[int, int] | None = None) -> None:
+        for recorder in self.recorders:
+            recorder.on_plan(plan, late_requests, ran_tokens)
+
+    def on_step_done(self, plan, measured_ms: float, started_ms: float = math.nan) -> None:
+        for recorder in self.recorders:
+            recorder.on_step_done(plan, measured_ms, started_ms)
 
 
 # --------------------------------------------------------------------------- summaries
@@ -112,6 +148,7 @@ def summarize(
     measured_step_ms=None,
     slo_exceptions: int = 0,
     slo_exception_requests: int = 0,
+    margin_ms=None,
 ) -> dict:
     """The metrics of a whole run, one entry per metric name, from per-step arrays.
 
@@ -139,30 +176,35 @@ def summarize(
             measured = np.asarray(measured_step_ms, dtype=np.float64)
             over = measured > np.asarray(predicted_step_ms, dtype=np.float64) + UNDERPREDICTION_TOLERANCE_MS
             out[UNDERPREDICTED.name + "_total"] = int(over.sum())
+    if margin_ms is not None:
+        out[MARGIN.name] = _histogram(margin_ms, MARGIN.buckets)
     return out
 
 
-def summarize_simulation(result, predicted_ms_of=None) -> dict:
+def summarize_simulation(result, predicted_ms_of=None, margin_ms_of=None) -> dict:
     """``summarize`` for a ``SimResult``: every iteration is one step.
 
     The simulator runs one-token-per-decode steps, so the token budget is decodes + chunk.
     ``predicted_ms_of(n, c)`` is the policy's prediction (cost + margin); the measured time
     is the iteration's simulated duration (the "actual" cost, noisy or not). The simulator
-    has no aging, so it records no SLO exceptions.
+    has no aging, so it records no SLO exceptions. ``margin_ms_of(n, c)``: the policy's
+    margin delta(n, c), when it has one.
     """
     decodes = result.iter_decodes
     chunks = result.iter_chunk_tokens
-    predicted = None
-    if predicted_ms_of is not None:
-        predicted = np.fromiter(
-            (predicted_ms_of(int(n), int(c)) for n, c in zip(decodes, chunks)), dtype=np.float64, count=len(chunks)
-        )
+
+    def per_step(of):
+        if of is None:
+            return None
+        return np.fromiter((of(int(n), int(c)) for n, c in zip(decodes, chunks)), dtype=np.float64, count=len(chunks))
+
     summary = summarize(
         chunks,
         decodes + chunks,
         result.iter_budget_ms,
         result.iter_infeasible,
-        predicted_step_ms=predicted,
+        predicted_step_ms=per_step(predicted_ms_of),
         measured_step_ms=result.iter_end_ms - result.iter_start_ms,
+        margin_ms=per_step(margin_ms_of),
     )
     return {"source": "simulator", "policy": result.policy_name, "tpot_ms": result.tpot_ms, "metrics": summary}

@@ -25,6 +25,7 @@ from sloweave.sim.workloads import WORKLOADS, get_workload_spec
 from sloweave.studies.inputs import REQUESTS, parallel_options, runner_of
 from sloweave.studies.outputs import check_writable, write_result_json
 from sloweave.studies.parallel import SERIAL, Runner, run_tasks
+from sloweave.studies.pictures import plot_step_timeline
 
 # Table 3 and Table 4 use the paper's static set, so they are a reproduction.
 PAPER_STATIC_POLICIES = ("full", "fixed-64", "fixed-256", "fixed-1024")
@@ -228,28 +229,16 @@ def plot_goodput_vs_tpot(means: pd.DataFrame, path: Path) -> None:
 
 def plot_chunk_timeline(result: SimResult, path: Path, window_s: float = 5.0) -> None:
     """Chosen chunk and budget per iteration over a window of one SLOWeave run."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    t_s = result.iter_start_ms / 1000.0
-    start = t_s[0] + min(5.0, max(0.0, (t_s[-1] - t_s[0]) / 3))
-    keep = (t_s >= start) & (t_s < start + window_s)
-    fig, (ax_chunk, ax_time) = plt.subplots(2, 1, figsize=(9, 5), sharex=True)
-    ax_chunk.step(t_s[keep], result.iter_chunk_tokens[keep], where="post", linewidth=0.8)
-    ax_chunk.set_ylabel("prefill chunk (tokens)")
-    ax_chunk.set_title(f"{result.policy_name} on {result.workload.name}, TPOT {result.tpot_ms:g} ms")
-    duration = (result.iter_end_ms - result.iter_start_ms)[keep]
-    budget = np.where(np.isinf(result.iter_budget_ms[keep]), np.nan, result.iter_budget_ms[keep])
-    ax_time.plot(t_s[keep], duration, linewidth=0.8, label="iteration time")
-    ax_time.plot(t_s[keep], budget, linewidth=1.2, linestyle="--", label="budget B_t")
-    ax_time.set_ylabel("ms")
-    ax_time.set_xlabel("simulated time (s)")
-    ax_time.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    plot_step_timeline(
+        result.iter_start_ms / 1000.0,
+        result.iter_chunk_tokens,
+        result.iter_end_ms - result.iter_start_ms,
+        result.iter_budget_ms,
+        title=f"{result.policy_name} on {result.workload.name}, TPOT {result.tpot_ms:g} ms",
+        path=path,
+        xlabel="simulated time (s)",
+        window_s=window_s,
+    )
 
 
 def write_study(

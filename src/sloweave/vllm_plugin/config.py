@@ -15,6 +15,8 @@ Sources, later ones win: defaults, environment variables ``SLOWEAVE_*``, and vLL
 | profile_margin | SLOWEAVE_PROFILE_MARGIN | false | use the profile's P99 residual margin (needs a step-time profile file; not with `online_correction`, whose adaptive margin replaces it) |
 | aging_ms | SLOWEAVE_AGING_MS | 2000 | a prompt waiting this long without progress gets a chunk anyway (`0`: off) |
 | aging_chunk_tokens | SLOWEAVE_AGING_CHUNK_TOKENS | 256 | size of that forced chunk |
+| step_log | SLOWEAVE_STEP_LOG | (off) | a file to write every step planned and ran into, one JSON line each (`sloweave.core.step_log`; read by `sloweave served-run`); replaced at start-up; data-parallel rank N > 0 writes `<file>.N` |
+| step_log_max_steps | SLOWEAVE_STEP_LOG_MAX_STEPS | 1000000 | the log stops (and says so in its last line) after this many steps, about 400 bytes each |
 | online_correction | SLOWEAVE_ONLINE_CORRECTION | false | self-correction from the measured step times (`sloweave.core.calibration.self_correcting`, as the CPU runtime and the simulator): the cost is recalibrated online and the margin is the adaptive P99.7 of the corrected model's recent residuals |
 
 With ``online_correction`` the controller decides with ``SelfCorrection.cost`` (the ``cost``
@@ -37,6 +39,7 @@ from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING
 
 from sloweave.core.cost import AnalyticCost, ConstantMargin, CostModel, Margin, RelativeMargin, ZeroMargin
+from sloweave.core.step_log import DEFAULT_MAX_STEPS
 from sloweave.core.validate import non_negative_number, positive_ms, whole_number
 
 if TYPE_CHECKING:
@@ -73,6 +76,10 @@ def request_tpot_ms(extra_args: Mapping | None, request_id: str | None = None) -
     return tpot_target_ms(extra_args[REQUEST_TPOT_KEY], name)
 
 
+# the profile's residual margin is the P99 of its residuals (``fit_profile``'s default quantile)
+PROFILE_MARGIN_COVERAGE = 0.99
+
+
 class PluginConfigError(ValueError):
     """A bad plug-in configuration; raised when the scheduler is built, so vLLM fails at start-up."""
 
@@ -90,6 +97,8 @@ class PluginConfig:
     aging_ms: float = 2000.0
     aging_chunk_tokens: int = 256
     online_correction: bool = False
+    step_log: str = ""
+    step_log_max_steps: int = DEFAULT_MAX_STEPS
 
     def __post_init__(self) -> None:
         # Numbers are kept as the checked floats: an integer past int64 (2**64 in the JSON) is a
@@ -123,6 +132,8 @@ class PluginConfig:
             )
         if not isinstance(self.analytic, dict):
             raise PluginConfigError(f"sloweave config: analytic must be an object of coefficients, got {self.analytic!r}")
+        _whole(self.step_log_max_steps, "step_log_max_steps")
+        _check_step_log(self.step_log)
 
     @classmethod
     def from_sources(cls, additional_config: Mapping | None, environ: Mapping[str, str] | None = None) -> PluginConfig:
@@ -180,10 +191,11 @@ class PluginConfig:
             if fallback is not None:
                 fallback.cost = correction.cost  # the profile's table, read through the corrected model
             margin = _sum_margins(correction.margin, self._plain_margin(correction.cost))
-            return DecisionParts(correction.cost, margin, correction)
+            return DecisionParts(correction.cost, margin, correction, coverage=correction.margin.quantile / 100.0)
         cost = resolved.model
         if self.profile_margin:
-            return DecisionParts(cost, _sum_margins(resolved.fit.margin(cost), self._plain_margin(cost)))
+            margin = _sum_margins(resolved.fit.margin(cost), self._plain_margin(cost))
+            return DecisionParts(cost, margin, coverage=PROFILE_MARGIN_COVERAGE)
         return DecisionParts(cost, self._plain_margin(cost))
 
     def resolved_cost(self):
@@ -220,6 +232,9 @@ class DecisionParts:
     cost: CostModel
     margin: Margin
     correction: SelfCorrection | None = None
+    # the share of steps the margin is meant to cover (its residual quantile); a margin that
+    # states none (none at all, or a hand-set one) holds the model to the median
+    coverage: float = 0.5
 
 
 def _presets() -> tuple[str, ...]:
@@ -249,6 +264,24 @@ def _checked(check, value, name: str):
         return check(value, name)
     except ValueError as err:
         raise PluginConfigError(f"sloweave config: {err}") from None
+
+
+def _check_step_log(path) -> None:
+    """A file the server can create: refused at start-up rather than lost after an hour of serving."""
+    if not isinstance(path, str):
+        raise PluginConfigError(f"sloweave config: step_log must be a file path (a string; empty: off), got {path!r}")
+    if not path:
+        return
+    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        raise PluginConfigError(f"sloweave config: step_log {path!r} is a folder; name a file in it")
+    if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
+        raise PluginConfigError(f"sloweave config: step_log {path!r}: its folder {folder} does not exist or is not writable")
+
+
+def step_log_path(path: str, data_parallel_rank: int) -> str:
+    """Each data-parallel rank's own log (rank 0 the file named, rank N ``<file>.N``)."""
+    return path if data_parallel_rank == 0 else f"{path}.{data_parallel_rank}"
 
 
 def _whole(value, name: str) -> None:

@@ -26,15 +26,13 @@ import math
 import multiprocessing
 import os
 
-from prometheus_client import REGISTRY, CollectorRegistry, Counter, Histogram, values
+from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram, values
 
 from sloweave.core import decision_metrics as names
 
 logger = logging.getLogger(__name__)
 
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
-REQUEST_TARGET_ERRORS = "sloweave_request_target_errors"
-PLUGIN_ERRORS = "sloweave_plugin_errors"
 
 
 class PrometheusRecorder:
@@ -53,6 +51,10 @@ class PrometheusRecorder:
         def counter(spec: names.MetricSpec) -> Counter:
             return Counter(spec.name, spec.help, ["engine"], registry=registry).labels(engine=engine)
 
+        def gauge(spec: names.MetricSpec) -> Gauge:
+            # one value per engine, not per process, when several processes write (multiprocess mode)
+            return Gauge(spec.name, spec.help, ["engine"], registry=registry, multiprocess_mode="max").labels(engine=engine)
+
         self.registry = registry
         self.engine = engine
         self.chunk_tokens = histogram(names.CHUNK)
@@ -65,22 +67,29 @@ class PrometheusRecorder:
         self.predicted_step_ms = histogram(names.PREDICTED_STEP)
         self.measured_step_ms = histogram(names.MEASURED_STEP)
         self.underpredicted_steps = counter(names.UNDERPREDICTED)
+        self.margin_ms = histogram(names.MARGIN)
+        # The plug-in's settings, for panels and alerts that compare against them.
+        self.margin_coverage = gauge(names.MARGIN_COVERAGE)
+        self.tpot_target_ms = gauge(names.TPOT_TARGET)
         # The plug-in's own health (no simulator counterpart): bad per-request targets served
         # with the default, and failures of its bookkeeping that fell back to vLLM's budget.
-        self.request_target_errors = Counter(
-            REQUEST_TARGET_ERRORS, "Requests whose sloweave_tpot_ms was refused and served with the default target", ["engine"], registry=registry
-        ).labels(engine=engine)
-        self._plugin_errors = Counter(
-            PLUGIN_ERRORS, "Failures of the plug-in's bookkeeping (the step ran on vLLM's own budget)", ["engine", "where"], registry=registry
-        )
+        self.request_target_errors = counter(names.REQUEST_TARGET_ERRORS)
+        self._plugin_errors = Counter(names.PLUGIN_ERRORS.name, names.PLUGIN_ERRORS.help, ["engine", "where"], registry=registry)
+        for where in names.PLUGIN_ERROR_PLACES:  # present at 0 from the start: a rate and an alert see every place
+            self._plugin_errors.labels(engine=engine, where=where)
+
+    def set_targets(self, tpot_ms: float, margin_coverage: float) -> None:
+        self.tpot_target_ms.set(tpot_ms)
+        self.margin_coverage.set(margin_coverage)
 
     def plugin_error(self, where: str) -> None:
         self._plugin_errors.labels(engine=self.engine, where=where).inc()
 
-    def on_plan(self, plan, late_requests: int) -> None:
+    def on_plan(self, plan, late_requests: int, ran_tokens: tuple[int, int] | None = None) -> None:
         self.steps.inc()
         self.chunk_tokens.observe(plan.chunk_tokens)
         self.token_budget_tokens.observe(plan.token_budget)
+        self.margin_ms.observe(plan.margin_ms)
         if math.isfinite(plan.budget_ms):  # no decodes: no deadline, nothing to observe
             self.time_budget_ms.observe(plan.budget_ms)
         if plan.infeasible:
@@ -89,7 +98,7 @@ class PrometheusRecorder:
             self.slo_exceptions.inc()
             self.slo_exception_requests.inc(late_requests)
 
-    def on_step_done(self, plan, measured_ms: float) -> None:
+    def on_step_done(self, plan, measured_ms: float, started_ms: float = math.nan) -> None:
         # Predicted and measured are observed together, so their counts always match.
         self.predicted_step_ms.observe(plan.predicted_ms)
         self.measured_step_ms.observe(measured_ms)

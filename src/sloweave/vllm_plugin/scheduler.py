@@ -26,6 +26,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
+from dataclasses import asdict
 from collections.abc import Iterable, Iterator
 
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
@@ -35,7 +36,9 @@ from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import Request, RequestStatus
 
 from sloweave.core.budget import BudgetController, StepPlan, StepState, make_policy_for_engine
-from sloweave.vllm_plugin.config import PluginConfig, PluginConfigError, request_tpot_ms
+from sloweave.core.decision_metrics import Recorders
+from sloweave.core.step_log import StepLogWriter
+from sloweave.vllm_plugin.config import PluginConfig, PluginConfigError, request_tpot_ms, step_log_path
 from sloweave.vllm_plugin.metrics import default_recorder
 from sloweave.vllm_plugin.request_check import REQUEST_TARGET_CHECK, RequestTargetCheck
 
@@ -93,8 +96,13 @@ class SLOWeaveSchedulerMixin:
             correction=decision.correction.calibrator if decision.correction is not None else None,
         )
         self.sloweave_correction = decision.correction
-        # Decisions as Prometheus metrics on the default registry (vLLM's /metrics).
-        self.sloweave.recorder = default_recorder(engine=str(self.vllm_config.parallel_config.data_parallel_rank))
+        # Decisions as Prometheus metrics on the default registry (vLLM's /metrics), and in
+        # the step log when the configuration names one.
+        rank = self.vllm_config.parallel_config.data_parallel_rank
+        metrics = default_recorder(engine=str(rank))
+        metrics.set_targets(config.tpot_ms, decision.coverage)
+        self.sloweave_step_log = self._open_step_log(config, rank)
+        self.sloweave.recorder = metrics if self.sloweave_step_log is None else Recorders(metrics, self.sloweave_step_log)
         # request id -> clock time its prompt last made progress (arrival or a chunk)
         self._prompt_progress_ms: dict[str, float] = {}
         self.last_plan: StepPlan | None = None
@@ -108,6 +116,16 @@ class SLOWeaveSchedulerMixin:
                 "default target); add --logits-processors %s to refuse it at the API with HTTP 400",
                 REQUEST_TARGET_CHECK,
             )
+
+    def _open_step_log(self, config: PluginConfig, rank: int) -> StepLogWriter | None:
+        if not config.step_log:
+            return None
+        header = {"engine": str(rank), "config": asdict(config), "max_num_batched_tokens": self._configured_budget}
+        path = step_log_path(config.step_log, rank)
+        try:
+            return StepLogWriter(path, header, config.step_log_max_steps, clock_ms=self.sloweave_clock_ms)
+        except OSError as err:
+            raise PluginConfigError(f"sloweave vLLM plug-in: step_log {path}: {err}") from None
 
     # A test can replace the clock; vLLM's own timestamps are not used.
     def sloweave_clock_ms(self) -> float:
@@ -238,6 +256,11 @@ class SLOWeaveSchedulerMixin:
         except Exception as err:  # noqa: BLE001 - see sloweave_fault
             self.sloweave_fault("finish_requests", err)
         return finished
+
+    def shutdown(self) -> None:
+        if self.sloweave_step_log is not None:
+            self.sloweave_step_log.close()
+        super().shutdown()
 
     def _forget(self, request_id: str) -> None:
         self.sloweave.on_finished(request_id)

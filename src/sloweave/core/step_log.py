@@ -1,0 +1,197 @@
+"""The step log: every step a real engine planned and ran, one JSON object a line.
+
+A ``StepLogWriter`` is a ``DecisionRecorder`` (``sloweave.core.decision_metrics``): the vLLM
+plug-in writes one when its configuration names a ``step_log`` file. The first line is a
+header (format, version, the engine's settings, the clock); each later line is one step that
+came back: what was planned (decodes, chunk, token budget, time budget, prediction and its
+margin), what the engine really scheduled, the KV context, the prompts on offer, and the
+measured time. The file is bounded: after ``max_steps`` steps one last line says the log
+stopped, so a long-running server cannot fill its disk. ``read_step_log`` reads it back for
+``sloweave served-run`` (pictures of a served run, beside the simulator's).
+
+Times are the engine's monotonic clock in milliseconds (``start_ms``); the header's
+``unix_s_at_clock_0_ms`` turns them into wall-clock time.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+from collections import deque
+from dataclasses import dataclass
+from importlib import metadata
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import pandas as pd
+
+logger = logging.getLogger(__name__)
+
+FORMAT = 1
+DEFAULT_MAX_STEPS = 1_000_000  # about 400 MB of log; a served hour at 250 steps/s
+# the columns of a step line, in order (the reader checks every line has exactly these)
+STEP_FIELDS = (
+    "step",
+    "start_ms",
+    "measured_ms",
+    "decode_tokens",
+    "chunk_tokens",
+    "token_budget",
+    "ran_decode_tokens",
+    "ran_prefill_tokens",
+    "decode_kv_tokens",
+    "prefill_prefix_tokens",
+    "pending_prompt_tokens",
+    "prompts_on_offer",
+    "budget_ms",
+    "predicted_ms",
+    "margin_ms",
+    "base_predicted_ms",
+    "infeasible",
+    "aged",
+    "late_requests",
+)
+
+
+class StepLogError(ValueError):
+    """A step log that cannot be read as one (names the file and line)."""
+
+
+def _number_or_null(value: float) -> float | None:
+    return value if math.isfinite(value) else None  # JSON has no inf/NaN: +inf budget, no base model
+
+
+class StepLogWriter:
+    """Writes the step log of one engine (a ``DecisionRecorder``); bounded at ``max_steps``.
+
+    A failure to write (a full disk) stops the log with one warning; serving goes on.
+    """
+
+    def __init__(self, path: str | Path, header: dict, max_steps: int = DEFAULT_MAX_STEPS, clock_ms=None) -> None:
+        self.path = Path(path)
+        self.max_steps = max_steps
+        self.steps = 0
+        self._planned: deque = deque()  # (plan, late, ran) of steps scheduled and not back yet
+        clock_ms = clock_ms or (lambda: time.monotonic() * 1000.0)
+        first = {
+            "kind": "header",
+            "format": FORMAT,
+            "sloweave_version": _version(),
+            "unix_s_at_clock_0_ms": time.time() - clock_ms() / 1000.0,
+            **header,
+        }
+        # line-buffered: every finished step is on disk, a crash loses at most the step in flight
+        self._file = open(self.path, "w", buffering=1, encoding="utf-8")  # noqa: SIM115 - open for the server's life
+        self._write(first)
+
+    @property
+    def open(self) -> bool:
+        return self._file is not None
+
+    def on_plan(self, plan, late_requests: int, ran_tokens: tuple[int, int] | None = None) -> None:
+        if self._file is not None:
+            self._planned.append((plan, late_requests, ran_tokens))
+
+    def on_step_done(self, plan, measured_ms: float, started_ms: float = math.nan) -> None:
+        if self._file is None:
+            return
+        while self._planned and self._planned[0][0] is not plan:  # a step the engine never returned
+            self._planned.popleft()
+        if not self._planned:
+            return
+        _, late, ran = self._planned.popleft()
+        ran_decode, ran_prefill = ran if ran is not None else (plan.decode_tokens, plan.chunk_tokens)
+        line = dict(
+            zip(
+                STEP_FIELDS,
+                (
+                    self.steps, started_ms, measured_ms, plan.decode_tokens, plan.chunk_tokens, plan.token_budget,
+                    int(ran_decode), int(ran_prefill), plan.decode_kv_tokens, plan.prefill_prefix_tokens,
+                    plan.pending_prompt_tokens, plan.prompts_on_offer, _number_or_null(plan.budget_ms), plan.predicted_ms,
+                    plan.margin_ms, _number_or_null(plan.base_predicted_ms), plan.infeasible, plan.aged, late,
+                ),
+            )
+        )
+        self._write({"kind": "step", **line})
+        self.steps += 1
+        if self.steps >= self.max_steps:
+            self._write({"kind": "stopped", "steps": self.steps, "why": f"max_steps ({self.max_steps}) reached"})
+            logger.warning("sloweave step log %s: stopped after %d steps (step_log_max_steps)", self.path, self.steps)
+            self.close()
+
+    def close(self) -> None:
+        file, self._file = self._file, None
+        if file is not None:
+            try:
+                file.close()
+            except OSError:  # the buffered rest could not be written either (a full disk): already warned
+                pass
+
+    def _write(self, record: dict) -> None:
+        try:
+            self._file.write(json.dumps(record, allow_nan=False) + "\n")
+        except (OSError, ValueError) as err:  # a full disk; a non-finite number is a bug, not a reason to stop serving
+            logger.warning("sloweave step log %s: stopped, cannot write (%s)", self.path, err)
+            self.close()
+
+
+def _version() -> str:
+    try:
+        return metadata.version("sloweave")
+    except metadata.PackageNotFoundError:
+        return "unknown"
+
+
+@dataclass(frozen=True)
+class StepLog:
+    header: dict
+    steps: "pd.DataFrame"  # one row per step, STEP_FIELDS columns (+inf budget: nothing decoding)
+    stopped: str | None  # why the log stopped before the run ended, or None
+
+
+def read_step_log(path: str | Path) -> StepLog:
+    """A step log written by ``StepLogWriter``; a line that is not one raises ``StepLogError``."""
+    import pandas as pd  # here, not at the top: the writer runs inside the engine
+
+    path = Path(path)
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as err:
+        raise StepLogError(f"step log {path}: cannot read it ({err})") from None
+    records = []
+    for number, text in enumerate(lines, start=1):
+        try:
+            records.append(json.loads(text, parse_constant=_refuse_constant))
+        except ValueError as err:
+            raise StepLogError(f"step log {path}, line {number}: not a JSON object ({err})") from None
+        if not isinstance(records[-1], dict):
+            raise StepLogError(f"step log {path}, line {number}: not a JSON object")
+    if not records or records[0].get("kind") != "header":
+        raise StepLogError(f"step log {path}: the first line must be its header (is this a sloweave step log?)")
+    header = records[0]
+    if header.get("format") != FORMAT:
+        raise StepLogError(f"step log {path}: format {header.get('format')!r}, this sloweave reads format {FORMAT}")
+    rows, stopped = [], None
+    for number, record in enumerate(records[1:], start=2):
+        kind = record.get("kind")
+        if kind == "step" and stopped is None:
+            fields = tuple(k for k in record if k != "kind")
+            if fields != STEP_FIELDS:
+                raise StepLogError(f"step log {path}, line {number}: a step needs the fields {', '.join(STEP_FIELDS)}")
+            rows.append(tuple(record[k] for k in STEP_FIELDS))
+        elif kind == "stopped" and stopped is None:
+            stopped = str(record.get("why", "stopped"))
+        else:
+            raise StepLogError(f"step log {path}, line {number}: unexpected {kind!r} line")
+    steps = pd.DataFrame(rows, columns=list(STEP_FIELDS))
+    for column in ("budget_ms", "base_predicted_ms"):
+        steps[column] = steps[column].astype("float64")
+    steps["budget_ms"] = steps["budget_ms"].fillna(math.inf)
+    return StepLog(header, steps, stopped)
+
+
+def _refuse_constant(name: str):
+    raise ValueError(f"{name} is not strict JSON")

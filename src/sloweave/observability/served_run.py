@@ -1,0 +1,241 @@
+"""``sloweave served-run``: the pictures and summaries of a served run, from its step log.
+
+The vLLM plug-in writes a step log (``sloweave.core.step_log``); this command reads it and
+draws what the simulator draws (``sloweave.studies.pictures``), and writes the decision
+summary under the simulator's names (``sloweave.core.decision_metrics.summarize``), so a
+simulated and a served run can be compared side by side, key by key.
+
+The result folder is complete or absent: everything is written into a temporary folder
+beside ``--out`` and renamed into place at the end.
+"""
+
+from __future__ import annotations
+
+import math
+import shutil
+import tempfile
+from pathlib import Path
+
+import click
+import numpy as np
+import pandas as pd
+
+from sloweave.core.decision_metrics import UNDERPREDICTION_TOLERANCE_MS, summarize
+from sloweave.core.step_log import StepLog, StepLogError, read_step_log
+from sloweave.studies.inputs import POSITIVE
+from sloweave.studies.outputs import check_writable, command_settings, write_result_json
+from sloweave.studies.pictures import plot_step_timeline, pyplot
+
+# Above this many steps the decomposition shows means over equal runs of steps (a bar per
+# step would be thinner than a pixel).
+MAX_DECOMPOSITION_POINTS = 400
+OVERRUN_QUANTILES = (0.01, 0.1, 0.5, 0.9, 0.99)
+# the columns a step needs as finite numbers to be drawn at all
+FINITE_COLUMNS = ("start_ms", "measured_ms", "predicted_ms", "margin_ms")
+
+
+def derived_steps(log: StepLog) -> pd.DataFrame:
+    """The log's steps plus t_s (since the first step), model_ms (T = predicted - margin),
+    overrun_ms (measured - predicted; negative: the step finished early) and underpredicted
+    (it took longer than predicted, with the tolerance ``summarize`` uses)."""
+    steps = log.steps.copy()
+    for column in FINITE_COLUMNS:
+        values = pd.to_numeric(steps[column], errors="coerce").astype("float64")
+        bad = ~np.isfinite(values.to_numpy())
+        if bad.any():
+            step = steps["step"].iloc[int(np.argmax(bad))]
+            raise StepLogError(f"step {step} has no finite {column} ({steps[column].iloc[int(np.argmax(bad))]!r})")
+        steps[column] = values
+    steps["t_s"] = (steps["start_ms"] - steps["start_ms"].iloc[0]) / 1000.0
+    steps["model_ms"] = steps["predicted_ms"] - steps["margin_ms"]
+    steps["overrun_ms"] = steps["measured_ms"] - steps["predicted_ms"]
+    steps["underpredicted"] = steps["overrun_ms"] > UNDERPREDICTION_TOLERANCE_MS
+    return steps
+
+
+def decision_metrics(log: StepLog, steps: pd.DataFrame) -> dict:
+    """The simulator's decision summary for the served steps (planned chunk and budgets)."""
+    metrics = summarize(
+        steps["chunk_tokens"].to_numpy(),
+        steps["token_budget"].to_numpy(),
+        steps["budget_ms"].to_numpy(),
+        steps["infeasible"].to_numpy(dtype=bool),
+        predicted_step_ms=steps["predicted_ms"].to_numpy(),
+        measured_step_ms=steps["measured_ms"].to_numpy(),
+        slo_exceptions=int(steps["aged"].astype(bool).sum()),
+        slo_exception_requests=int(steps["late_requests"].sum()),
+        margin_ms=steps["margin_ms"].to_numpy(),
+    )
+    return {"source": "served", "header": log.header, "metrics": metrics}
+
+
+def run_summary(log: StepLog, steps: pd.DataFrame, settings: dict) -> dict:
+    """Counts, the underpredicted share and the spread of measured - predicted."""
+    # decode-only by what the engine ran: the measured time is the time of what ran
+    with_chunk = steps["ran_prefill_tokens"] > 0
+    budget = steps["budget_ms"].to_numpy(dtype=np.float64)
+    overrun = steps["overrun_ms"].to_numpy()
+    return {
+        "command": "served-run",
+        "settings": settings,
+        "header": log.header,
+        "steps": len(steps),
+        "duration_s": float(steps["t_s"].iloc[-1] + steps["measured_ms"].iloc[-1] / 1000.0),
+        "decode_only_steps": int((~with_chunk).sum()),
+        "with_chunk_steps": int(with_chunk.sum()),
+        "steps_without_deadline": int(np.isinf(budget).sum()),
+        "over_budget_steps": int((steps["measured_ms"].to_numpy() > budget).sum()),
+        "infeasible_steps": int(steps["infeasible"].astype(bool).sum()),
+        "aged_steps": int(steps["aged"].astype(bool).sum()),
+        "late_requests": int(steps["late_requests"].sum()),
+        "underpredicted_steps": int(steps["underpredicted"].sum()),
+        "underpredicted_share": float(steps["underpredicted"].mean()),
+        "measured_minus_predicted_ms": {f"p{round(q * 100)}": float(np.quantile(overrun, q)) for q in OVERRUN_QUANTILES}
+        | {"max": float(overrun.max())},
+        "stopped_early": log.stopped is not None,
+        "stopped_why": log.stopped,
+    }
+
+
+def plot_predicted_vs_measured(steps: pd.DataFrame, path: Path) -> None:
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(5.5, 5))
+    with_chunk = steps["ran_prefill_tokens"].to_numpy() > 0
+    predicted, measured = steps["predicted_ms"].to_numpy(), steps["measured_ms"].to_numpy()
+    ax.scatter(predicted[~with_chunk], measured[~with_chunk], s=6, alpha=0.6, label="decode only")
+    ax.scatter(predicted[with_chunk], measured[with_chunk], s=6, alpha=0.6, label="with a chunk")
+    top = float(max(predicted.max(), measured.max())) * 1.05
+    ax.plot([0, top], [0, top], color="black", linewidth=0.8, label="measured = predicted")
+    ax.set_xlim(0, top)
+    ax.set_ylim(0, top)
+    ax.set_xlabel("predicted step time T + margin (ms)")
+    ax.set_ylabel("measured step time (ms)")
+    ax.set_title(f"{steps['underpredicted'].mean():.1%} of {len(steps)} steps underpredicted")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def binned(steps: pd.DataFrame, max_points: int) -> tuple[pd.DataFrame, int]:
+    """Means over equal runs of consecutive steps (at most ``max_points`` rows), and the run length."""
+    parts = pd.DataFrame(
+        {
+            "t_s": steps["t_s"],
+            "model_ms": steps["model_ms"],
+            "margin_ms": steps["margin_ms"],
+            "overrun_ms": steps["overrun_ms"].clip(lower=0.0),
+            # no deadline (+inf) is no point on the budget line, not an infinite mean
+            "budget_ms": steps["budget_ms"].replace(math.inf, np.nan),
+        }
+    )
+    per_point = max(1, math.ceil(len(parts) / max_points))
+    if per_point == 1:
+        return parts.reset_index(drop=True), 1
+    return parts.groupby(np.arange(len(parts)) // per_point).mean(), per_point
+
+
+def plot_decomposition(steps: pd.DataFrame, path: Path, max_points: int = MAX_DECOMPOSITION_POINTS) -> None:
+    """Per step: the model's time T, the margin and the overrun, stacked; the budget as a line."""
+    plt = pyplot()
+    parts, per_point = binned(steps, max_points)
+    fig, ax = plt.subplots(figsize=(9, 4))
+    ax.stackplot(
+        parts["t_s"],
+        parts["model_ms"],
+        parts["margin_ms"],
+        parts["overrun_ms"],
+        labels=("model T(n, c)", "margin", "overrun (measured - predicted > 0)"),
+        alpha=0.8,
+    )
+    ax.plot(parts["t_s"], parts["budget_ms"], color="black", linestyle="--", linewidth=1.0, label="budget B_t")
+    ax.set_xlabel("time since the first step (s)")
+    ax.set_ylabel("ms")
+    each = "each step" if per_point == 1 else f"mean of {per_point} steps per point"
+    ax.set_title(f"step time decomposed ({each})")
+    ax.legend(fontsize=8, loc="upper right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def write_served_run(log: StepLog, out_dir: Path, window_s: float, settings: dict) -> dict:
+    """Every output file into ``out_dir`` (an existing folder); returns the run summary."""
+    if log.steps.empty:
+        raise StepLogError("step log has no steps (did the server schedule anything before it stopped?)")
+    steps = derived_steps(log)
+    plot_step_timeline(
+        steps["t_s"].to_numpy(),
+        steps["chunk_tokens"].to_numpy(),
+        steps["measured_ms"].to_numpy(),
+        steps["budget_ms"].to_numpy(),
+        title=f"served run, {len(steps)} steps (planned chunk; measured step time)",
+        path=out_dir / "timeline.png",
+        xlabel="time since the first step (s)",
+        window_s=window_s,
+        skip_warmup=False,  # a served run's start is part of what the operator looks at
+    )
+    plot_predicted_vs_measured(steps, out_dir / "predicted_vs_measured.png")
+    plot_decomposition(steps, out_dir / "decomposition.png")
+    steps.to_csv(out_dir / "steps.csv", index=False)
+    write_result_json(out_dir / "decision_metrics.json", decision_metrics(log, steps))
+    summary = run_summary(log, steps, settings)
+    write_result_json(out_dir / "served_run.json", summary)
+    return summary
+
+
+def _refuse_existing(out_dir: Path, step_log: Path, force: bool) -> None:
+    if out_dir.exists() and not out_dir.is_dir():
+        raise click.BadParameter(f"{out_dir} is a file, not a folder", param_hint="--out")
+    if out_dir.is_dir() and any(out_dir.iterdir()) and not force:
+        raise click.BadParameter(f"{out_dir} exists and is not empty (--force replaces it)", param_hint="--out")
+    # --force deletes the old folder: never the one the step log (or the working directory) is in
+    inside = (step_log.resolve(), Path.cwd())
+    if force and any(path.is_relative_to(out_dir.resolve()) for path in inside):
+        raise click.BadParameter(f"{out_dir} holds the step log or the working directory; name a new folder", param_hint="--out")
+
+
+def _publish(staged: Path, out_dir: Path) -> None:
+    """Put the finished folder at ``out_dir``, replacing what was there (checked by the caller)."""
+    old = None
+    if out_dir.exists():
+        # moved aside first: a rename cannot replace a non-empty folder
+        old = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}.old-"))
+        out_dir.rename(old / out_dir.name)
+    staged.rename(out_dir)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+@click.command()
+@click.argument("step_log", type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False, path_type=Path), help="result folder")
+@click.option(
+    "--window-s", type=POSITIVE, default=None, show_default="the whole run", help="seconds of the run the timeline shows, from its first step"
+)
+@click.option("--force", is_flag=True, help="replace --out if it exists and is not empty")
+def served_run_command(step_log: Path, out_dir: Path, window_s: float, force: bool) -> None:
+    """Pictures and summaries of a served run, from the vLLM plug-in's STEP_LOG."""
+    check_writable(out_dir, "--out")
+    _refuse_existing(out_dir, step_log, force)
+    try:
+        log = read_step_log(step_log)
+    except StepLogError as err:
+        raise click.ClickException(str(err)) from None
+    if log.steps.empty:
+        raise click.ClickException(f"step log {step_log} has no steps (did the server schedule anything?)")
+    settings = command_settings()
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    staged = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}.tmp-"))
+    try:
+        summary = write_served_run(log, staged, math.inf if window_s is None else window_s, settings)
+        _publish(staged, out_dir)
+    except StepLogError as err:
+        raise click.ClickException(f"{step_log}: {err}") from None
+    finally:
+        shutil.rmtree(staged, ignore_errors=True)  # left only when something failed
+    if log.stopped is not None:
+        click.echo(f"warning: the step log stopped early ({log.stopped}); the pictures cover the steps before", err=True)
+    click.echo(
+        f"wrote {out_dir}: {summary['steps']} steps, {summary['underpredicted_share']:.1%} underpredicted", err=True
+    )

@@ -1,0 +1,83 @@
+"""The step log's file: written by any engine's controller, read back line by line with errors that name the line."""
+
+import json
+import math
+import os
+
+import pytest
+
+from sloweave.core.budget import StepPlan
+from sloweave.core.step_log import FORMAT, STEP_FIELDS, StepLogError, StepLogWriter, read_step_log
+
+
+def plan(chunk: int, budget_ms: float = 20.0) -> StepPlan:
+    return StepPlan(4 + chunk, chunk, 0.0, 0.0, budget_ms, 5.0, False, False, 4, margin_ms=1.0, pending_prompt_tokens=chunk)
+
+
+def written(path, plans, max_steps=100):
+    writer = StepLogWriter(path, {"engine": "0"}, max_steps, clock_ms=lambda: 1000.0)
+    for i, p in enumerate(plans):
+        writer.on_plan(p, 0, (4, p.chunk_tokens))
+        writer.on_step_done(p, 6.0, started_ms=10.0 * i)
+    writer.close()
+    return path
+
+
+def test_what_is_written_reads_back_with_no_deadline_as_inf(tmp_path):
+    log = read_step_log(written(tmp_path / "s.jsonl", [plan(0), plan(128, math.inf)]))
+    assert log.header["format"] == FORMAT and log.header["engine"] == "0" and log.stopped is None
+    assert list(log.steps.columns) == list(STEP_FIELDS)
+    assert log.steps["start_ms"].tolist() == [0.0, 10.0] and log.steps["ran_prefill_tokens"].tolist() == [0, 128]
+    assert log.steps["budget_ms"].tolist() == [20.0, math.inf] and log.steps["base_predicted_ms"].isna().all()
+
+
+def test_a_step_the_engine_never_returned_is_skipped_not_paired_with_the_next(tmp_path):
+    writer = StepLogWriter(tmp_path / "s.jsonl", {}, clock_ms=lambda: 0.0)
+    lost, kept = plan(64), plan(32)
+    writer.on_plan(lost, 0)
+    writer.on_plan(kept, 0)
+    writer.on_step_done(kept, 7.0, 1.0)
+    writer.close()
+    steps = read_step_log(tmp_path / "s.jsonl").steps
+    assert steps["chunk_tokens"].tolist() == [32] and steps["measured_ms"].tolist() == [7.0]
+
+
+def test_the_log_stops_at_its_bound_and_says_why(tmp_path):
+    log = read_step_log(written(tmp_path / "s.jsonl", [plan(1)] * 5, max_steps=2))
+    assert len(log.steps) == 2 and log.stopped == "max_steps (2) reached"
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full to fill a disk")
+def test_a_full_disk_stops_the_log_and_not_the_engine(caplog):
+    writer = StepLogWriter("/dev/full", {}, clock_ms=lambda: 0.0)
+    writer.on_plan(plan(1), 0)
+    writer.on_step_done(plan(1), 1.0)  # nothing raised
+    assert not writer.open and "cannot write" in caplog.text
+
+
+@pytest.mark.parametrize(
+    "lines, message",
+    [
+        ([], "first line must be its header"),
+        (['{"kind": "step"}'], "first line must be its header"),
+        (['{"kind": "header", "format": 99}'], "format 99"),
+        (['{"kind": "header", "format": 1}', "not json"], "line 2: not a JSON object"),
+        (['{"kind": "header", "format": 1}', "[1, 2]"], "line 2: not a JSON object"),
+        (['{"kind": "header", "format": 1}', '{"kind": "step", "step": NaN}'], "line 2: not a JSON object"),
+        (['{"kind": "header", "format": 1}', '{"kind": "step", "step": 0}'], "line 2: a step needs the fields"),
+        (['{"kind": "header", "format": 1}', '{"kind": "other"}'], "line 2: unexpected 'other' line"),
+    ],
+)
+def test_a_file_that_is_not_a_step_log_is_refused_naming_the_line(tmp_path, lines, message):
+    path = tmp_path / "bad.jsonl"
+    path.write_text("".join(line + "\n" for line in lines))
+    with pytest.raises(StepLogError, match=message):
+        read_step_log(path)
+
+
+def test_a_step_after_the_stop_line_is_refused(tmp_path):
+    path = written(tmp_path / "s.jsonl", [plan(1)] * 3, max_steps=1)
+    extra = json.dumps({"kind": "step", **dict.fromkeys(STEP_FIELDS, 0)})
+    path.write_text(path.read_text() + extra + "\n")
+    with pytest.raises(StepLogError, match="line 4: unexpected 'step' line"):
+        read_step_log(path)
