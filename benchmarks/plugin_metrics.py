@@ -1,8 +1,9 @@
 """The vLLM plug-in's Prometheus metrics: what they cost per step, and what /metrics shows.
 
-1. Cost: the recorder calls of one step (``on_plan`` + ``on_step_done``: 3 histogram
+1. Cost: the recorder calls of one step (``on_plan`` + ``on_step_done``: 4 histogram
    observations and up to 4 counter updates, then 2 more observations) timed directly,
-   median and P99 of per-step times over several repetitions; and the plug-in's whole
+   median of per-step times over several repetitions, for the Prometheus recorder, the
+   step log (one JSON line a step, to a file) and both together; and the plug-in's whole
    ``schedule()`` + ``update_from_output()`` step on the offline CPU engine with and without
    the recorder (medians of repeated runs of the same scripted workload).
 2. Sample: the default registry rendered with ``prometheus_client.generate_latest`` after a
@@ -14,13 +15,17 @@
 
 import os
 import statistics
+import tempfile
 import time
+from pathlib import Path
 
 import numpy as np
 from prometheus_client import REGISTRY, CollectorRegistry, generate_latest
 
 from sloweave.core.cost import AnalyticCost
 from sloweave.core.budget import StepPlan
+from sloweave.core.decision_metrics import Recorders
+from sloweave.core.step_log import StepLogWriter
 from sloweave.vllm_plugin import SLOWeaveScheduler
 from sloweave.vllm_plugin.metrics import PrometheusRecorder, default_recorder
 from sloweave.vllm_plugin.offline import OfflineEngine, build_scheduler, make_request
@@ -30,13 +35,13 @@ REPEATS = 7
 
 
 def recorder_cost_us(recorder, steps: int = 5000) -> list[float]:
-    plans = [StepPlan(64 + i % 512, i % 512, 0.0, 0.0, 25.0, 12.0, i % 50 == 0, i % 200 == 0) for i in range(steps)]
+    plans = [StepPlan(64 + i % 512, i % 512, 0.0, 0.0, 25.0, 12.0, i % 50 == 0, i % 200 == 0, 64, margin_ms=1.5) for i in range(steps)]
     per_step = []
     for _ in range(REPEATS):
         start = time.perf_counter()
         for plan in plans:
-            recorder.on_plan(plan, 1 if plan.aged else 0)
-            recorder.on_step_done(plan, 12.5)
+            recorder.on_plan(plan, 1 if plan.aged else 0, (64, plan.chunk_tokens))
+            recorder.on_step_done(plan, 12.5, 0.0)
         per_step.append((time.perf_counter() - start) / steps * 1e6)
     return per_step
 
@@ -66,8 +71,14 @@ def main() -> None:
     mode = "multiprocess (mmap files)" if "PROMETHEUS_MULTIPROC_DIR" in os.environ else "single process"
     print(f"prometheus_client mode: {mode}")
     # multiprocess mode: the default registry's recorder (the one the scheduler uses, files under the directory)
-    costs = recorder_cost_us(PrometheusRecorder(CollectorRegistry()) if mode == "single process" else default_recorder())
-    print(f"recorder calls per step: median {statistics.median(costs):.1f} us over {REPEATS} runs of 5000 steps (runs: {', '.join(f'{c:.1f}' for c in costs)})")
+    metrics = PrometheusRecorder(CollectorRegistry()) if mode == "single process" else default_recorder()
+    with tempfile.TemporaryDirectory() as folder:
+        log = StepLogWriter(Path(folder) / "steps.jsonl", {}, max_steps=10**9)
+        for what, recorder in (("metrics", metrics), ("step log", log), ("metrics + step log", Recorders(metrics, log))):
+            costs = recorder_cost_us(recorder)
+            runs = ", ".join(f"{c:.1f}" for c in costs)
+            print(f"recorder calls per step ({what}): median {statistics.median(costs):.1f} us over {REPEATS} runs of 5000 steps (runs: {runs})")
+        log.close()
     scripted_run(True, CollectorRegistry())  # warm-up
     with_rec, without = [], []
     for _ in range(REPEATS):

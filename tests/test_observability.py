@@ -11,10 +11,7 @@ from __future__ import annotations
 import json
 import math
 import re
-import shutil
-import socket
 import subprocess
-import time
 import urllib.request
 
 import pandas as pd
@@ -38,20 +35,15 @@ from sloweave.observability.dashboard import (
     rule_expressions,
 )
 
+from prometheus_server import running_prometheus, tool
+
 SUFFIXES = {"histogram": ("_bucket", "_sum", "_count"), "counter": ("_total",), "gauge": ("",)}
 SLOWEAVE_KINDS = {spec.name: spec.kind for spec in ALL_METRICS + PLUGIN_METRICS}
 VLLM_KINDS = dict(VLLM_METRICS)
 
 
-def _tool(name: str) -> str:
-    path = shutil.which(name)
-    if path is None:
-        pytest.fail(f"{name} is not on PATH: install Prometheus 2.x (the Debian package 'prometheus'; make setup installs it)")
-    return path
-
-
 def _promtool(*args: str) -> None:
-    done = subprocess.run([_tool("promtool"), *args], cwd=DATA_DIR, capture_output=True, text=True, timeout=60)
+    done = subprocess.run([tool("promtool"), *args], cwd=DATA_DIR, capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, f"promtool {' '.join(args)} failed:\n{done.stdout}\n{done.stderr}"
 
 
@@ -219,52 +211,17 @@ def _openmetrics() -> str:
     return "\n".join(lines + _plugin_errors() + ["# EOF"]) + "\n"
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
-def _wait_ready(url: str, server: subprocess.Popen, log_path, timeout_s: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if server.poll() is not None:
-            pytest.fail(f"prometheus exited with {server.returncode}:\n{log_path.read_text()[-3000:]}")
-        try:
-            with urllib.request.urlopen(f"{url}/-/ready", timeout=2) as answer:
-                if answer.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(0.2)
-    pytest.fail(f"prometheus not ready after {timeout_s} s:\n{log_path.read_text()[-3000:]}")
-
-
 @pytest.fixture(scope="module")
 def prometheus(tmp_path_factory):
     """A real Prometheus over backfilled synthetic series, with the rules loaded; its URL."""
     folder = tmp_path_factory.mktemp("prometheus")
     series, data = folder / "series.om", folder / "data"
     series.write_text(_openmetrics())
-    done = subprocess.run([_tool("promtool"), "tsdb", "create-blocks-from", "openmetrics", str(series), str(data)], capture_output=True, text=True, timeout=60)
+    done = subprocess.run([tool("promtool"), "tsdb", "create-blocks-from", "openmetrics", str(series), str(data)], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, f"backfill failed:\n{done.stdout}\n{done.stderr}"
-    config = folder / "prometheus.yml"
-    config.write_text(f"global:\n  evaluation_interval: 1m\nrule_files:\n  - {RULES_FILE}\n")
-    url, log_path = f"http://127.0.0.1:{_free_port()}", folder / "prometheus.log"
-    command = [_tool("prometheus"), f"--config.file={config}", f"--storage.tsdb.path={data}", "--storage.tsdb.retention.time=100y"]
-    command.append(f"--web.listen-address={url.removeprefix('http://')}")
-    with open(log_path, "w") as log:
-        server = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
-    try:
-        _wait_ready(url, server, log_path)
+    config = f"global:\n  evaluation_interval: 1m\nrule_files:\n  - {RULES_FILE}\n"
+    with running_prometheus(folder, config, data, "--storage.tsdb.retention.time=100y") as url:
         yield url
-    finally:
-        server.terminate()
-        try:
-            server.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            server.kill()
-            server.wait()
 
 
 # the backfilled window, after the first 5m (the rules' rate windows need them)

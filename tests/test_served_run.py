@@ -167,7 +167,7 @@ def test_many_steps_are_binned_into_means_and_no_deadline_is_no_budget():
     n = 1000
     steps = pd.DataFrame(
         {
-            "t_s": np.arange(n) / 100.0,
+            "step": np.arange(n),
             "model_ms": np.arange(n, dtype=float),
             "margin_ms": np.ones(n),
             "overrun_ms": np.where(np.arange(n) % 2 == 0, 4.0, -4.0),
@@ -176,7 +176,7 @@ def test_many_steps_are_binned_into_means_and_no_deadline_is_no_budget():
     )
     parts, per_point = binned(steps, max_points=400)
     assert per_point == 3 and len(parts) == 334
-    assert parts["model_ms"].iloc[0] == pytest.approx(1.0)  # mean of steps 0, 1, 2
+    assert parts["model_ms"].iloc[0] == pytest.approx(1.0) and parts["step"].iloc[0] == 1.0  # mean of steps 0, 1, 2
     assert parts["overrun_ms"].iloc[0] == pytest.approx(8.0 / 3)  # only the positive overruns count
     assert parts["budget_ms"].iloc[0] == pytest.approx(15.0)  # the +inf step is left out, not averaged in
     few, one = binned(steps.head(10), max_points=400)

@@ -6,11 +6,9 @@ run, however fast the machine is: the underprediction alert must fire, the fallb
 Then the served run is drawn from its step log and the dashboard from Prometheus.
 """
 
-import contextlib
 import json
 import os
 import shutil
-import subprocess
 import threading
 import time
 import urllib.parse
@@ -24,12 +22,12 @@ from click.testing import CliRunner
 from sloweave.observability.dashboard import RULES_FILE, dashboard_command, queries, rule_expressions
 from sloweave.observability.served_run import served_run_command
 
+from prometheus_server import running_prometheus
 from real_engine import CPU_ANALYTIC
-from test_serve import REQUEST_TIMEOUT_S, completion, free_port, serving, stream
+from test_serve import REQUEST_TIMEOUT_S, completion, serving, stream
 
 WRONG_MODEL = {name: value / 20 for name, value in CPU_ANALYTIC.items()}
 SCRAPE_S = 1
-READY_TIMEOUT_S = 60
 SCRAPE_TIMEOUT_S = 60
 ALERT_TIMEOUT_S = 90
 # Set to a folder to keep the pictures of this run (the README's were made so).
@@ -49,35 +47,14 @@ def rules_firing_at_once(tmp: Path) -> Path:
     return path
 
 
-@contextlib.contextmanager
 def prometheus(tmp: Path, target: str):
-    """Prometheus on a free loopback port, scraping ``target`` every second; stopped on exit."""
-    binary = shutil.which("prometheus")
-    assert binary, "prometheus is not installed: run `make setup` (Debian's package)"
-    port = free_port()
+    """Prometheus scraping ``target`` every second, evaluating the rules as often."""
     config = {
         "global": {"scrape_interval": f"{SCRAPE_S}s", "evaluation_interval": f"{SCRAPE_S}s"},
         "rule_files": [str(rules_firing_at_once(tmp))],
         "scrape_configs": [{"job_name": "vllm", "static_configs": [{"targets": [target]}]}],
     }
-    (tmp / "prometheus.yml").write_text(yaml.safe_dump(config))
-    command = [
-        binary, f"--config.file={tmp / 'prometheus.yml'}", f"--storage.tsdb.path={tmp / 'tsdb'}",
-        f"--web.listen-address=127.0.0.1:{port}",
-    ]  # fmt: skip
-    with open(tmp / "prometheus.log", "w") as log:
-        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
-        try:
-            base = f"http://127.0.0.1:{port}"
-            until(lambda: urllib.request.urlopen(f"{base}/-/ready", timeout=2).status == 200, READY_TIMEOUT_S, "Prometheus ready")
-            yield base
-        finally:
-            process.terminate()
-            try:
-                process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait(timeout=30)
+    return running_prometheus(tmp, yaml.safe_dump(config), tmp / "tsdb")
 
 
 def until(condition, timeout_s: float, what: str):

@@ -121,7 +121,7 @@ def binned(steps: pd.DataFrame, max_points: int) -> tuple[pd.DataFrame, int]:
     """Means over equal runs of consecutive steps (at most ``max_points`` rows), and the run length."""
     parts = pd.DataFrame(
         {
-            "t_s": steps["t_s"],
+            "step": steps["step"],
             "model_ms": steps["model_ms"],
             "margin_ms": steps["margin_ms"],
             "overrun_ms": steps["overrun_ms"].clip(lower=0.0),
@@ -136,20 +136,23 @@ def binned(steps: pd.DataFrame, max_points: int) -> tuple[pd.DataFrame, int]:
 
 
 def plot_decomposition(steps: pd.DataFrame, path: Path, max_points: int = MAX_DECOMPOSITION_POINTS) -> None:
-    """Per step: the model's time T, the margin and the overrun, stacked; the budget as a line."""
+    """Per step: the model's time T, the margin and the overrun, stacked; the budget as a line.
+
+    Drawn against the step number, not the clock: an area drawn over the clock would fill the
+    idle time between two steps with a ramp that no step ran."""
     plt = pyplot()
     parts, per_point = binned(steps, max_points)
     fig, ax = plt.subplots(figsize=(9, 4))
     ax.stackplot(
-        parts["t_s"],
+        parts["step"],
         parts["model_ms"],
         parts["margin_ms"],
         parts["overrun_ms"],
         labels=("model T(n, c)", "margin", "overrun (measured - predicted > 0)"),
         alpha=0.8,
     )
-    ax.plot(parts["t_s"], parts["budget_ms"], color="black", linestyle="--", linewidth=1.0, label="budget B_t")
-    ax.set_xlabel("time since the first step (s)")
+    ax.plot(parts["step"], parts["budget_ms"], color="black", linestyle="--", linewidth=1.0, label="budget B_t")
+    ax.set_xlabel("step")
     ax.set_ylabel("ms")
     each = "each step" if per_point == 1 else f"mean of {per_point} steps per point"
     ax.set_title(f"step time decomposed ({each})")
