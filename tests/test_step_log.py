@@ -81,3 +81,52 @@ def test_a_step_after_the_stop_line_is_refused(tmp_path):
     path.write_text(path.read_text() + extra + "\n")
     with pytest.raises(StepLogError, match="line 4: unexpected 'step' line"):
         read_step_log(path)
+
+
+def test_a_step_log_is_a_profile_of_the_steps_that_ran(tmp_path):
+    """`sloweave fit` and `--cost` read a served engine's log: a profile taken while serving."""
+    from sloweave.core.cost import AnalyticCost
+    from sloweave.core.fit import fit_profile_file, read_profile
+
+    cost = AnalyticCost()
+    writer = StepLogWriter(tmp_path / "served.jsonl", {}, clock_ms=lambda: 0.0)
+    shapes = [(n, c) for n in (0, 2, 8, 32) for c in (0, 64, 256, 1024) if n or c] * 3
+    for i, (n, c) in enumerate(shapes):
+        step = StepPlan(n + c, c, 0.0, 0.0, 50.0, 1.0, False, False, n, decode_kv_tokens=100 * n)
+        ran_decodes = n - (i % 2 and n > 0)  # vLLM ran one decode fewer than planned on odd steps
+        writer.on_plan(step, 0, (ran_decodes, c))
+        writer.on_step_done(step, 1.5 * cost(ran_decodes, c), started_ms=float(i))
+    writer.close()
+    profile = read_profile(tmp_path / "served.jsonl")
+    assert profile["n_decodes"].tolist() == [n - (i % 2 and n > 0) for i, (n, c) in enumerate(shapes)]
+    assert profile["chunk_tokens"].tolist() == [c for _, c in shapes]
+    # the KV context of the decodes that ran: 100 tokens each
+    assert (profile["decode_kv_tokens"] == 100 * profile["n_decodes"]).all()
+    fitted = fit_profile_file(tmp_path / "served.jsonl", holdout_share=0.0).cost("regression")
+    for n, c in ((4, 512), (16, 0), (0, 2048)):
+        assert fitted.predict(n, c, 100 * n, 0) == pytest.approx(1.5 * cost(n, c), rel=0.02)
+
+
+def test_a_bad_step_log_is_a_profile_error_naming_the_line(tmp_path):
+    from sloweave.core.fit import ProfileError, read_profile
+
+    path = tmp_path / "bad.jsonl"
+    path.write_text('{"kind": "header", "format": 1}\nnot json\n')
+    with pytest.raises(ProfileError, match="line 2: not a JSON object"):
+        read_profile(path)
+
+
+def test_sloweave_fit_reads_a_step_log(tmp_path):
+    from click.testing import CliRunner
+
+    from sloweave.cli import main
+
+    writer = StepLogWriter(tmp_path / "served.jsonl", {}, clock_ms=lambda: 0.0)
+    for i, (n, c) in enumerate([(n, c) for n in (1, 4, 16) for c in (0, 128, 512)] * 2):
+        step = StepPlan(n + c, c, 0.0, 0.0, 50.0, 1.0, False, False, n)
+        writer.on_plan(step, 0, (n, c))
+        writer.on_step_done(step, 2.0 + 0.1 * n + 0.01 * c + 0.001 * i, started_ms=float(i))
+    writer.close()
+    result = CliRunner().invoke(main, ["fit", str(tmp_path / "served.jsonl")])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["report"]["fit_steps"] + json.loads(result.stdout)["report"]["holdout_steps"] == 18

@@ -126,3 +126,20 @@ def test_the_step_log_is_configured_from_the_environment(tmp_path):
     path = tmp_path / "env.jsonl"
     config = PluginConfig.from_sources(None, {"SLOWEAVE_STEP_LOG": str(path), "SLOWEAVE_STEP_LOG_MAX_STEPS": "10"})
     assert config.step_log == str(path) and config.step_log_max_steps == 10
+
+
+def test_the_step_log_of_a_run_is_the_profile_of_the_next(tmp_path):
+    """A profile taken while serving: the log of one run, as the cost of the next plug-in."""
+    eng, path, _ = logged_engine(tmp_path)
+    for prompt in (3000, 700, 40, 1500, 90, 5000, 300):
+        eng.add(make_request(prompt, 12))
+        eng.step()
+    eng.run()
+    eng.scheduler.shutdown()
+    config = PluginConfig(cost=str(path), tpot_ms=10.0)
+    fitted = config.build_decision().cost
+    # the engine's steps: the analytic model, plus SLOW_PREFILL_MS on every step with a chunk
+    for n, c in ((4, 512), (6, 1024)):
+        assert fitted.predict(n, c, 0, 0) == pytest.approx(COST(n, c) + SLOW_PREFILL_MS, rel=0.1)
+    built = build_scheduler(SLOWeaveScheduler, additional_config={"sloweave": {"cost": str(path)}})
+    assert built.sloweave.policy.cost(4, 512) == pytest.approx(fitted.predict(4, 512, 0, 0))  # vLLM starts with it

@@ -15,7 +15,9 @@ column                      type   meaning
 ==========================  =====  =============================================================
 
 Other columns (``repeat``, ...) are kept but ignored. Files are CSV (``.csv``) or JSON
-(``.json``: ``{"format": "sloweave-profile", "version": 1, "meta": {...}, "rows": [{...}, ...]}``).
+(``.json``: ``{"format": "sloweave-profile", "version": 1, "meta": {...}, "rows": [{...}, ...]}``),
+or a served engine's step log (``.jsonl``, ``sloweave.core.step_log``: the steps the engine ran,
+``step_log.profile_rows``), so a profile can be taken while serving.
 
 Three things are fitted from a profile:
 
@@ -47,8 +49,10 @@ import numpy as np
 import pandas as pd
 
 from sloweave.core.csv_shape import check_csv_shape, located
+from sloweave.core.step_log import StepLogError, profile_rows, read_step_log
 
 PROFILE_FORMAT = "sloweave-profile"
+STEP_LOG_SUFFIX = ".jsonl"  # a served engine's step log (sloweave.core.step_log), read as a profile
 PROFILE_VERSION = 1
 REQUIRED_COLUMNS = ("n_decodes", "chunk_tokens", "decode_kv_tokens", "prefill_prefix_tokens", "step_ms")
 INT_COLUMNS = ("n_decodes", "chunk_tokens", "decode_kv_tokens", "prefill_prefix_tokens", "context_tokens")
@@ -65,10 +69,16 @@ class ProfileError(ValueError):
 
 
 def read_profile(path: str | Path) -> pd.DataFrame:
-    """Load and validate a profile (CSV or JSON). Raises ProfileError with the reason."""
+    """Load and validate a profile (CSV, JSON, or a served engine's ``.jsonl`` step log).
+    Raises ProfileError with the reason."""
     path = Path(path)
     if not path.exists():
         raise ProfileError(f"profile {path} does not exist")
+    if path.suffix.lower() == STEP_LOG_SUFFIX:
+        try:
+            return validate_profile(profile_rows(read_step_log(path)), str(path))
+        except StepLogError as err:
+            raise ProfileError(f"profile {err}") from None
     lines = None  # the file line of each row (CSV only)
     try:
         if path.suffix.lower() == ".json":

@@ -7,7 +7,9 @@ came back: what was planned (decodes, chunk, token budget, time budget, predicti
 margin), what the engine really scheduled, the KV context, the prompts on offer, and the
 measured time. The file is bounded: after ``max_steps`` steps one last line says the log
 stopped, so a long-running server cannot fill its disk. ``read_step_log`` reads it back for
-``sloweave served-run`` (pictures of a served run, beside the simulator's).
+``sloweave served-run`` (pictures of a served run, beside the simulator's), and
+``profile_rows`` turns it into a step-time profile (``sloweave fit`` and ``--cost`` read a
+``.jsonl`` step log as one), so a profile can be taken while serving, not only in isolation.
 
 Times are the engine's monotonic clock in milliseconds (``start_ms``); the header's
 ``unix_s_at_clock_0_ms`` turns them into wall-clock time.
@@ -24,6 +26,8 @@ from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
 from typing import TYPE_CHECKING
+
+import numpy as np
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -191,6 +195,32 @@ def read_step_log(path: str | Path) -> StepLog:
         steps[column] = steps[column].astype("float64")
     steps["budget_ms"] = steps["budget_ms"].fillna(math.inf)
     return StepLog(header, steps, stopped)
+
+
+def profile_rows(log: StepLog) -> "pd.DataFrame":
+    """The steps as a step-time profile (``sloweave.core.fit``'s columns): what vLLM ran and its time.
+
+    The KV context was recorded for the decodes the plan counted; where vLLM ran fewer (a cap
+    on running requests, KV blocks) it is scaled to the decodes that ran, an estimate (each
+    decode's context is taken as the mean). Decode tokens are tokens: with speculative
+    decoding a request's drafts count too.
+    """
+    import pandas as pd
+
+    steps = log.steps
+    planned = steps["decode_tokens"].to_numpy()
+    ran = steps["ran_decode_tokens"].to_numpy()
+    kv = steps["decode_kv_tokens"].to_numpy()
+    scaled = np.where(planned > 0, np.round(kv * ran / np.maximum(planned, 1)), 0).astype(np.int64)
+    return pd.DataFrame(
+        {
+            "n_decodes": ran,
+            "chunk_tokens": steps["ran_prefill_tokens"].to_numpy(),
+            "decode_kv_tokens": np.where(ran == planned, kv, scaled),
+            "prefill_prefix_tokens": steps["prefill_prefix_tokens"].to_numpy(),
+            "step_ms": steps["measured_ms"].to_numpy(),
+        }
+    )
 
 
 def _refuse_constant(name: str):

@@ -7,7 +7,7 @@ Sources, later ones win: defaults, environment variables ``SLOWEAVE_*``, and vLL
 |---|---|---|---|
 | tpot_ms | SLOWEAVE_TPOT_MS | 25 | default TPOT target (ms, at most one hour); a request overrides it with `extra_args={"sloweave_tpot_ms": D}` (the same rule; see `request_check` for what happens to a bad one) |
 | max_chunk_tokens | SLOWEAVE_MAX_CHUNK_TOKENS | 4096 | C_max (also capped by `--max-num-batched-tokens`) |
-| cost | SLOWEAVE_COST | analytic | `analytic`, an operator-profile preset (`llama2-70b-tp2-a100`, `llama3-8b-tp1-a100`) or folder (Vidur's CSVs + `model.json`), or a step-time profile file (CSV/JSON) from `sloweave profile` / the GPU profiler; the same specs as the commands' `--cost` (`sloweave.core.costs.resolve_cost`); with `online_correction` it is the prior that measured step times correct |
+| cost | SLOWEAVE_COST | analytic | `analytic`, an operator-profile preset (`llama2-70b-tp2-a100`, `llama3-8b-tp1-a100`) or folder (Vidur's CSVs + `model.json`), or a step-time profile file (CSV/JSON) from `sloweave profile` / the GPU profiler, or a served run's step log (`.jsonl`); the same specs as the commands' `--cost` (`sloweave.core.costs.resolve_cost`); with `online_correction` it is the prior that measured step times correct |
 | cost_kind | SLOWEAVE_COST_KIND | regression | model fitted from a step-time profile file: `regression` or `table` |
 | analytic | - | paper's | coefficients of the analytic model (`base_ms`, `decode_base_ms`, ...) |
 | margin_ms | SLOWEAVE_MARGIN_MS | 0 | constant safety margin (with `online_correction`: added on top of the adaptive margin) |
