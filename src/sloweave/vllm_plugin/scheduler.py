@@ -26,8 +26,8 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from dataclasses import asdict
 from collections.abc import Iterable, Iterator
+from dataclasses import asdict
 
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.interface import PauseState
