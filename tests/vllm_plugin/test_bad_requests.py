@@ -7,6 +7,7 @@ import pytest
 from prometheus_client import REGISTRY
 
 from sloweave.core.cost import AnalyticCost
+from sloweave.core.decision_metrics import PLUGIN_ERROR_PLACES
 from sloweave.vllm_plugin import SLOWeaveAsyncScheduler, SLOWeaveScheduler
 from sloweave.vllm_plugin.config import MAX_TPOT_MS, PluginConfigError, request_tpot_ms
 from sloweave.vllm_plugin.offline import OfflineEngine, block_hasher, build_scheduler, make_request
@@ -148,3 +149,44 @@ def test_prefix_caching_on_as_vllm_defaults():
     assert eng.finished == {r.request_id for r in requests}
     later_prefill = sum(s.prefill_tokens for s in eng.steps[1:])
     assert later_prefill < sum(len(r.prompt_token_ids) for r in requests[1:]) - 8 * 640  # the shared blocks came from the cache
+
+
+@pytest.mark.parametrize("cls, overlap", [(SLOWeaveScheduler, False), (SLOWeaveAsyncScheduler, True)])
+def test_a_clock_glitch_is_refused_and_counted_and_serving_goes_on(cls, overlap):
+    """A clock that reads NaN once in a while: each reading is refused and counted where it
+    happened (that step runs on vLLM's budget), and no NaN reaches a deadline, a prompt's
+    aging or the online correction, so the margin stays a margin."""
+    eng = engine(cls, overlap=overlap, tpot_ms=10.0, online_correction=True)
+    clock, calls = eng.scheduler.sloweave_clock_ms, {"n": 0}
+
+    def glitching() -> float:
+        calls["n"] += 1
+        return math.nan if calls["n"] in (2, 9, 17, 30) else clock()
+
+    eng.scheduler.sloweave_clock_ms = glitching
+    before = sum(counter("sloweave_plugin_errors", where=where) for where in PLUGIN_ERROR_PLACES)
+    requests = [make_request(int(p), 12) for p in np.random.default_rng(2).integers(50, 3000, 6)]
+    for i, request in enumerate(requests):
+        eng.add(request)
+        if i % 2:
+            eng.step()
+    eng.run()
+    assert eng.finished == {r.request_id for r in requests}
+    assert all(len(eng.token_times_ms[r.request_id]) == 12 for r in requests)
+    assert sum(counter("sloweave_plugin_errors", where=where) for where in PLUGIN_ERROR_PLACES) - before == 4
+    controller = eng.scheduler.sloweave
+    assert all(math.isfinite(r) for r in controller.correction.recent_residuals)
+    assert all(math.isfinite(t) for t in eng.scheduler._prompt_progress_ms.values())
+    assert len(controller.tracker) == 0  # every finished request's deadline dropped, glitch or not
+
+
+def test_health_counters_work_with_the_step_log_on(tmp_path):
+    """With the step log on, the controller's recorder is a fan-out; a bad target and a fault
+    are still counted on the Prometheus recorder (and do not take the engine down)."""
+    eng = engine(tpot_ms=10.0, step_log=str(tmp_path / "steps.jsonl"))
+    before = counter("sloweave_request_target_errors")
+    eng.add(make_request(100, 4, extra_args={"sloweave_tpot_ms": -1}))
+    eng.scheduler.sloweave_fault("schedule", RuntimeError("test"))
+    eng.run()
+    assert counter("sloweave_request_target_errors") - before == 1
+    assert len(eng.finished) == 1

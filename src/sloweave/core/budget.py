@@ -135,6 +135,9 @@ class BudgetController:
     # ---- one step ----------------------------------------------------------------------
 
     def plan_step(self, state: StepState) -> StepPlan:
+        # A clock glitch (NaN, inf) is refused before anything changes: a plan timed from it
+        # would compare False with every deadline and run with no deadline and no margin.
+        _check_clock(state.now_ms)
         # Steps still in flight end before this one starts, and their requests will have
         # emitted by then: count their next deadlines from the predicted ends. (In a
         # synchronous loop nothing is in flight here and this costs nothing.)
@@ -205,6 +208,12 @@ class BudgetController:
         ends). A request that also emits in a later step in flight keeps that later
         (predicted) time as its last token; the others take the real time.
         """
+        if not math.isfinite(now_ms):
+            # The step did come back: drop it, so that the next return is paired with the next
+            # step, and refuse its time (nothing learns from it, no token is timed by it).
+            if self._in_flight:
+                self._in_flight.popleft()
+            _check_clock(now_ms)
         self._emit_at(emitted, now_ms)
         if not self._in_flight:
             return
@@ -232,6 +241,11 @@ class BudgetController:
 
     def _misses(self, request_id: Hashable, end_ms: float) -> bool:
         return request_id in self.tracker and self.tracker.deadline_of(request_id) < end_ms
+
+
+def _check_clock(now_ms: float) -> None:
+    if not math.isfinite(now_ms):
+        raise ValueError(f"the engine's clock read {now_ms!r} ms; a time must be a finite number of milliseconds")
 
 
 def make_policy_for_engine(cost: CostModel, margin: Margin | None, max_chunk_tokens: int) -> SLOWeave:

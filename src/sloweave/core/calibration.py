@@ -23,6 +23,7 @@ import numpy as np
 
 from sloweave.core.cost import CostModel
 from sloweave.core.fit import N_BUCKET_EDGES, ContextualCost, ResidualMargin
+from sloweave.core.validate import finite_number, whole_number
 
 
 QUANTILE_REFRESH_STEPS = 8
@@ -37,8 +38,13 @@ class OnlineCalibrator:
     """Per-bucket multiplicative correction learned from (predicted, measured) step pairs."""
 
     def __init__(self, alpha: float = 0.2, min_factor: float = 0.25, max_factor: float = 8.0, window_steps: int = RESIDUAL_WINDOW_STEPS) -> None:
-        if not 0 < alpha <= 1:
+        if isinstance(alpha, bool) or not 0 < finite_number(alpha, "alpha") <= 1:
             raise ValueError(f"alpha must be in (0, 1], got {alpha!r}")
+        finite_number(min_factor, "min_factor")
+        finite_number(max_factor, "max_factor")
+        if not min_factor <= 1.0 <= max_factor:
+            raise ValueError(f"min_factor <= 1 <= max_factor is needed (1: no correction), got {min_factor!r} and {max_factor!r}")
+        whole_number(window_steps, "window_steps")
         self.alpha = alpha
         self.log_min, self.log_max = math.log(min_factor), math.log(max_factor)
         # rows: decode-count bucket; columns: 0 = decode-only step, 1 = step with a chunk
@@ -65,8 +71,19 @@ class OnlineCalibrator:
         return math.exp(value)
 
     def observe(self, n_decodes: int, chunk_tokens: int, predicted_ms: float, measured_ms: float) -> None:
-        """Fold one step in; ``predicted_ms`` is the BASE model's prediction (not corrected)."""
-        if not (predicted_ms > 0 and measured_ms > 0):
+        """Fold one step in; ``predicted_ms`` is the BASE model's prediction (not corrected).
+
+        A count below 0 or a time that is negative or not finite is refused (ValueError): it
+        would land in a wrong bucket, or make the margin's quantile NaN, which reads as no
+        margin at all. A step of exactly 0 ms (a model that prices it at nothing) teaches no
+        ratio and is left out."""
+        # comparisons, not the shared checks: this runs every step (a NaN fails every one)
+        if not (n_decodes >= 0 and chunk_tokens >= 0 and 0 <= predicted_ms < math.inf and 0 <= measured_ms < math.inf):
+            raise ValueError(
+                "observe needs n_decodes >= 0, chunk_tokens >= 0 and finite times >= 0 ms, got "
+                f"n_decodes={n_decodes!r}, chunk_tokens={chunk_tokens!r}, predicted_ms={predicted_ms!r}, measured_ms={measured_ms!r}"
+            )
+        if predicted_ms == 0 or measured_ms == 0:
             return
         corrected = predicted_ms * self.factor(n_decodes, chunk_tokens > 0)
         self.recent_residuals.append(measured_ms / corrected - 1.0)

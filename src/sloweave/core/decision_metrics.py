@@ -87,7 +87,7 @@ REQUEST_TARGET_ERRORS = MetricSpec(
 )
 PLUGIN_ERRORS = MetricSpec("sloweave_plugin_errors", "counter", "Failures of the plug-in's bookkeeping (the step ran on vLLM's own budget)")
 # the places in the plug-in whose failure falls back to vLLM's budget (label ``where``)
-PLUGIN_ERROR_PLACES = ("schedule", "update_from_output", "preemption", "finish_requests")
+PLUGIN_ERROR_PLACES = ("schedule", "add_request", "update_from_output", "preemption", "finish_requests")
 PLUGIN_METRICS = (MARGIN_COVERAGE, TPOT_TARGET, REQUEST_TARGET_ERRORS, PLUGIN_ERRORS)
 
 

@@ -24,6 +24,7 @@ vLLM's own budget (``sloweave_fault``).
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections import deque
 from collections.abc import Iterable, Iterator
@@ -99,7 +100,8 @@ class SLOWeaveSchedulerMixin:
         # Decisions as Prometheus metrics on the default registry (vLLM's /metrics), and in
         # the step log when the configuration names one.
         rank = self.vllm_config.parallel_config.data_parallel_rank
-        metrics = default_recorder(engine=str(rank))
+        # The Prometheus recorder is also kept apart: the plug-in's health counters live on it alone.
+        self.sloweave_metrics = metrics = default_recorder(engine=str(rank))
         metrics.set_targets(config.tpot_ms, decision.coverage)
         self.sloweave_step_log = self._open_step_log(config, rank)
         self.sloweave.recorder = metrics if self.sloweave_step_log is None else Recorders(metrics, self.sloweave_step_log)
@@ -141,28 +143,38 @@ class SLOWeaveSchedulerMixin:
             # It got past the front end (no RequestTargetCheck registered): serve it with the
             # default target rather than fail it, and say so.
             logger.warning("sloweave: %s; serving it with the default target %g ms", err, self.sloweave_config.tpot_ms)
-            if self.sloweave.recorder is not None:
-                self.sloweave.recorder.request_target_errors.inc()
+            self.sloweave_metrics.request_target_errors.inc()
             tpot_ms = None
         if tpot_ms is not None:
             self._request_tpot_ms[request.request_id] = tpot_ms
-        self._prompt_progress_ms[request.request_id] = self.sloweave_clock_ms()
+        try:
+            self._prompt_progress_ms[request.request_id] = self._now_ms()
+        except ValueError as err:  # a clock glitch: it starts aging when first offered instead
+            self.sloweave_fault("add_request", err)
 
     def sloweave_fault(self, where: str, err: Exception) -> None:
         """The plug-in's own bookkeeping failed: count it, log it (in full the first time per
         place), and let vLLM go on. The caller falls back to vLLM's own behaviour for this step
         (its configured token budget), so a defect here costs a step's budget, not the server."""
-        if self.sloweave.recorder is not None:
-            self.sloweave.recorder.plugin_error(where)
+        self.sloweave_metrics.plugin_error(where)
         if where not in self._faults_logged:
             self._faults_logged.add(where)
             logger.exception("sloweave: %s failed (%s); this step runs on vLLM's own token budget", where, err)
         else:
             logger.warning("sloweave: %s failed again: %r", where, err)
 
-    def schedule(self, *args, **kwargs) -> SchedulerOutput:
+    def _now_ms(self) -> float:
+        """The clock, refused when it glitches (NaN, inf): a time stored from it would stop a
+        prompt from ever aging, and a plan timed from it would have no deadline and no margin."""
         now_ms = self.sloweave_clock_ms()
+        if not math.isfinite(now_ms):
+            raise ValueError(f"the clock read {now_ms!r} ms")
+        return now_ms
+
+    def schedule(self, *args, **kwargs) -> SchedulerOutput:
+        now_ms = math.nan
         try:
+            now_ms = self._now_ms()
             decodes, plan = self._plan(now_ms)
         except Exception as err:  # noqa: BLE001 - see sloweave_fault
             self.sloweave_fault("schedule", err)
@@ -230,13 +242,15 @@ class SLOWeaveSchedulerMixin:
                     finished.append(out.request_id)
         for request_id in emitted:
             self._prompt_progress_ms.pop(request_id, None)  # its prefill is done
-        if planned:
-            self.sloweave.on_step_done(now_ms, emitted)
-        else:  # an empty step, or one that ran on vLLM's own budget: only token times to record
-            for request_id in emitted:
-                self.sloweave.on_token(request_id, now_ms)
-        for request_id in finished:
-            self._forget(request_id)
+        try:
+            if planned:
+                self.sloweave.on_step_done(now_ms, emitted)
+            else:  # an empty step, or one that ran on vLLM's own budget: only token times to record
+                for request_id in emitted:
+                    self.sloweave.on_token(request_id, now_ms)
+        finally:  # a finished request's deadline must go even when the step's time was refused
+            for request_id in finished:
+                self._forget(request_id)
 
     def _preempt_request(self, request: Request, *args, **kwargs) -> None:
         super()._preempt_request(request, *args, **kwargs)
@@ -244,7 +258,7 @@ class SLOWeaveSchedulerMixin:
         # zero) and let aging count from now.
         try:
             self.sloweave.on_finished(request.request_id)
-            self._prompt_progress_ms[request.request_id] = self.sloweave_clock_ms()
+            self._prompt_progress_ms[request.request_id] = self._now_ms()
         except Exception as err:  # noqa: BLE001 - see sloweave_fault
             self.sloweave_fault("preemption", err)
 
