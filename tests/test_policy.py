@@ -305,3 +305,27 @@ def test_an_infinite_budget_with_decodes_gives_the_largest_chunk(margin):
 def test_decide_refuses_what_it_cannot_answer(args):
     with pytest.raises(ValueError, match="decide needs n_decodes >= 0, waiting_tokens >= 0 and a budget_ms"):
         SLOWeave().decide(*args)
+
+
+def test_every_policy_made_with_a_cost_is_timed_with_it():
+    """The defect: a static rule silently dropped the cost and ran on the analytic model, so
+    simulate(w, make_policy("sarathi-1024", cost=slow)) against sloweave-multi was unfair."""
+    from sloweave.core.cost import AnalyticCost
+    from sloweave.sim.engine import simulate
+    from sloweave.sim.workloads import get_workload_spec
+
+    slow = AnalyticCost(base_ms=2.0, prefill_per_token_ms=0.02)  # not the paper's model
+    workload = get_workload_spec("mixed").generate(40, seed=3)
+    for name in ("sarathi-1024", "fixed-512", "full", "orca", "sloweave-multi"):
+        result = simulate(workload, make_policy(name, cost=slow), tpot_ms=50.0)
+        durations = result.iter_end_ms - result.iter_start_ms
+        expected = [slow(int(n), int(c)) for n, c in zip(result.iter_decodes, result.iter_chunk_tokens)]
+        assert durations.tolist() == pytest.approx(expected), name
+
+
+def test_a_margin_for_a_static_rule_is_refused_not_dropped():
+    from sloweave.core.cost import ConstantMargin, ZeroMargin
+
+    with pytest.raises(ValueError, match="sarathi-512 is a static rule: it predicts nothing, so it has no margin"):
+        make_policy("sarathi-512", margin=ConstantMargin(1.0))
+    assert make_policy("fixed-64", margin=ZeroMargin()).name == "fixed-64"  # no margin is no margin

@@ -86,7 +86,8 @@ def case(workload_name: str, policy_name: str, option: int):
         kw.update(aging=Aging(100.0, 64), kv_capacity_tokens=50000, admission=AdmissionControl("defer", ttft_slack=1.5), ttft_ms=tiered.ttft_ms, max_batch_size=32)
     elif option == 12:
         kw["aging"], tpot, kw["check_deadlines"] = Aging(30.0, 100), 1.8, True
-    margin = RelativeMargin(cost or AnalyticCost(), 0.1) if option == 8 else None
+    # a margin is SLOWeave's (a static rule has none: make_policy refuses one)
+    margin = RelativeMargin(cost or AnalyticCost(), 0.1) if option == 8 and policy_name.startswith("sloweave") else None
     policy = make_policy(policy_name, cost=cost, margin=margin)
     if cost is not None and not hasattr(policy, "cost"):
         kw.setdefault("actual_cost", cost)

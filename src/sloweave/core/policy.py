@@ -282,6 +282,8 @@ class FullPrefill:
 
     max_prefills: int | None = 1
     uses_deadlines: bool = False
+    # the machine's model the rule is simulated on (it predicts nothing itself); see make_policy
+    cost: CostModel | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         _check_max_prefills(self.max_prefills)
@@ -302,6 +304,7 @@ class FixedChunk:
     """Sarathi-style chunked prefill: one chunk of at most C prompt tokens next to all decodes."""
 
     chunk_tokens: int
+    cost: CostModel | None = field(default=None, compare=False)  # the machine's model (see make_policy)
 
     def __post_init__(self) -> None:
         positive_tokens(self.chunk_tokens, "Fixed-C chunk size")
@@ -333,6 +336,7 @@ class TokenBudget:
 
     budget_tokens: int
     max_prefills: int | None = 1
+    cost: CostModel | None = field(default=None, compare=False)  # the machine's model (see make_policy)
 
     def __post_init__(self) -> None:
         positive_tokens(self.budget_tokens, "token budget")
@@ -364,6 +368,11 @@ def make_policy(
 
     ``sloweave`` / ``sloweave-multi`` (either with ``+lookahead``), ``full`` / ``orca``, ``fixed-C``, ``budget-B`` (one
     prompt per iteration) or ``sarathi-B`` (several prompts per iteration).
+
+    ``cost`` is the model every policy is simulated on: SLOWeave also decides with it; a static
+    rule predicts nothing but keeps it as its machine, so ``simulate(workload, make_policy(name,
+    cost=fitted))`` times every policy with ``fitted`` (it used to time the static ones with
+    the analytic model). A static rule has no margin: one given is refused, not dropped.
     """
     if not isinstance(spec, str):
         raise ValueError(f"a policy is named by a string (e.g. 'sloweave', 'fixed-1024'), got {spec!r}")
@@ -377,14 +386,17 @@ def make_policy(
             max_prefills=1 if base == "sloweave" else None,
             lookahead=bool(plus),
         )
+    static = spec in ("full", "orca") or _SPEC_RE.match(spec)
+    if static and margin is not None and not isinstance(margin, ZeroMargin):
+        raise ValueError(f"{spec} is a static rule: it predicts nothing, so it has no margin (give one to sloweave only)")
     if spec in ("full", "orca"):
-        return FullPrefill(max_prefills=1 if spec == "full" else None)
+        return FullPrefill(max_prefills=1 if spec == "full" else None, cost=cost)
     match = _SPEC_RE.match(spec)
     if match:
         kind, size = match.group(1), int(match.group(2))
         if kind == "fixed":
-            return FixedChunk(size)
-        return TokenBudget(size, max_prefills=1 if kind == "budget" else None)
+            return FixedChunk(size, cost=cost)
+        return TokenBudget(size, max_prefills=1 if kind == "budget" else None, cost=cost)
     raise ValueError(
         f"unknown policy {spec!r}: expected 'sloweave', 'sloweave-multi' (either may end in '+lookahead'), 'full', 'orca', 'fixed-<tokens>', "
         "'budget-<tokens>' or 'sarathi-<tokens>' (e.g. fixed-1024, budget-2048) with a positive whole number of tokens"

@@ -102,7 +102,7 @@ def simulated_metrics(workload: Workload, name: str, fit: FitResult, tpot_ms: fl
     """The simulator's prediction of the same run, on the fitted cost at the workload's mean context."""
     cost = FixedContextCost(fit.cost(cost_kind), mean_context_tokens(workload))
     margin = ResidualMargin(cost, fit.margin_fractions) if use_margin else None
-    policy = make_policy(name, cost, margin, max_chunk_tokens)
+    policy = make_policy(name, cost, margin if make_policy(name).uses_deadlines else None, max_chunk_tokens)
     result = simulate(workload, policy, tpot_ms=tpot_ms, actual_cost=cost)
     return evaluate(result, ttft_ms, tpot_ms).as_dict()
 
