@@ -356,3 +356,43 @@ def test_replay_of_several_traces_writes_a_folder_each_and_refuses_clashing_name
     clash = _trace(tmp_path / "other", ["0.0,100,20", "0.5,100,20"], "first.csv")
     result = _invoke("replay", str(first), str(clash), "--out", str(tmp_path / "x"))
     assert result.exit_code == 2 and "two traces would write the same folder first" in result.output
+
+
+def _repeated_key_and_negative_time_cases():
+    from sloweave.core.fit import ProfileError, read_profile
+    from sloweave.core.step_log import StepLogError, read_step_log
+    from sloweave.sim.traces import TraceError, load_trace
+
+    return [
+        ("p.json", '{"format": "sloweave-profile", "version": 1, "version": 1, "rows": []}', read_profile, ProfileError, "key 'version' is given twice"),
+        ("s.jsonl", '{"kind": "header", "format": 1, "format": 1}\n', read_step_log, StepLogError, "line 1: key 'format' is given twice"),
+        ("t.csv", "arrival_s,prompt_tokens,output_tokens\n-2.0,10,5\n1.0,20,5\n", load_trace, TraceError, "line 2: arrival_s is -2.0; arrival times must be >= 0"),
+        ("m.jsonl", '{"timestamp": -5, "input_length": 10, "output_length": 3}\n', lambda p: load_trace(p, fmt="mooncake"), TraceError, "line 1: timestamp is -5; arrival times must be >= 0"),
+    ]
+
+
+def test_one_rule_for_repeated_keys_and_negative_times_in_every_reader(tmp_path):
+    """Issue 25, class 6: a repeated JSON key and a negative arrival time are refused by every
+    reader, naming the file (they used to keep the last value, and to shift the times)."""
+    import shutil
+
+    from sloweave.core.fit import ProfileError
+    from sloweave.core.operator_profiles import load_profiles
+
+    for name, text, reader, error, message in _repeated_key_and_negative_time_cases():
+        (tmp_path / name).write_text(text)
+        with pytest.raises(error, match=message):
+            reader(tmp_path / name)
+    folder = tmp_path / "profile"
+    shutil.copytree(Path(__file__).parent / "fixtures" / "profiles" / "tiny", folder)
+    model = (folder / "model.json").read_text()
+    (folder / "model.json").write_text(model.replace("{", '{"num_layers": 1, ', 1))
+    with pytest.raises(ProfileError, match="model.json: key 'num_layers' is given twice"):
+        load_profiles(folder)
+
+
+def test_a_table_for_a_cost_that_has_none_is_refused_by_the_plug_in_as_by_tune():
+    from sloweave.vllm_plugin.config import PluginConfig, PluginConfigError
+
+    with pytest.raises(PluginConfigError, match="cost_kind 'table' needs cost set to a step-time profile file"):
+        PluginConfig(cost="analytic", cost_kind="table")

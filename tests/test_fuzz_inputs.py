@@ -325,7 +325,7 @@ def expect_trace_csv(case: TraceCsv) -> Expect:
     if case.fmt == "normalised" and any(t for _, t in texts):
         arrival = []
         for line, t in texts:
-            if number(t) is None:
+            if number(t) is None or number(t) < 0:  # negative times are refused, not shifted
                 bad.add(line)
             arrival.append(number(t))
     elif case.fmt == "azure":
@@ -484,7 +484,7 @@ def expect_jsonl(case: Jsonl) -> Expect:
             record = {}
         p, o = tokens(json_number(record.get("input_length"))), tokens(json_number(record.get("output_length")))
         t = json_number(record.get("timestamp"))
-        if p is None or o is None or t is None or p + o > case.limit or p + o >= INT64_LIMIT:
+        if p is None or o is None or t is None or t < 0 or p + o > case.limit or p + o >= INT64_LIMIT:
             bad.add(line_number)
         if arrival and t is not None and arrival[-1] is not None and t < arrival[-1]:
             bad.add(line_number)

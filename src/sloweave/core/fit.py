@@ -50,6 +50,7 @@ import pandas as pd
 
 from sloweave.core.csv_shape import check_csv_shape, located
 from sloweave.core.step_log import StepLogError, profile_rows, read_step_log
+from sloweave.core.validate import RepeatedKeyError, one_value_per_key
 
 PROFILE_FORMAT = "sloweave-profile"
 STEP_LOG_SUFFIX = ".jsonl"  # a served engine's step log (sloweave.core.step_log), read as a profile
@@ -82,7 +83,7 @@ def read_profile(path: str | Path) -> pd.DataFrame:
     lines = None  # the file line of each row (CSV only)
     try:
         if path.suffix.lower() == ".json":
-            doc = json.loads(path.read_text(encoding="utf-8"))
+            doc = json.loads(path.read_text(encoding="utf-8"), object_pairs_hook=one_value_per_key)
             if not isinstance(doc, dict) or doc.get("format") != PROFILE_FORMAT:
                 raise ProfileError(f"profile {path}: JSON must be an object with format={PROFILE_FORMAT!r}")
             version = doc.get("version")
@@ -94,6 +95,8 @@ def read_profile(path: str | Path) -> pd.DataFrame:
             frame = pd.read_csv(path, index_col=False)
     except ProfileError:
         raise
+    except RepeatedKeyError as err:
+        raise ProfileError(f"profile {path}: key {err} is given twice (which one is meant?)") from None
     except RecursionError:  # JSON nested a few thousand deep
         raise ProfileError(f"profile {path} cannot be parsed: JSON nested too deeply") from None
     except (ValueError, OSError, pd.errors.ParserError) as err:

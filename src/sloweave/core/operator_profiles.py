@@ -26,6 +26,7 @@ import pandas as pd
 
 from sloweave.core.csv_shape import check_csv_shape, located
 from sloweave.core.fit import ProfileError, _numbers, _show
+from sloweave.core.validate import RepeatedKeyError, one_value_per_key
 
 # Per-layer token-parallel operators that make up a decoder layer besides attention (Vidur's set:
 # the embedding and the LM head run once per iteration and are not profiled per layer).
@@ -121,7 +122,9 @@ def _read_model(folder: Path) -> tuple[ModelShape, dict, pd.DataFrame]:
     if not path.exists():
         raise ProfileError(f"{folder}: no model.json (it names the model and gives num_layers and tensor_parallel)")
     try:
-        model = json.loads(path.read_text(encoding="utf-8"))
+        model = json.loads(path.read_text(encoding="utf-8"), object_pairs_hook=one_value_per_key)
+    except RepeatedKeyError as err:
+        raise ProfileError(f"{path}: key {err} is given twice (which one is meant?)") from None
     except ValueError as err:
         raise ProfileError(f"{path}: not valid JSON ({err})") from None
     except RecursionError:  # nested a few thousand deep

@@ -29,6 +29,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from sloweave.core.validate import RepeatedKeyError, one_value_per_key
+
 if TYPE_CHECKING:
     import pandas as pd
 
@@ -168,7 +170,9 @@ def read_step_log(path: str | Path) -> StepLog:
     records = []
     for number, text in enumerate(lines, start=1):
         try:
-            records.append(json.loads(text, parse_constant=_refuse_constant))
+            records.append(json.loads(text, parse_constant=_refuse_constant, object_pairs_hook=one_value_per_key))
+        except RepeatedKeyError as err:
+            raise StepLogError(f"step log {path}, line {number}: key {err} is given twice") from None
         except ValueError as err:
             raise StepLogError(f"step log {path}, line {number}: not a JSON object ({err})") from None
         if not isinstance(records[-1], dict):

@@ -70,3 +70,18 @@ def over_context(prompt_tokens, output_tokens, max_model_len_tokens: int) -> str
         f"prompt {prompt_tokens} + output {output_tokens} tokens exceed the model's context of "
         f"{max_model_len_tokens} tokens (--max-model-len / max_model_len_tokens raises the limit)"
     )
+
+
+class RepeatedKeyError(ValueError):
+    """A JSON object that gives one key twice (its message is the key)."""
+
+
+def one_value_per_key(pairs: list) -> dict:
+    """``json.loads``' ``object_pairs_hook`` for every JSON file the project reads: json keeps the
+    last of a repeated key, which would drop one of the two values silently."""
+    seen = set()
+    for key, _ in pairs:
+        if key in seen:
+            raise RepeatedKeyError(repr(key))
+        seen.add(key)
+    return dict(pairs)

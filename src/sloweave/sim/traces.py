@@ -35,7 +35,7 @@ import numpy as np
 import pandas as pd
 
 from sloweave.core.csv_shape import check_csv_shape, located, not_text
-from sloweave.core.validate import DEFAULT_MAX_MODEL_LEN_TOKENS, max_model_len, over_context
+from sloweave.core.validate import DEFAULT_MAX_MODEL_LEN_TOKENS, RepeatedKeyError, max_model_len, one_value_per_key, over_context
 from sloweave.sim.workloads import Workload, WorkloadError, poisson_arrivals
 
 # Columns that identify each CSV format, in the order they are tried.
@@ -151,6 +151,9 @@ def _parse_seconds(path: Path, raw: pd.Series, column: str, lines: np.ndarray) -
     for i in np.flatnonzero(~np.isfinite(values)):
         what = "is missing" if text.iloc[i] == "" else f"is not a finite number: {text.iloc[i]!r}"
         raise _fail(path, lines[i], f"{column} {what}")
+    # refused, not shifted: a trace's clock starts at 0 or later (rebasing is for its first arrival)
+    for i in np.flatnonzero(values < 0):
+        raise _fail(path, lines[i], f"{column} is {text.iloc[i]}; arrival times must be >= 0")
     return values
 
 
@@ -270,8 +273,8 @@ def _load_jsonl(path: Path, limit: int) -> Trace:
         if row.strip() == "":
             raise _fail(path, number, "blank line inside the trace")
         try:
-            record = json.loads(row, object_pairs_hook=_one_value_per_key)
-        except _RepeatedKey as err:
+            record = json.loads(row, object_pairs_hook=one_value_per_key)
+        except RepeatedKeyError as err:
             raise _fail(path, number, f"key {err} is given twice (which one is meant?)") from None
         except json.JSONDecodeError as err:
             raise _fail(path, number, f"not valid JSON ({err.msg})") from None
@@ -291,20 +294,6 @@ def _load_jsonl(path: Path, limit: int) -> Trace:
     arrival = _parse_seconds(path, frame["timestamp"], "timestamp", lines) / 1000.0  # Mooncake stamps are ms
     _check_sorted(path, arrival, lines, "timestamp")
     return Trace(path.stem, str(path), "mooncake", _rebased(arrival), prompt, output, limit)
-
-
-class _RepeatedKey(Exception):
-    pass
-
-
-def _one_value_per_key(pairs: list) -> dict:
-    # json.loads keeps the last of a repeated key: one of the two values would be dropped silently
-    seen = set()
-    for key, _ in pairs:
-        if key in seen:
-            raise _RepeatedKey(repr(key))
-        seen.add(key)
-    return dict(pairs)
 
 
 def load_trace(path: str | Path, fmt: str = "auto", max_model_len_tokens: int = DEFAULT_MAX_MODEL_LEN_TOKENS) -> Trace:

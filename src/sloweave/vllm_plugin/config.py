@@ -115,6 +115,12 @@ class PluginConfig:
                 f"sloweave config: cost must be 'analytic', a preset ({', '.join(_presets())}), an operator-profile folder "
                 f"or an existing profile file, got {self.cost!r}"
             )
+        if self.cost_kind != "regression" and not os.path.isfile(self.cost):
+            # refused, as `tune` does, rather than ignored: the user asked for a table
+            raise PluginConfigError(
+                f"sloweave config: cost_kind {self.cost_kind!r} needs cost set to a step-time profile file (the analytic "
+                f"model, a preset and an operator-profile folder have no lookup table), got cost {self.cost!r}"
+            )
         # the types first: "false" is truthy, and would be refused below for the wrong reason
         for name in ("profile_margin", "online_correction"):
             if not isinstance(getattr(self, name), bool):
