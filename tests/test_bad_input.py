@@ -396,3 +396,29 @@ def test_a_table_for_a_cost_that_has_none_is_refused_by_the_plug_in_as_by_tune()
 
     with pytest.raises(PluginConfigError, match="cost_kind 'table' needs cost set to a step-time profile file"):
         PluginConfig(cost="analytic", cost_kind="table")
+
+
+@pytest.mark.parametrize(
+    "args, option",
+    [
+        (["capacity", "--workload", "mixed", "--tpot-ms", "25", "--tpot-ms", "25.0"], "--tpot-ms"),
+        (["capacity", "--workload", "mixed", "--policy", "sloweave", "--policy", " SLOWeave"], "--policy"),
+        (["replay", "t.csv", "--policy", "fixed-256", "--policy", "fixed-256"], "--policy"),
+        (["tune", "--workload", "mixed", "--budget", "512", "--budget", "512"], "--budget"),
+        (["reproduce", "--workload", "mixed", "--workload", "mixed"], "--workload"),
+        (["ablate", "--config", "greedy", "--config", "greedy"], "--config"),
+    ],
+)
+def test_a_value_given_twice_is_refused_by_every_command(args, option, tmp_path):
+    """Issue 25, class 6: a repeated --tpot-ms doubled capacity's seed rows ("seeds": 2), a
+    repeated --policy was dropped by capacity and refused by replay; now one rule for all."""
+    from click.testing import CliRunner
+
+    from sloweave.cli import main
+
+    (tmp_path / "t.csv").write_text("arrival_s,prompt_tokens,output_tokens\n0,10,5\n1,20,5\n")
+    args = [str(tmp_path / a) if a == "t.csv" else a for a in args]
+    result = CliRunner().invoke(main, [*args, "--out", str(tmp_path / "out")])
+    assert result.exit_code == 2, result.output
+    assert f"Invalid value for '{option}'" in result.output and "is given more than once" in result.output
+    assert not (tmp_path / "out").exists()  # refused before any work

@@ -34,7 +34,7 @@ from sloweave.core.policy import Aging, SLOWeave
 from sloweave.sim.engine import simulate
 from sloweave.sim.traces import ReplayOptions, load_trace, replay_workload, split_windows
 from sloweave.sim.workloads import WORKLOADS, Workload
-from sloweave.studies.inputs import POSITIVE, parallel_options, runner_of, REQUESTS
+from sloweave.studies.inputs import POSITIVE, REQUESTS, once_each, parallel_options, runner_of
 from sloweave.studies.outputs import check_writable, command_settings, write_result_json
 from sloweave.studies.parallel import SERIAL, Runner, run_tasks
 
@@ -329,8 +329,8 @@ def write_ablation(runs: pd.DataFrame, tiers: pd.DataFrame, configs: tuple[Confi
 @click.option("--seeds", type=click.IntRange(min=1), default=DEFAULT_SEEDS, show_default=True, help="seeds per workload (trace: disjoint windows)")
 @click.option("--requests", "num_requests", type=REQUESTS, default=None, help=f"requests per synthetic seed [default: {DEFAULT_REQUESTS}, --quick: {QUICK_REQUESTS}]")
 @click.option("--quick", is_flag=True, help=f"{QUICK_REQUESTS} requests per seed, {QUICK_TRACE_WINDOW_S:g} s trace windows")
-@click.option("--workload", "workloads", multiple=True, type=click.Choice(list(WORKLOADS)), help="repeatable; default: all four")
-@click.option("--config", "config_names", multiple=True, type=click.Choice(list(CONFIG_NAMES)), help="repeatable; default: all (greedy is always run)")
+@click.option("--workload", "workloads", multiple=True, type=click.Choice(list(WORKLOADS)), callback=once_each, help="repeatable; default: all four")
+@click.option("--config", "config_names", multiple=True, type=click.Choice(list(CONFIG_NAMES)), callback=once_each, help="repeatable; default: all (greedy is always run)")
 @click.option("--trace", "trace_path", type=click.Path(dir_okay=False, path_type=Path), default=DEFAULT_TRACE, show_default=True)
 @click.option("--no-trace", is_flag=True, help="skip the real trace")
 @click.option("--trace-rate-scale", type=POSITIVE, default=TRACE_RATE_SCALE, show_default=True)

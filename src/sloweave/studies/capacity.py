@@ -40,7 +40,7 @@ from sloweave.core.cost import AnalyticCost, CostModel
 from sloweave.core.costs import ResolvedCost, analytic_description, cost_option
 from sloweave.sim.metrics import RunMetrics, summarize
 from sloweave.core.policy import DEFAULT_MAX_CHUNK_TOKENS
-from sloweave.studies.inputs import POSITIVE, REQUESTS, max_model_len_option, model_len_or_default, parallel_options
+from sloweave.studies.inputs import POSITIVE, REQUESTS, max_model_len_option, model_len_or_default, once_each, parallel_options
 from sloweave.studies.parallel import Runner, local_cores, run_tasks
 from sloweave.studies.outputs import check_writable, command_settings, write_result_json
 from sloweave.studies.replay import DEFAULT_TRACE_TTFT_MS, _pyplot, build_policy, plot_cdfs, policy_style, run_policy
@@ -808,8 +808,8 @@ def _describe(cost: CostModel) -> dict:
 @click.option("--trace", "trace_paths", multiple=True, type=click.Path(dir_okay=False, path_type=Path), help="request trace file; repeat to replay several back to back (each seed: one window of each, in order)")
 @click.option("--workload", type=click.Choice(list(ALL_WORKLOADS)), default=None, help="synthetic workload or scenario instead of a trace")
 @click.option("--format", "fmt", type=click.Choice(FORMATS), default="auto", show_default=True)
-@click.option("--policy", "policies", multiple=True, help=f"repeat for several; fixed-tuned / budget-tuned / sarathi-tuned: that rule at its best budget per target, from a refined sweep [default: {', '.join(DEFAULT_POLICIES)}]")
-@click.option("--tpot-ms", "tpot_targets", type=POSITIVE, multiple=True, help="repeat for several [default: 10, 25, 50]")
+@click.option("--policy", "policies", multiple=True, callback=once_each, help=f"repeat for several; fixed-tuned / budget-tuned / sarathi-tuned: that rule at its best budget per target, from a refined sweep [default: {', '.join(DEFAULT_POLICIES)}]")
+@click.option("--tpot-ms", "tpot_targets", type=POSITIVE, multiple=True, callback=once_each, help="repeat for several [default: 10, 25, 50]")
 @click.option("--tpot-change-ms", type=POSITIVE, default=None, help="the TPOT target changes to this for requests arriving in the second half of each run")
 @click.option("--ttft-ms", type=POSITIVE, default=None, help=f"TTFT target [default: the workload's; {DEFAULT_TRACE_TTFT_MS:g} for a trace]")
 @click.option("--attainment", type=click.FloatRange(min=0, max=1, min_open=True), default=DEFAULT_ATTAINMENT, show_default=True)

@@ -50,6 +50,19 @@ class PositiveNumber(click.ParamType):
 POSITIVE = PositiveNumber()
 
 
+def once_each(ctx, param, values: tuple) -> tuple:
+    """A repeatable option's callback: a value given twice is refused, naming it (one rule for
+    every command: it used to be doubled by one and dropped by another). Names compare as the
+    commands read them (case and surrounding spaces do not make a new policy)."""
+    seen = set()
+    for value in values:
+        key = value.strip().lower() if isinstance(value, str) else value
+        if key in seen:
+            raise click.BadParameter(f"{value!r} is given more than once (each value is run once)", ctx=ctx, param=param)
+        seen.add(key)
+    return values
+
+
 def _ray_address(ctx, param, value: str | None) -> str | None:
     if value is None:
         return None

@@ -17,7 +17,7 @@ from sloweave.core.costs import ResolvedCost, cost_option
 from sloweave.sim.metrics import RunMetrics, per_request_frame, run_duration_ms, slo_met, summarize
 from sloweave.core.policy import DEFAULT_MAX_CHUNK_TOKENS, Policy, make_policy
 from sloweave.sim.options import DEFAULT_OPTIONS, EngineOptions, engine_options
-from sloweave.studies.inputs import POSITIVE, SEED, max_model_len_option, model_len_or_default, parallel_options, runner_of
+from sloweave.studies.inputs import POSITIVE, SEED, max_model_len_option, model_len_or_default, once_each, parallel_options, runner_of
 from sloweave.studies.outputs import check_writable, command_settings, write_result_json
 from sloweave.studies.parallel import SERIAL, Runner, run_tasks
 from sloweave.sim.traces import FORMATS, ReplayOptions, ReplayReport, TraceError, load_trace, replay_workload
@@ -180,7 +180,7 @@ def describe_report(report: ReplayReport) -> str:
 @click.option("--arrivals", type=click.Choice(["trace", "poisson"]), default="trace", show_default=True, help="poisson: generate arrivals (needed for length-only files)")
 @click.option("--rate-rps", type=float, default=None, help="rate of generated Poisson arrivals (before --rate-scale)")
 @click.option("--seed", type=SEED, default=0, show_default=True, help="seed of generated arrivals")
-@click.option("--policy", "policies", multiple=True, default=DEFAULT_REPLAY_POLICIES, show_default=True, help="repeat for several")
+@click.option("--policy", "policies", multiple=True, callback=once_each, default=DEFAULT_REPLAY_POLICIES, show_default=True, help="repeat for several")
 @click.option("--tpot-ms", type=POSITIVE, default=25.0, show_default=True)
 @click.option("--ttft-ms", type=POSITIVE, default=DEFAULT_TRACE_TTFT_MS, show_default=True)
 @click.option("--max-chunk", type=click.IntRange(min=1), default=DEFAULT_MAX_CHUNK_TOKENS, show_default=True)

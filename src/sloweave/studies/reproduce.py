@@ -22,7 +22,7 @@ from sloweave.sim.metrics import RunMetrics, per_request_frame, run_duration_ms,
 from sloweave.core.policy import DEFAULT_MAX_CHUNK_TOKENS, SLOWeave, make_policy
 from sloweave.sim.engine import SimResult, simulate
 from sloweave.sim.workloads import WORKLOADS, get_workload_spec
-from sloweave.studies.inputs import REQUESTS, parallel_options, runner_of
+from sloweave.studies.inputs import REQUESTS, once_each, parallel_options, runner_of
 from sloweave.studies.outputs import check_writable, write_result_json
 from sloweave.studies.parallel import SERIAL, Runner, run_tasks
 from sloweave.studies.pictures import plot_step_timeline
@@ -333,7 +333,7 @@ def write_single_run(result: SimResult, requests: pd.DataFrame, metrics: RunMetr
 @click.option("--seeds", type=click.IntRange(min=1), default=DEFAULT_SEEDS, show_default=True)
 @click.option("--requests", "num_requests", type=REQUESTS, default=None, help=f"requests per workload and seed [default: {DEFAULT_REQUESTS}, --quick: {QUICK_REQUESTS}]")
 @click.option("--quick", is_flag=True, help=f"{QUICK_REQUESTS} requests per run instead of {DEFAULT_REQUESTS}")
-@click.option("--workload", "workloads", multiple=True, type=click.Choice(list(WORKLOADS)), help="repeatable; default: all four")
+@click.option("--workload", "workloads", multiple=True, type=click.Choice(list(WORKLOADS)), callback=once_each, help="repeatable; default: all four")
 @cost_option()
 @parallel_options()
 def reproduce(out_dir: Path, seeds: int, num_requests: int | None, quick: bool, workloads: tuple[str, ...], cost: ResolvedCost, jobs, ray_address) -> None:

@@ -38,7 +38,7 @@ import pandas as pd
 
 from sloweave.sim.options import DEFAULT_OPTIONS, EngineOptions, engine_options
 from sloweave.studies.capacity import best_of_rule, budget_of, default_jobs, refined_budgets
-from sloweave.studies.inputs import POSITIVE, REQUESTS, max_model_len_option, model_len_or_default, parallel_options
+from sloweave.studies.inputs import POSITIVE, REQUESTS, max_model_len_option, model_len_or_default, once_each, parallel_options
 from sloweave.studies.outputs import check_writable, command_settings, write_result_json
 from sloweave.studies.capacity import DEFAULT_ATTAINMENT, DEFAULT_WINDOW_S, CapacityStudy, LoadSource, SpecSource, trace_source
 from sloweave.core.cost import AnalyticCost, CostModel
@@ -477,7 +477,7 @@ def _cost_from_profile(path: Path, kind: str, context_tokens: float | None, sour
 @click.option("--tpot-ms", type=POSITIVE, default=25.0, show_default=True)
 @click.option("--ttft-ms", type=POSITIVE, default=None, help=f"TTFT target [default: the workload's; {DEFAULT_TRACE_TTFT_MS:g} for a trace]")
 @click.option("--attainment", type=click.FloatRange(min=0, max=1, min_open=True), default=DEFAULT_ATTAINMENT, show_default=True)
-@click.option("--budget", "budgets", type=click.IntRange(min=1), multiple=True, help="repeat for a custom sweep [default: 256 ... 8192, powers of two and 1.5x between]")
+@click.option("--budget", "budgets", type=click.IntRange(min=1), multiple=True, callback=once_each, help="repeat for a custom sweep [default: 256 ... 8192, powers of two and 1.5x between]")
 @click.option("--load-scale", type=POSITIVE, default=None, help="load for the goodput comparison, as a rate scale [default: the best budget's capacity]")
 @cost_option()
 @click.option("--cost-kind", type=click.Choice(["regression", "table"]), default="regression", show_default=True, help="model fitted from a step-time profile file")
