@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -422,3 +423,27 @@ def test_a_value_given_twice_is_refused_by_every_command(args, option, tmp_path)
     assert result.exit_code == 2, result.output
     assert f"Invalid value for '{option}'" in result.output and "is given more than once" in result.output
     assert not (tmp_path / "out").exists()  # refused before any work
+
+
+@pytest.mark.parametrize("value", [True, False, "1.0", None, [1.0]])
+def test_a_cost_coefficient_that_is_no_number_is_refused_by_name(value):
+    """Issue 25, class 3: True was read as 1 ms; a string failed with numpy's "ufunc 'isfinite' not supported"."""
+    from sloweave.core.cost import AnalyticCost, CostModelError
+
+    with pytest.raises(CostModelError, match=f"AnalyticCost.prefill_base_ms must be a finite number >= 0, got {re.escape(repr(value))}"):
+        AnalyticCost(prefill_base_ms=value)
+
+
+@pytest.mark.parametrize(
+    "config, message",
+    [
+        ({"margin_fraction": 1e308}, "margin_fraction must be at most 100, got 1e\\+308"),
+        ({"margin_ms": 4e6}, "margin_ms must be at most 3.6e\\+06"),
+        ({"analytic": {"base_ms": True}}, "analytic: AnalyticCost.base_ms must be a finite number >= 0, got True"),
+    ],
+)
+def test_the_plug_in_refuses_a_margin_or_coefficient_it_cannot_use_at_start_up_naming_the_key(config, message):
+    from sloweave.vllm_plugin.config import PluginConfig, PluginConfigError
+
+    with pytest.raises(PluginConfigError, match=f"sloweave config: {message}"):
+        PluginConfig(**config).build_decision()

@@ -1365,11 +1365,15 @@ def test_a_request_target_too_large_for_a_float_is_a_value_error():
         request_tpot_ms({"sloweave_tpot_ms": 10**400}, "r1")
 
 
-def test_a_number_too_large_for_int64_is_kept_as_a_float_the_cost_models_take():
-    # margin_fraction=2**64 passed the check, then numpy raised TypeError building the margin
-    config = PluginConfig.from_sources({"sloweave": {"margin_fraction": 2**64, "margin_ms": 2**64}}, {})
-    assert isinstance(config.margin_fraction, float) and config.margin_fraction == 2.0**64
+def test_an_integer_margin_is_kept_as_a_float_and_one_past_its_range_is_refused_by_name():
+    # margin_fraction=2**64 passed the check, then numpy raised TypeError building the margin;
+    # a margin has a range now (an hour; 100x the prediction), and integers within it are floats
+    config = PluginConfig.from_sources({"sloweave": {"margin_fraction": 100, "margin_ms": 3_600_000}}, {})
+    assert isinstance(config.margin_fraction, float) and isinstance(config.margin_ms, float)
     config.build_cost_and_margin()
+    for key in ("margin_fraction", "margin_ms"):
+        with pytest.raises(PluginConfigError, match=f"sloweave config: {key} must be at most"):
+            PluginConfig.from_sources({"sloweave": {key: 2**64}}, {})
 
 
 def test_profile_margin_false_as_a_string_is_refused_as_not_a_boolean(step_profile):

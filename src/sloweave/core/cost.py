@@ -17,6 +17,8 @@ from typing import Protocol, runtime_checkable
 
 import numpy as np
 
+from sloweave.core.validate import non_negative_number
+
 
 class CostModelError(ValueError):
     """A cost model or margin that the policy cannot use (e.g. not monotone in the chunk)."""
@@ -55,9 +57,10 @@ class AnalyticCost:
 
     def __post_init__(self) -> None:
         for name in ("base_ms", "decode_base_ms", "decode_per_req_ms", "prefill_base_ms", "prefill_per_token_ms"):
-            value = getattr(self, name)
-            if not np.isfinite(value) or value < 0:
-                raise CostModelError(f"AnalyticCost.{name} must be a finite number >= 0, got {value!r}")
+            try:  # the shared rule: a boolean is no number of ms (True read as 1 ms), nor a string
+                non_negative_number(getattr(self, name), f"AnalyticCost.{name}")
+            except ValueError as err:
+                raise CostModelError(str(err)) from None
 
     def __call__(self, n_decodes: int, chunk_tokens: int) -> float:
         t = self.base_ms

@@ -10,8 +10,8 @@ Sources, later ones win: defaults, environment variables ``SLOWEAVE_*``, and vLL
 | cost | SLOWEAVE_COST | analytic | `analytic`, an operator-profile preset (`llama2-70b-tp2-a100`, `llama3-8b-tp1-a100`) or folder (Vidur's CSVs + `model.json`), or a step-time profile file (CSV/JSON) from `sloweave profile` / the GPU profiler, or a served run's step log (`.jsonl`); the same specs as the commands' `--cost` (`sloweave.core.costs.resolve_cost`); with `online_correction` it is the prior that measured step times correct |
 | cost_kind | SLOWEAVE_COST_KIND | regression | model fitted from a step-time profile file: `regression` or `table` |
 | analytic | - | paper's | coefficients of the analytic model (`base_ms`, `decode_base_ms`, ...) |
-| margin_ms | SLOWEAVE_MARGIN_MS | 0 | constant safety margin (with `online_correction`: added on top of the adaptive margin) |
-| margin_fraction | SLOWEAVE_MARGIN_FRACTION | 0 | margin proportional to the prediction (with `online_correction`: of the corrected prediction, on top of the adaptive margin) |
+| margin_ms | SLOWEAVE_MARGIN_MS | 0 | constant safety margin, at most one hour (with `online_correction`: added on top of the adaptive margin) |
+| margin_fraction | SLOWEAVE_MARGIN_FRACTION | 0 | margin proportional to the prediction, at most 100 (with `online_correction`: of the corrected prediction, on top of the adaptive margin) |
 | profile_margin | SLOWEAVE_PROFILE_MARGIN | false | use the profile's P99 residual margin (needs a step-time profile file; not with `online_correction`, whose adaptive margin replaces it) |
 | aging_ms | SLOWEAVE_AGING_MS | 2000 | a prompt waiting this long without progress gets a chunk anyway (`0`: off) |
 | aging_chunk_tokens | SLOWEAVE_AGING_CHUNK_TOKENS | 256 | size of that forced chunk |
@@ -76,6 +76,8 @@ def request_tpot_ms(extra_args: Mapping | None, request_id: str | None = None) -
     return tpot_target_ms(extra_args[REQUEST_TPOT_KEY], name)
 
 
+# a margin of 100x the prediction is already a different model, not a margin
+MAX_MARGIN_FRACTION = 100.0
 # the profile's residual margin is the P99 of its residuals (``fit_profile``'s default quantile)
 PROFILE_MARGIN_COVERAGE = 0.99
 
@@ -108,6 +110,10 @@ class PluginConfig:
         _whole(self.aging_chunk_tokens, "aging_chunk_tokens")
         for name in ("margin_ms", "margin_fraction", "aging_ms"):
             object.__setattr__(self, name, _checked(non_negative_number, getattr(self, name), name))
+        # past these a margin is no margin but another model (and 1e308 overflowed at start-up)
+        for name, limit in (("margin_ms", MAX_TPOT_MS), ("margin_fraction", MAX_MARGIN_FRACTION)):
+            if getattr(self, name) > limit:
+                raise PluginConfigError(f"sloweave config: {name} must be at most {limit:g}, got {getattr(self, name)!r}")
         if self.cost_kind not in ("regression", "table"):
             raise PluginConfigError(f"sloweave config: cost_kind must be 'regression' or 'table', got {self.cost_kind!r}")
         if not isinstance(self.cost, str) or not (self.cost == "analytic" or self.cost in _presets() or os.path.exists(self.cost)):
