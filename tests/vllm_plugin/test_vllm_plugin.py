@@ -228,6 +228,10 @@ def test_profile_file_as_the_cost_model(tmp_path):
     # the fitted model, at this step's KV context, says the chunk fits and one more token would not
     kv = 4 * 502
     assert fitted.predict(4, plan.chunk_tokens, kv, 0) <= 10.0 < fitted.predict(4, plan.chunk_tokens + 1, kv, 0)
+    # the profile's margin states the quantile its table was fitted at (P99): the dashboards' coverage
+    from sloweave.vllm_plugin.config import PluginConfig
+
+    assert PluginConfig(cost=str(path), profile_margin=True).build_decision().coverage == 0.99
 
 
 @pytest.mark.parametrize("overlap", [False, True])

@@ -137,7 +137,7 @@ class BudgetController:
     def plan_step(self, state: StepState) -> StepPlan:
         # A clock glitch (NaN, inf) is refused before anything changes: a plan timed from it
         # would compare False with every deadline and run with no deadline and no margin.
-        _check_clock(state.now_ms)
+        check_clock_ms(state.now_ms)
         # Steps still in flight end before this one starts, and their requests will have
         # emitted by then: count their next deadlines from the predicted ends. (In a
         # synchronous loop nothing is in flight here and this costs nothing.)
@@ -161,13 +161,13 @@ class BudgetController:
         # that starves decodes is a bug, not a choice. The prefill gets the chunk on top.
         token_budget = min(self.max_budget_tokens, state.decode_tokens + chunk)
         chunk = max(0, token_budget - state.decode_tokens)
-        predicted_ms = self.policy.predicted_ms(state.decode_tokens, chunk)
+        margin_ms, predicted_ms = self.policy.margin_and_predicted_ms(state.decode_tokens, chunk)
         base_ms = math.nan
         if self.correction is not None:
             base_ms = self.policy.cost.base.predict(state.decode_tokens, chunk, state.decode_kv_tokens, state.prefill_prefix_tokens)
         plan = StepPlan(
             token_budget, chunk, start_ms, state.now_ms, budget_ms, predicted_ms, infeasible, aged, state.decode_tokens, base_ms,
-            state.decode_kv_tokens, state.prefill_prefix_tokens, self.policy.margin(state.decode_tokens, chunk),
+            state.decode_kv_tokens, state.prefill_prefix_tokens, margin_ms,
             state.pending_prompt_tokens, len(state.prompts_on_offer),
         )
         self.stats.steps += 1
@@ -213,7 +213,7 @@ class BudgetController:
             # step, and refuse its time (nothing learns from it, no token is timed by it).
             if self._in_flight:
                 self._in_flight.popleft()
-            _check_clock(now_ms)
+            check_clock_ms(now_ms)
         self._emit_at(emitted, now_ms)
         if not self._in_flight:
             return
@@ -243,9 +243,11 @@ class BudgetController:
         return request_id in self.tracker and self.tracker.deadline_of(request_id) < end_ms
 
 
-def _check_clock(now_ms: float) -> None:
+def check_clock_ms(now_ms: float) -> float:
+    """A reading of an engine's clock, refused when it glitches (NaN, inf)."""
     if not math.isfinite(now_ms):
         raise ValueError(f"the engine's clock read {now_ms!r} ms; a time must be a finite number of milliseconds")
+    return now_ms
 
 
 def make_policy_for_engine(cost: CostModel, margin: Margin | None, max_chunk_tokens: int) -> SLOWeave:

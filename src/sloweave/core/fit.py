@@ -96,7 +96,7 @@ def read_profile(path: str | Path) -> pd.DataFrame:
     except ProfileError:
         raise
     except RepeatedKeyError as err:
-        raise ProfileError(f"profile {path}: key {err} is given twice (which one is meant?)") from None
+        raise ProfileError(f"profile {path}: {err}") from None
     except RecursionError:  # JSON nested a few thousand deep
         raise ProfileError(f"profile {path} cannot be parsed: JSON nested too deeply") from None
     except (ValueError, OSError, pd.errors.ParserError) as err:

@@ -124,7 +124,7 @@ def _read_model(folder: Path) -> tuple[ModelShape, dict, pd.DataFrame]:
     try:
         model = json.loads(path.read_text(encoding="utf-8"), object_pairs_hook=one_value_per_key)
     except RepeatedKeyError as err:
-        raise ProfileError(f"{path}: key {err} is given twice (which one is meant?)") from None
+        raise ProfileError(f"{path}: {err}") from None
     except ValueError as err:
         raise ProfileError(f"{path}: not valid JSON ({err})") from None
     except RecursionError:  # nested a few thousand deep

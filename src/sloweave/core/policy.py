@@ -102,6 +102,13 @@ class SLOWeave:
     def predicted_ms(self, n_decodes: int, chunk_tokens: int) -> float:
         return self._predicted(n_decodes, chunk_tokens)
 
+    def margin_and_predicted_ms(self, n_decodes: int, chunk_tokens: int) -> tuple[float, float]:
+        """delta(n, c) and T(n, c) + delta(n, c), each computed once (a real engine records both)."""
+        if isinstance(self.margin, ZeroMargin):
+            return 0.0, self.cost(n_decodes, chunk_tokens)
+        margin_ms = self.margin(n_decodes, chunk_tokens)
+        return margin_ms, self.cost(n_decodes, chunk_tokens) + margin_ms
+
     def decide(self, n_decodes: int, waiting_tokens: int, budget_ms: float) -> Decision:
         # Cheap comparisons, on the hot path on purpose: a NaN budget compares False with
         # everything and would otherwise pass as "fits", a negative count gives a negative chunk.

@@ -172,7 +172,7 @@ def read_step_log(path: str | Path) -> StepLog:
         try:
             records.append(json.loads(text, parse_constant=_refuse_constant, object_pairs_hook=one_value_per_key))
         except RepeatedKeyError as err:
-            raise StepLogError(f"step log {path}, line {number}: key {err} is given twice") from None
+            raise StepLogError(f"step log {path}, line {number}: {err}") from None
         except ValueError as err:
             raise StepLogError(f"step log {path}, line {number}: not a JSON object ({err})") from None
         if not isinstance(records[-1], dict):

@@ -73,7 +73,7 @@ def over_context(prompt_tokens, output_tokens, max_model_len_tokens: int) -> str
 
 
 class RepeatedKeyError(ValueError):
-    """A JSON object that gives one key twice (its message is the key)."""
+    """A JSON object that gives one key twice (its message says which; readers prefix the place)."""
 
 
 def one_value_per_key(pairs: list) -> dict:
@@ -82,6 +82,6 @@ def one_value_per_key(pairs: list) -> dict:
     seen = set()
     for key, _ in pairs:
         if key in seen:
-            raise RepeatedKeyError(repr(key))
+            raise RepeatedKeyError(f"key {key!r} is given twice (which one is meant?)")
         seen.add(key)
     return dict(pairs)

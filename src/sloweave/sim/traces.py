@@ -275,7 +275,7 @@ def _load_jsonl(path: Path, limit: int) -> Trace:
         try:
             record = json.loads(row, object_pairs_hook=one_value_per_key)
         except RepeatedKeyError as err:
-            raise _fail(path, number, f"key {err} is given twice (which one is meant?)") from None
+            raise _fail(path, number, str(err)) from None
         except json.JSONDecodeError as err:
             raise _fail(path, number, f"not valid JSON ({err.msg})") from None
         except RecursionError:  # "[[[[..." a few thousand deep: the parser gives up

@@ -78,8 +78,6 @@ def request_tpot_ms(extra_args: Mapping | None, request_id: str | None = None) -
 
 # a margin of 100x the prediction is already a different model, not a margin
 MAX_MARGIN_FRACTION = 100.0
-# the profile's residual margin is the P99 of its residuals (``fit_profile``'s default quantile)
-PROFILE_MARGIN_COVERAGE = 0.99
 
 
 class PluginConfigError(ValueError):
@@ -207,7 +205,8 @@ class PluginConfig:
         cost = resolved.model
         if self.profile_margin:
             margin = _sum_margins(resolved.fit.margin(cost), self._plain_margin(cost))
-            return DecisionParts(cost, margin, coverage=PROFILE_MARGIN_COVERAGE)
+            # the residual quantile the fit's margin table was made at (its report says which)
+            return DecisionParts(cost, margin, coverage=resolved.fit.report["margin_quantile"] / 100.0)
         return DecisionParts(cost, self._plain_margin(cost))
 
     def resolved_cost(self):

@@ -24,7 +24,6 @@ vLLM's own budget (``sloweave_fault``).
 from __future__ import annotations
 
 import logging
-import math
 import time
 from collections import deque
 from collections.abc import Iterable, Iterator
@@ -36,7 +35,7 @@ from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import Request, RequestStatus
 
-from sloweave.core.budget import BudgetController, StepPlan, StepState, make_policy_for_engine
+from sloweave.core.budget import BudgetController, StepPlan, StepState, check_clock_ms, make_policy_for_engine
 from sloweave.core.decision_metrics import Recorders
 from sloweave.core.step_log import StepLogWriter
 from sloweave.vllm_plugin.config import PluginConfig, PluginConfigError, request_tpot_ms, step_log_path
@@ -166,16 +165,11 @@ class SLOWeaveSchedulerMixin:
     def _now_ms(self) -> float:
         """The clock, refused when it glitches (NaN, inf): a time stored from it would stop a
         prompt from ever aging, and a plan timed from it would have no deadline and no margin."""
-        now_ms = self.sloweave_clock_ms()
-        if not math.isfinite(now_ms):
-            raise ValueError(f"the clock read {now_ms!r} ms")
-        return now_ms
+        return check_clock_ms(self.sloweave_clock_ms())
 
     def schedule(self, *args, **kwargs) -> SchedulerOutput:
-        now_ms = math.nan
         try:
-            now_ms = self._now_ms()
-            decodes, plan = self._plan(now_ms)
+            decodes, plan = self._plan(self._now_ms())
         except Exception as err:  # noqa: BLE001 - see sloweave_fault
             self.sloweave_fault("schedule", err)
             decodes, plan = [], None
@@ -189,7 +183,7 @@ class SLOWeaveSchedulerMixin:
         if output.total_num_scheduled_tokens:
             if plan is not None:
                 try:
-                    self._scheduled(output, plan, decodes, now_ms)
+                    self._scheduled(output, plan, decodes)
                 except Exception as err:  # noqa: BLE001
                     self.sloweave_fault("schedule", err)
                     plan = None
@@ -205,14 +199,14 @@ class SLOWeaveSchedulerMixin:
             self.running[:] = decodes + partial
         return decodes, self.sloweave.plan_step(self._step_state(now_ms, decodes, partial))
 
-    def _scheduled(self, output: SchedulerOutput, plan: StepPlan, decodes: list[Request], now_ms: float) -> None:
+    def _scheduled(self, output: SchedulerOutput, plan: StepPlan, decodes: list[Request]) -> None:
         # Requests done computing after this step emit a token at its end: decodes and
         # prompts whose last chunk is in it (vLLM advanced num_computed_tokens already).
         emitting = []
         progress = self._prompt_progress_ms
         for request_id in output.num_scheduled_tokens:
             if request_id in progress and _is_prefilling(self.requests[request_id]):
-                progress[request_id] = now_ms
+                progress[request_id] = plan.scheduled_ms  # when it was planned: this call's clock
             else:
                 emitting.append(request_id)
         # What vLLM really scheduled (it may take less than the budget: max_num_seqs, KV
