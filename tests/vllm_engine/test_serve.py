@@ -4,7 +4,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -17,16 +16,11 @@ import pytest
 from sloweave.vllm_plugin.offline import tiny_model_dir
 from sloweave.vllm_plugin.request_check import REQUEST_TARGET_CHECK
 
+from prometheus_server import free_port  # one loopback-port helper for every server a test starts
 from real_engine import CPU_ANALYTIC, PLUGIN
 
 START_TIMEOUT_S = 240
 REQUEST_TIMEOUT_S = 120
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @contextlib.contextmanager
