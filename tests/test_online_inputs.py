@@ -52,7 +52,7 @@ def test_an_infinite_step_no_longer_switches_the_margin_off():
 @pytest.mark.parametrize(
     "kwargs, message",
     [
-        ({"min_factor": 0}, "min_factor must be a finite number > 0, got 0"),
+        ({"min_factor": 0}, "min_factor must be a finite number > 0 and <= 1e\\+10, got 0"),
         ({"min_factor": 2.0, "max_factor": 1.5}, "min_factor <= 1 <= max_factor"),
         ({"max_factor": math.inf}, "max_factor must be a finite number"),
         ({"alpha": True}, r"alpha must be in \(0, 1\]"),

@@ -91,9 +91,9 @@ def test_bad_policy_names_are_rejected(bad):
 
 @pytest.mark.parametrize("bad", [0, -1, 1.5, True])
 def test_bad_chunk_sizes_are_rejected(bad):
-    with pytest.raises(ValueError, match="positive whole number"):
+    with pytest.raises(ValueError, match="must be a whole number of tokens >= 1 and <= 2,147,483,648"):
         FixedChunk(bad)
-    with pytest.raises(ValueError, match="positive whole number"):
+    with pytest.raises(ValueError, match="must be a whole number of tokens >= 1 and <= 2,147,483,648"):
         SLOWeave(max_chunk_tokens=bad)
 
 

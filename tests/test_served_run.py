@@ -143,7 +143,7 @@ def test_a_step_without_a_measured_time_is_refused_before_anything_is_written(tm
     lines[3] = json.dumps(step)
     log.write_text("\n".join(lines) + "\n")
     result = served_run(log, "--out", tmp_path / "served")
-    assert result.exit_code != 0 and "step 2 has no finite measured_ms" in result.output
+    assert result.exit_code != 0 and "steps.jsonl, line 4: measured_ms must be a finite number of milliseconds >= 0" in result.output
     assert sorted(p.name for p in tmp_path.iterdir()) == ["steps.jsonl"]  # complete or absent
 
 

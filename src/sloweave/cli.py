@@ -6,6 +6,7 @@ Each sub-command lives next to the code it drives; this module only assembles th
 from __future__ import annotations
 
 import math
+from contextlib import nullcontext
 from dataclasses import replace
 from pathlib import Path
 
@@ -16,8 +17,9 @@ from sloweave.core.costs import cost_option
 from sloweave.core.policy import DEFAULT_MAX_CHUNK_TOKENS, SLOWeave, make_policy
 from sloweave.sim.options import engine_options
 from sloweave.sim.workloads import ALL_WORKLOADS, WorkloadError, get_workload_spec
-from sloweave.studies.inputs import POSITIVE, REQUESTS, SEED
-from sloweave.studies.outputs import check_writable, command_settings, strict_json, write_result_json
+from sloweave.core.validate import DURATION_MS, GIB, MARGIN_MS, REQUEST_COUNT, SCALE, TOKEN_COUNT, TOKENS
+from sloweave.studies.inputs import REQUESTS, SEED
+from sloweave.studies.outputs import Interrupted, check_writable, command_settings, result_folder, result_folder_options, strict_json, write_result_json
 
 
 class _Commands(click.Group):
@@ -28,6 +30,8 @@ class _Commands(click.Group):
             return super().invoke(ctx)
         except TaskFailed as err:  # a study task failed in a worker: its inputs and cause, no traceback
             raise click.ClickException(str(err)) from err
+        except KeyboardInterrupt:  # Ctrl-C outside a result folder (inside one, result_folder says what is left)
+            raise Interrupted("interrupted") from None
 
 
 @click.group(cls=_Commands, context_settings={"help_option_names": ["-h", "--help"]})
@@ -45,10 +49,10 @@ def _margin(kind: str, value: float, cost):
 
 
 @main.command()
-@click.option("--decodes", "n_decodes", type=click.IntRange(min=0), required=True, help="running requests n")
-@click.option("--waiting-tokens", type=click.IntRange(min=0), required=True, help="remaining prompt L of the oldest waiting request")
-@click.option("--budget-ms", type=float, default=math.inf, show_default=True, help="time to the earliest next-token deadline")
-@click.option("--max-chunk", type=click.IntRange(min=1), default=DEFAULT_MAX_CHUNK_TOKENS, show_default=True)
+@click.option("--decodes", "n_decodes", type=REQUEST_COUNT.option(), required=True, help="running requests n")
+@click.option("--waiting-tokens", type=TOKEN_COUNT.option(), required=True, help="remaining prompt L of the oldest waiting request")
+@click.option("--budget-ms", type=MARGIN_MS.option(infinity=True), default=math.inf, show_default=True, help="time to the earliest next-token deadline")
+@click.option("--max-chunk", type=TOKENS.option(), default=DEFAULT_MAX_CHUNK_TOKENS, show_default=True)
 def decide(n_decodes: int, waiting_tokens: int, budget_ms: float, max_chunk: int) -> None:
     """One SLOWeave decision on the paper's analytic cost model (e.g. --decodes 4 --budget-ms 10).
 
@@ -69,19 +73,20 @@ def decide(n_decodes: int, waiting_tokens: int, budget_ms: float, max_chunk: int
 @main.command()
 @click.option("--workload", type=click.Choice(list(ALL_WORKLOADS)), default="mixed", show_default=True)
 @click.option("--policy", "policy_name", default="sloweave", show_default=True, help="sloweave, sloweave-multi, full, orca, fixed-C, budget-B or sarathi-B")
-@click.option("--tpot-ms", type=POSITIVE, default=25.0, show_default=True)
-@click.option("--ttft-ms", type=POSITIVE, default=None, help="default: the workload's target")
+@click.option("--tpot-ms", type=DURATION_MS.option(), default=25.0, show_default=True)
+@click.option("--ttft-ms", type=DURATION_MS.option(), default=None, help="default: the workload's target")
 @click.option("--requests", "num_requests", type=REQUESTS, default=2000, show_default=True)
 @click.option("--seed", type=SEED, default=0, show_default=True)
-@click.option("--rate-scale", type=POSITIVE, default=1.0, show_default=True, help="multiplies the arrival rate")
-@click.option("--max-chunk", type=click.IntRange(min=1), default=DEFAULT_MAX_CHUNK_TOKENS, show_default=True)
+@click.option("--rate-scale", type=SCALE.option(), default=1.0, show_default=True, help="multiplies the arrival rate")
+@click.option("--max-chunk", type=TOKENS.option(), default=DEFAULT_MAX_CHUNK_TOKENS, show_default=True)
 @click.option("--margin", "margin_kind", type=click.Choice(["none", "constant", "relative"]), default="none", show_default=True)
-@click.option("--margin-value", type=click.FloatRange(min=0), default=0.0, show_default=True, help="ms (constant) or fraction of T (relative)")
+@click.option("--margin-value", type=MARGIN_MS.option(), default=0.0, show_default=True, help="ms (constant) or fraction of T (relative)")
 @engine_options()
 @cost_option()
-@click.option("--kv-memory-gib", type=POSITIVE, default=None, help="KV cache size in GiB (all GPUs): a capacity in tokens from the profiled model's KV bytes per token; needs a preset or profile folder as --cost")
+@click.option("--kv-memory-gib", type=GIB.option(), default=None, help="KV cache size in GiB (all GPUs): a capacity in tokens from the profiled model's KV bytes per token; needs a preset or profile folder as --cost")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), default=None, help="write requests.csv, iterations.csv, prefills.csv, metrics.json, decision_metrics.json")
-def simulate(workload, policy_name, tpot_ms, ttft_ms, num_requests, seed, rate_scale, max_chunk, margin_kind, margin_value, engine, cost, kv_memory_gib, out_dir) -> None:
+@result_folder_options()
+def simulate(workload, policy_name, tpot_ms, ttft_ms, num_requests, seed, rate_scale, max_chunk, margin_kind, margin_value, engine, cost, kv_memory_gib, out_dir, force) -> None:
     """Simulate one workload under one policy and print its metrics."""
     from sloweave.core.decision_metrics import summarize_simulation
     from sloweave.studies.reproduce import write_single_run
@@ -112,33 +117,35 @@ def simulate(workload, policy_name, tpot_ms, ttft_ms, num_requests, seed, rate_s
         wl = spec.generate(num_requests, seed, rate_scale)
     except WorkloadError as err:
         raise click.UsageError(str(err)) from None
-    result = engine.simulate(wl, policy, tpot_ms, ttft_ms or spec.ttft_ms, cost, noise_seed=seed)
-    metrics = evaluate(result, ttft_ms or spec.ttft_ms, tpot_ms)
-    if not resolved.is_analytic:
-        for line in resolved.summary_lines():
-            click.echo(line, err=True)
-    printed = {"workload": workload, "policy": policy.name, "tpot_ms": tpot_ms, "cost": resolved.label, "engine": engine.describe(), **metrics.as_dict()}
-    if kv_capacity_tokens is not None:
-        printed["kv_capacity_tokens"] = kv_capacity_tokens
-    click.echo(strict_json(printed), nl=False)
-    if out_dir is not None:
-        run_info = {
-            "command": "simulate",
-            "settings": command_settings(),
-            "cost": resolved.description,
-            "kv_memory_gib": kv_memory_gib,
-            "kv_capacity_tokens": kv_capacity_tokens,
-            "engine": engine.describe(),
-        }
+    with result_folder(out_dir, force) if out_dir is not None else nullcontext() as folder:
+        result = engine.simulate(wl, policy, tpot_ms, ttft_ms or spec.ttft_ms, cost, noise_seed=seed)
+        metrics = evaluate(result, ttft_ms or spec.ttft_ms, tpot_ms)
+        if not resolved.is_analytic:
+            for line in resolved.summary_lines():
+                click.echo(line, err=True)
+        printed = {"workload": workload, "policy": policy.name, "tpot_ms": tpot_ms, "cost": resolved.label, "engine": engine.describe(), **metrics.as_dict()}
         if kv_capacity_tokens is not None:
-            run_info["kv_bytes_per_token"] = resolved.profile_cost.shape.kv_bytes_per_token
-        write_single_run(result, per_request_frame(result), metrics, out_dir, run_info)
-        # the scheduler's decisions under the names the vLLM plug-in exports (issue 8); a cost
-        # that reads the KV context cannot be re-asked afterwards (the run records no context)
-        reads_context = getattr(cost, "set_context", None) is not None
-        predicted_ms_of = None if reads_context else getattr(policy, "predicted_ms", cost)
-        margin_ms_of = None if reads_context else getattr(policy, "margin", None)
-        write_result_json(out_dir / "decision_metrics.json", summarize_simulation(result, predicted_ms_of, margin_ms_of))
+            printed["kv_capacity_tokens"] = kv_capacity_tokens
+        click.echo(strict_json(printed), nl=False)
+        if folder is not None:
+            run_info = {
+                "command": "simulate",
+                "settings": command_settings(),
+                "cost": resolved.description,
+                "kv_memory_gib": kv_memory_gib,
+                "kv_capacity_tokens": kv_capacity_tokens,
+                "engine": engine.describe(),
+            }
+            if kv_capacity_tokens is not None:
+                run_info["kv_bytes_per_token"] = resolved.profile_cost.shape.kv_bytes_per_token
+            write_single_run(result, per_request_frame(result), metrics, folder.path, run_info)
+            # the scheduler's decisions under the names the vLLM plug-in exports (issue 8); a cost
+            # that reads the KV context cannot be re-asked afterwards (the run records no context)
+            reads_context = getattr(cost, "set_context", None) is not None
+            predicted_ms_of = None if reads_context else getattr(policy, "predicted_ms", cost)
+            margin_ms_of = None if reads_context else getattr(policy, "margin", None)
+            write_result_json(folder.path / "decision_metrics.json", summarize_simulation(result, predicted_ms_of, margin_ms_of))
+    if out_dir is not None:
         click.echo(f"wrote {out_dir}/requests.csv, iterations.csv, prefills.csv, metrics.json, decision_metrics.json", err=True)
 
 

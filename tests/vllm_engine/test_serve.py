@@ -172,5 +172,5 @@ def test_without_the_front_end_check_a_bad_target_is_served_with_the_default(tmp
         metrics = urllib.request.urlopen(f"{base}/metrics", timeout=10).read().decode()
         assert 'sloweave_request_target_errors_total{engine="0"} 1.0' in metrics
         log = log_path.read_text()
-        assert "sloweave_tpot_ms must be a finite number of milliseconds > 0, got -1; serving it with the default target 80 ms" in log
+        assert "sloweave_tpot_ms must be a finite number of milliseconds > 0 and <= 3.6e+06, got -1; serving it with the default target 80 ms" in log
         assert "EngineDeadError" not in log

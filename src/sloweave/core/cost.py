@@ -17,7 +17,7 @@ from typing import Protocol, runtime_checkable
 
 import numpy as np
 
-from sloweave.core.validate import non_negative_number
+from sloweave.core.validate import MARGIN_MS, non_negative_number
 
 
 class CostModelError(ValueError):
@@ -100,8 +100,10 @@ class ConstantMargin:
     margin_ms: float
 
     def __post_init__(self) -> None:
-        if not np.isfinite(self.margin_ms) or self.margin_ms < 0:
-            raise CostModelError(f"ConstantMargin.margin_ms must be a finite number >= 0, got {self.margin_ms!r}")
+        try:
+            MARGIN_MS.check(self.margin_ms, "ConstantMargin.margin_ms")
+        except ValueError as err:
+            raise CostModelError(str(err)) from None
 
     def __call__(self, n_decodes: int, chunk_tokens: int) -> float:
         return self.margin_ms
@@ -119,8 +121,10 @@ class RelativeMargin:
     fraction: float
 
     def __post_init__(self) -> None:
-        if not np.isfinite(self.fraction) or self.fraction < 0:
-            raise CostModelError(f"RelativeMargin.fraction must be a finite number >= 0, got {self.fraction!r}")
+        try:
+            non_negative_number(self.fraction, "RelativeMargin.fraction")
+        except ValueError as err:
+            raise CostModelError(str(err)) from None
 
     def __call__(self, n_decodes: int, chunk_tokens: int) -> float:
         return self.fraction * self.cost(n_decodes, chunk_tokens)

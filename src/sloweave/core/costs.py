@@ -95,7 +95,10 @@ class ResolvedCost:
             info = self.info
             context = info.get("context_per_decode_tokens")
             how = f"{context:.0f} KV tokens per decode" if context is not None else "the simulator's KV context"
-            return [f"cost: {self.label} (step-time profile {info.get('profile')}, {info.get('kind')} fit, {how})"]
+            notes = (info.get("fit") or {}).get("notes", [])  # a kind refused, an error not measured
+            return [f"cost: {self.label} (step-time profile {info.get('profile')}, {info.get('kind')} fit, {how})"] + [
+                f"cost: {info.get('profile')}: {note}" for note in notes
+            ]
         note = self.attention_note
         what = f"attention {note}" if note else f"operator profiles of {profile.shape.name}, attention measured"
         lines = [f"cost: {self.label} ({what})"]

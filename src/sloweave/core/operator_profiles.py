@@ -11,6 +11,9 @@ A profile folder holds (file names as Vidur's profiler writes them):
 | ``cpu_overheads.csv`` | the engine's per-iteration CPU work by ``batch_size`` | optional (0 without it, and said so) |
 
 Times are milliseconds, per layer (per operation); the median of each measurement is used.
+Every table is read along its counts (tokens, batch size, KV size, chunk, message size), so each
+needs two profiled values of each at least (``_enough_points``): with one, interpolation holds
+it and extrapolation has no slope, so every other count is priced like that one.
 Every problem is a ``ProfileError`` naming the file, the line and what is wrong.
 """
 
@@ -26,7 +29,7 @@ import pandas as pd
 
 from sloweave.core.csv_shape import check_csv_shape, located
 from sloweave.core.fit import ProfileError, _numbers, _show
-from sloweave.core.validate import RepeatedKeyError, one_value_per_key
+from sloweave.core.validate import MARGIN_MS, MAX_TOKENS, REPEATS, Range, RepeatedKeyError, one_value_per_key
 
 # Per-layer token-parallel operators that make up a decoder layer besides attention (Vidur's set:
 # the embedding and the LM head run once per iteration and are not profiled per layer).
@@ -131,10 +134,11 @@ def _read_model(folder: Path) -> tuple[ModelShape, dict, pd.DataFrame]:
         raise ProfileError(f"{path}: not valid JSON (nested too deeply)") from None
     if not isinstance(model, dict):
         raise ProfileError(f"{path}: must be a JSON object")
-    for key in ("num_layers", "tensor_parallel"):
-        value = model.get(key)
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ProfileError(f"{path}: {key} must be a whole number >= 1, got {value!r}")
+    for key in ("num_layers", "tensor_parallel"):  # 10**400 layers made the KV bytes per token overflow
+        try:
+            REPEATS.check(model.get(key), key)
+        except ValueError as err:
+            raise ProfileError(f"{path}: {err}") from None
     shape_columns = ("n_head", "n_kv_head", "n_embd", "num_tokens", "num_tensor_parallel_workers")
     mlp = _read_csv(folder / "mlp.csv", shape_columns + tuple(median(op) for op in TOKEN_OPS), counts=shape_columns)
     for column in ("n_head", "n_kv_head", "n_embd"):
@@ -174,22 +178,45 @@ def _read_csv(path: Path, columns: tuple[str, ...], counts: tuple[str, ...] = ()
     if frame.empty:
         raise ProfileError(f"{path}: no rows")
     for column in counts:
-        _check_numbers(frame, column, path, kind="count")
+        _check_numbers(frame, column, path, kind="bytes" if column in BYTE_COLUMNS else "count")
     return frame
 
 
+# What a cell may hold: counts (tokens, heads, workers, batch sizes) up to MAX_TOKENS, message
+# sizes in bytes up to 2**53 (exact in float64), times in ms up to MAX_MS. Past these a profile
+# row is no measurement (num_tokens=1e13) and the sums built from it lose their exactness.
+CELL_RANGES = {
+    "count": Range(0, MAX_TOKENS, whole=True),
+    "bytes": Range(0, 2**53, " of bytes", whole=True),
+    "time": MARGIN_MS,
+}
+BYTE_COLUMNS = ("size",)
+
+
 def _check_numbers(frame: pd.DataFrame, column: str, path: Path, kind: str, rows=None) -> None:
-    """Every value a finite number >= 0 (``kind`` "count": also whole); names the first bad line."""
+    """Every value in ``CELL_RANGES[kind]``; names the first bad line."""
+    limits = CELL_RANGES[kind]
     values = _numbers(frame[column])
     index = np.arange(len(frame)) if rows is None else np.flatnonzero(rows)
-    bad = ~np.isfinite(values[index]) | (values[index] < 0)
-    if kind == "count":
-        bad |= values[index] != np.round(values[index])
+    with np.errstate(invalid="ignore"):
+        bad = ~np.isfinite(values[index]) | (values[index] < limits.low) | (values[index] > limits.high)
+        if limits.whole:
+            bad |= values[index] != np.round(values[index])
     if bad.any():
         row = int(index[np.flatnonzero(bad)[0]])
-        what = "a whole number >= 0" if kind == "count" else "a time >= 0 ms"
-        raise ProfileError(f"{path}, line {_line(frame, row)}: {column}={_show(frame[column].iloc[row])}; expected {what}")
+        raise ProfileError(f"{path}, line {_line(frame, row)}: {column}={_show(frame[column].iloc[row])}; expected {limits.describe()}")
     frame[column] = values
+
+
+def _enough_points(frame: pd.DataFrame, column: str, path: Path, rows: str) -> None:
+    """Two distinct values of ``column`` at least in ``frame`` (``rows`` says which rows, for the message)."""
+    values = np.unique(frame[column].to_numpy(dtype=float))
+    if len(values) < 2:
+        found = f"only {column}={values[0]:g}" if len(values) else f"no {column}"
+        raise ProfileError(
+            f"{path}: {rows} have {found}; a table read along {column} needs two values of it or more "
+            f"(with one, every other {column} is priced like that one)"
+        )
 
 
 def _line(frame: pd.DataFrame, row: int) -> int:
@@ -206,6 +233,7 @@ def _read_mlp(frame: pd.DataFrame, path: Path, shape: ModelShape) -> pd.DataFram
     if mine.empty:
         have = sorted(int(v) for v in frame["num_tensor_parallel_workers"].unique())
         raise ProfileError(f"{path}: no rows for tensor parallelism {shape.tensor_parallel} (model.json); profiled: {have}")
+    _enough_points(mine, "num_tokens", path, f"the rows at tensor parallelism {shape.tensor_parallel}")
     out = mine.groupby("num_tokens")[list(columns)].median().reset_index()
     out["token_ops_ms"] = out[list(columns)].sum(axis=1)
     return out[["num_tokens", "token_ops_ms"]]
@@ -230,6 +258,13 @@ def _read_attention(path: Path, shape: ModelShape) -> tuple[pd.DataFrame, pd.Dat
     prefill = frame[is_prefill].groupby(["prefill_chunk_size", "kv_cache_size"])[median("attn_prefill")].median().rename("attn_ms").reset_index()
     if decode.empty or prefill.empty:
         raise ProfileError(f"{path}: needs both decode rows (is_prefill False) and prefill rows (is_prefill True)")
+    _enough_points(decode, "batch_size", path, "the decode rows")
+    for batch, rows in decode.groupby("batch_size"):  # each batch size is its own row along the KV size
+        _enough_points(rows, "kv_cache_size", path, f"the decode rows at batch_size={batch:g}")
+    # A prefill row starts at (0 tokens, 0 ms), so one chunk per prefix is a row; the fitted work
+    # that carries it past the profile needs two chunk sizes and two prefixes.
+    _enough_points(prefill, "prefill_chunk_size", path, "the prefill rows")
+    _enough_points(prefill, "kv_cache_size", path, "the prefill rows")
     return decode, prefill
 
 
@@ -263,6 +298,7 @@ def _read_all_reduce(path: Path, shape: ModelShape) -> pd.DataFrame:
     mine = frame[frame["num_workers"] == shape.tensor_parallel]
     if mine.empty:
         raise ProfileError(f"{path}: no rows for {shape.tensor_parallel} workers (the model's tensor parallelism)")
+    _enough_points(mine, "size", path, f"the rows for {shape.tensor_parallel} workers")
     # An all-reduce of a layer's output moves every token's hidden state: 2 bytes x n_embd each.
     out = mine.groupby("size")[median("all_reduce")].median().rename("all_reduce_ms").reset_index()
     out["num_tokens"] = out["size"] / (shape.dtype_bytes * shape.n_embd)
@@ -274,4 +310,5 @@ def _read_cpu(path: Path) -> pd.DataFrame:
     for column in CPU_OPS:
         _check_numbers(frame, column, path, "time")
     frame["cpu_ms"] = frame[list(CPU_OPS)].sum(axis=1)
+    _enough_points(frame, "batch_size", path, "the rows")
     return frame.groupby("batch_size")["cpu_ms"].median().reset_index()

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from sloweave.core.validate import RepeatedKeyError, one_value_per_key
+from sloweave.core.validate import MARGIN_MS, MAX_SECONDS, REQUEST_COUNT, SEED, TOKEN_COUNT, Range, RepeatedKeyError, one_value_per_key
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -60,6 +60,21 @@ STEP_FIELDS = (
     "aged",
     "late_requests",
 )
+
+
+# The range of each numeric field (``None`` allowed where the writer writes null: no deadline,
+# no base model); the clock is monotonic milliseconds since boot, so up to MAX_SECONDS of them.
+_TOKENS = ("decode_tokens", "chunk_tokens", "token_budget", "ran_decode_tokens", "ran_prefill_tokens",
+           "decode_kv_tokens", "prefill_prefix_tokens", "pending_prompt_tokens")
+FIELD_RANGES = {
+    "step": (SEED, False),
+    "start_ms": (Range(0, MAX_SECONDS * 1000, " of milliseconds"), False),
+    **{name: (TOKEN_COUNT, False) for name in _TOKENS},
+    **{name: (MARGIN_MS, False) for name in ("measured_ms", "predicted_ms", "margin_ms")},
+    **{name: (MARGIN_MS, True) for name in ("budget_ms", "base_predicted_ms")},
+    **{name: (REQUEST_COUNT, False) for name in ("prompts_on_offer", "late_requests")},
+}
+FLAG_FIELDS = ("infeasible", "aged")
 
 
 class StepLogError(ValueError):
@@ -194,11 +209,36 @@ def read_step_log(path: str | Path) -> StepLog:
             stopped = str(record.get("why", "stopped"))
         else:
             raise StepLogError(f"step log {path}, line {number}: unexpected {kind!r} line")
+    _check_fields(path, rows)
     steps = pd.DataFrame(rows, columns=list(STEP_FIELDS))
     for column in ("budget_ms", "base_predicted_ms"):
         steps[column] = steps[column].astype("float64")
     steps["budget_ms"] = steps["budget_ms"].fillna(math.inf)
     return StepLog(header, steps, stopped)
+
+
+def _in_range(value, limits: Range, nullable: bool) -> bool:
+    if value is None:
+        return nullable
+    kind = type(value)  # a boolean is no count; JSON has no NaN or inf (the reader refuses them)
+    if kind is not int and (kind is not float or limits.whole):
+        return False
+    return limits.low <= value <= limits.high
+
+
+def _check_fields(path: Path, rows: list[tuple]) -> None:
+    """Every field of every step in its range (a boolean is no count, 1e20 no token count):
+    the first bad value is named with its line (steps start on line 2)."""
+    for index, column in enumerate(STEP_FIELDS):
+        if column in FLAG_FIELDS:
+            bad = next((i for i, row in enumerate(rows) if type(row[index]) is not bool), None)
+            expected = "true or false"
+        else:
+            limits, nullable = FIELD_RANGES[column]
+            bad = next((i for i, row in enumerate(rows) if not _in_range(row[index], limits, nullable)), None)
+            expected = limits.describe() + (" or null" if nullable else "")
+        if bad is not None:
+            raise StepLogError(f"step log {path}, line {bad + 2}: {column} must be {expected}, got {rows[bad][index]!r}")
 
 
 def profile_rows(log: StepLog) -> "pd.DataFrame":

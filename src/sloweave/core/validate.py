@@ -1,9 +1,20 @@
-"""Argument checks shared by every layer, so the same rule gives the same message everywhere."""
+"""Argument checks shared by every layer, so the same rule gives the same message everywhere.
+
+Every number that enters (a command-line option, a file cell, a configuration key, an API
+argument) has a stated range (``Range``; the named ones below, listed in the README's inputs
+table) that keeps the arithmetic exact: a token count fits int64 with room for products and
+sums, a millisecond clock can still add a millisecond, and no factor overflows a float. A value
+past its range is refused where it enters, naming it, rather than wrapping, overflowing or
+turning into inf or NaN deep inside numpy.
+"""
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from numbers import Integral, Real
+
+import click
 
 # The default limit on one request's tokens (prompt + output), what a served model's context
 # allows: 2**20 tokens, the longest context of widely served open models (Qwen2.5-1M, Llama 4
@@ -11,23 +22,108 @@ from numbers import Integral, Real
 # 1e12-token prompt would otherwise run until killed); --max-model-len (vLLM's name) raises it.
 DEFAULT_MAX_MODEL_LEN_TOKENS = 1_048_576
 
+# 2**31 tokens: 2,048 times the default context, so any chunk, budget, KV capacity or context a
+# machine can hold fits, while a product of two token counts (a chunk x a context) stays exact in
+# int64 (1e20 used to wrap to a negative chunk or fail to cast inside numpy).
+MAX_TOKENS = 2**31
+# 1e10 ms (116 days) for any duration in ms: a target, an aging threshold, a step time. A clock
+# at 1e10 s (below) in ms still resolves 0.002 ms, so it can add a step of any size.
+MAX_MS = 1e10
+# 1e10 s (317 years) for arrival times and windows: Unix time stamps fit; a float clock of 1e300 s
+# or 2**63 s could not add a millisecond (every request got TTFT 0 and attainment 1.0).
+MAX_SECONDS = 1e10
+# Factors (rate, prompt and output scales, a bias, a stale factor): 1e-6 to 1e6 keeps a scaled
+# time or rate inside the ranges above.
+MIN_SCALE, MAX_SCALE = 1e-6, 1e6
+# A lognormal sigma of 3 already makes P99.9 of the noise 10,000x the model (1,000 made it inf).
+MAX_NOISE_SIGMA = 3.0
+# Seeds are numpy's (>= 0) and are written to result files as int64.
+MAX_SEED = 2**63 - 1
+# Repetitions a run makes by hand (seeds or trace windows, profile repeats, load-lattice steps,
+# worker processes, threads): far past any study, well short of what would never finish.
+MAX_REPEATS = 10_000
 
-def finite_number(value, name: str, *, positive: bool = True, unit: str = "", otherwise: str = "") -> float:
-    """A finite number > 0 (``positive``) or >= 0; ``unit`` (" of GiB") and ``otherwise`` (" or None")
-    only shape the message: "<name> must be a finite number<unit> > 0<otherwise>, got <value>"."""
-    shown = None
-    try:
-        ok = not isinstance(value, bool) and isinstance(value, Real) and math.isfinite(value) and (value > 0 if positive else value >= 0)
-    except OverflowError:  # an integer too large for a float (10**400 in a JSON request): not finite
-        ok, shown = False, f"an integer of {len(str(value))} digits"
-    if not ok:
-        raise ValueError(f"{name} must be a finite number{unit} {'>' if positive else '>='} 0{otherwise}, got {shown or repr(value)}")
-    return float(value)
+
+@dataclass(frozen=True)
+class Range:
+    """The numbers one kind of input accepts: ``low`` to ``high`` (``low`` itself refused when
+    ``low_open``), whole numbers only when ``whole``; ``unit`` (" of tokens") shapes the message."""
+
+    low: float
+    high: float
+    unit: str = ""
+    whole: bool = False
+    low_open: bool = False
+
+    def describe(self) -> str:
+        if self.whole:
+            return f"a whole number{self.unit} >= {self.low:,} and <= {self.high:,}"
+        return f"a finite number{self.unit} {'>' if self.low_open else '>='} {self.low:g} and <= {self.high:g}"
+
+    def check(self, value, name: str, otherwise: str = ""):
+        """``value`` as an int (``whole``) or float when it is in range, else ``ValueError``:
+        "<name> must be <describe()><otherwise>, got <value>"."""
+        shown = None
+        try:
+            if self.whole:
+                ok = not isinstance(value, bool) and isinstance(value, Integral) and self.low <= value <= self.high
+            else:
+                ok = not isinstance(value, bool) and isinstance(value, Real) and math.isfinite(value)
+                ok = ok and (value > self.low if self.low_open else value >= self.low) and value <= self.high
+        except OverflowError:  # an integer too large for a float (10**400 in a JSON request)
+            ok, shown = False, f"an integer of {len(str(value))} digits"
+        if not ok:
+            raise ValueError(f"{name} must be {self.describe()}{otherwise}, got {shown or repr(value)}")
+        return int(value) if self.whole else float(value)
+
+    def option(self, infinity: bool = False) -> "CheckedNumber":
+        """This range as a click type (``infinity``: "inf" is accepted too, meaning no limit)."""
+        return CheckedNumber(self, infinity)
+
+
+TOKENS = Range(1, MAX_TOKENS, " of tokens", whole=True)  # a chunk, a budget, a KV capacity, a length limit
+TOKEN_COUNT = Range(0, MAX_TOKENS, " of tokens", whole=True)  # tokens waiting, a context, a profile's counts
+REQUEST_COUNT = Range(0, MAX_TOKENS, " of requests", whole=True)  # running requests, a batch cap
+DURATION_MS = Range(0, MAX_MS, " of milliseconds", low_open=True)  # a target, an aging threshold
+MARGIN_MS = Range(0, MAX_MS, " of milliseconds")  # a margin, a tolerance, a step time (0 allowed)
+TIME_S = Range(0, MAX_SECONDS, " of seconds")  # an arrival time, a window's start
+DURATION_S = Range(0, MAX_SECONDS, " of seconds", low_open=True)  # a window, a horizon
+SCALE = Range(MIN_SCALE, MAX_SCALE)  # a factor on rates, lengths or times
+NOISE_SIGMA = Range(0, MAX_NOISE_SIGMA)
+SEED = Range(0, MAX_SEED, whole=True)
+REPEATS = Range(1, MAX_REPEATS, whole=True)
+RATE_RPS = Range(0, MAX_SCALE, " of requests per second", low_open=True)
+BATCH_SIZE = Range(1, MAX_TOKENS, " of requests", whole=True)  # a cap on running requests
+ATTAINMENT = Range(0, 1, low_open=True)  # a share of requests that meet their targets
+GIB = Range(0, MAX_MS, " of GiB", low_open=True)
+
+
+class CheckedNumber(click.ParamType):
+    """A command-line number checked against a ``Range`` (the same rule, and words, as the API)."""
+
+    def __init__(self, limits: Range, infinity: bool = False) -> None:
+        self.limits, self.infinity = limits, infinity  # infinity: "inf" also means "no limit"
+        self.name = "integer" if limits.whole else "float"
+
+    def convert(self, value, param, ctx):
+        number = (click.INT if self.limits.whole else click.FLOAT).convert(value, param, ctx)
+        if self.infinity and number == math.inf:
+            return number
+        try:
+            return self.limits.check(number, "the value", " (or inf)" if self.infinity else "")
+        except ValueError as err:
+            self.fail(str(err), param, ctx)
+
+
+def finite_number(value, name: str, *, positive: bool = True, unit: str = "", otherwise: str = "", high: float = MAX_MS) -> float:
+    """A finite number > 0 (``positive``) or >= 0, at most ``high`` (1e10 unless a range says
+    otherwise); ``unit`` (" of GiB") and ``otherwise`` (" or None") only shape the message."""
+    return Range(0, high, unit, low_open=positive).check(value, name, otherwise)
 
 
 def positive_ms(value, name: str) -> float:
     """A finite number of milliseconds > 0 (a TPOT target, an aging threshold, ...)."""
-    return finite_number(value, name, unit=" of milliseconds")
+    return DURATION_MS.check(value, name)
 
 
 def positive_number(value, name: str) -> float:
@@ -45,18 +141,14 @@ def positive_fraction(value, name: str) -> float:
     return finite_number(value, name, otherwise=" or None")
 
 
-def whole_number(value, name: str, minimum: int = 1, unit: str = "") -> int:
-    """A whole number >= ``minimum`` (``unit`` names what it counts, e.g. " of tokens")."""
-    if isinstance(value, bool) or not isinstance(value, Integral) or value < minimum:
-        raise ValueError(f"{name} must be a whole number{unit} >= {minimum}, got {value!r}")
-    return int(value)
+def whole_number(value, name: str, minimum: int = 1, unit: str = "", maximum: int = MAX_TOKENS) -> int:
+    """A whole number from ``minimum`` to ``maximum`` (``unit`` names what it counts, e.g. " of tokens")."""
+    return Range(minimum, maximum, unit, whole=True).check(value, name)
 
 
 def positive_tokens(value, name: str) -> int:
     """A positive whole number of tokens (a chunk size, a token budget)."""
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValueError(f"{name} must be a positive whole number of tokens, got {value!r}")
-    return value
+    return TOKENS.check(value, name)
 
 
 def max_model_len(value, name: str = "max_model_len_tokens") -> int:

@@ -25,6 +25,10 @@ from pathlib import Path
 
 import click
 
+from sloweave.studies.outputs import result_folder_options
+
+from sloweave.core.validate import DURATION_S, MAX_SECONDS, TIME_S, Range
+
 DATA_DIR = Path(__file__).resolve().parent.parent / "data" / "observability"
 DASHBOARD_FILE = DATA_DIR / "grafana-dashboard.json"
 RULES_FILE = DATA_DIR / "prometheus-rules.yml"
@@ -442,24 +446,26 @@ def _checked_engine(ctx, param, value: str) -> str:
 @click.command()
 @click.option("--prometheus", "prometheus_url", required=True, help="the Prometheus that scrapes the vLLM server, e.g. http://127.0.0.1:9090")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), required=True, help="folder for dashboard.png, dashboard.csv, dashboard.json")
-@click.option("--minutes", type=click.FloatRange(min=0, min_open=True), default=60.0, show_default=True, help="the last N minutes (without --start/--end)")
-@click.option("--start", "start_s", type=float, default=None, help="start of the window (unix seconds; with --end)")
-@click.option("--end", "end_s", type=float, default=None, help="end of the window (unix seconds; with --start)")
-@click.option("--step-s", type=click.FloatRange(min=0, min_open=True), default=None, help="seconds between points [default: the window / 300, at least 15]")
+@result_folder_options()
+@click.option("--minutes", type=Range(0, MAX_SECONDS / 60, " of minutes", low_open=True).option(), default=60.0, show_default=True, help="the last N minutes (without --start/--end)")
+@click.option("--start", "start_s", type=TIME_S.option(), default=None, help="start of the window (unix seconds; with --end)")
+@click.option("--end", "end_s", type=TIME_S.option(), default=None, help="end of the window (unix seconds; with --start)")
+@click.option("--step-s", type=DURATION_S.option(), default=None, help="seconds between points [default: the window / 300, at least 15]")
 @click.option("--engine", default="0", show_default=True, callback=_checked_engine, help="the data-parallel rank to draw (label engine)")
-def dashboard_command(prometheus_url, out_dir, minutes, start_s, end_s, step_s, engine) -> None:
+def dashboard_command(prometheus_url, out_dir, minutes, start_s, end_s, step_s, engine, force) -> None:
     """Draw the Grafana dashboard's panels from a Prometheus, without Grafana."""
-    from sloweave.studies.outputs import check_writable
+    from sloweave.studies.outputs import check_writable, result_folder
 
     check_writable(out_dir, "--out")
     start_s, end_s = _window(minutes, start_s, end_s)
     step_s = step_s or max(15.0, (end_s - start_s) / 300)
     if (end_s - start_s) / step_s > MAX_POINTS:
         raise click.BadParameter(f"too fine for the window: Prometheus answers at most {MAX_POINTS} points a series", param_hint="--step-s")
-    try:
-        series = render(prometheus_url, out_dir, start_s, end_s, step_s, engine)
-    except PrometheusError as err:
-        raise click.ClickException(str(err)) from None
+    with result_folder(out_dir, force) as folder:  # nothing written when a query fails
+        try:
+            series = render(prometheus_url, folder.path, start_s, end_s, step_s, engine)
+        except PrometheusError as err:
+            raise click.ClickException(str(err)) from None
     if series.empty:
         click.echo(f"warning: no series for engine {engine} in that window: does {prometheus_url} scrape the plug-in's vLLM server?", err=True)
     click.echo(f"wrote {out_dir}/dashboard.png, dashboard.csv, dashboard.json ({series.groupby(['panel', 'legend']).ngroups} series)", err=True)

@@ -6,14 +6,13 @@ summary under the simulator's names (``sloweave.core.decision_metrics.summarize`
 simulated and a served run can be compared side by side, key by key.
 
 The result folder is complete or absent: everything is written into a temporary folder
-beside ``--out`` and renamed into place at the end.
+beside ``--out`` and renamed into place at the end (``sloweave.studies.outputs.result_folder``,
+as every command that writes a folder does).
 """
 
 from __future__ import annotations
 
 import math
-import shutil
-import tempfile
 from pathlib import Path
 
 import click
@@ -22,8 +21,8 @@ import pandas as pd
 
 from sloweave.core.decision_metrics import UNDERPREDICTION_TOLERANCE_MS, summarize
 from sloweave.core.step_log import StepLog, StepLogError, read_step_log
-from sloweave.studies.inputs import POSITIVE
-from sloweave.studies.outputs import check_writable, command_settings, write_result_json
+from sloweave.core.validate import DURATION_S
+from sloweave.studies.outputs import check_writable, command_settings, result_folder, result_folder_options, write_result_json
 from sloweave.studies.pictures import plot_step_timeline, pyplot
 
 # Above this many steps the decomposition shows means over equal runs of steps (a bar per
@@ -38,14 +37,9 @@ def derived_steps(log: StepLog) -> pd.DataFrame:
     """The log's steps plus t_s (since the first step), model_ms (T = predicted - margin),
     overrun_ms (measured - predicted; negative: the step finished early) and underpredicted
     (it took longer than predicted, with the tolerance ``summarize`` uses)."""
-    steps = log.steps.copy()
+    steps = log.steps.copy()  # every field in its range: read_step_log checked them
     for column in FINITE_COLUMNS:
-        values = pd.to_numeric(steps[column], errors="coerce").astype("float64")
-        bad = ~np.isfinite(values.to_numpy())
-        if bad.any():
-            step = steps["step"].iloc[int(np.argmax(bad))]
-            raise StepLogError(f"step {step} has no finite {column} ({steps[column].iloc[int(np.argmax(bad))]!r})")
-        steps[column] = values
+        steps[column] = steps[column].astype("float64")
     steps["t_s"] = (steps["start_ms"] - steps["start_ms"].iloc[0]) / 1000.0
     steps["model_ms"] = steps["predicted_ms"] - steps["margin_ms"]
     steps["overrun_ms"] = steps["measured_ms"] - steps["predicted_ms"]
@@ -187,54 +181,26 @@ def write_served_run(log: StepLog, out_dir: Path, window_s: float, settings: dic
     return summary
 
 
-def _refuse_existing(out_dir: Path, step_log: Path, force: bool) -> None:
-    if out_dir.exists() and not out_dir.is_dir():
-        raise click.BadParameter(f"{out_dir} is a file, not a folder", param_hint="--out")
-    if out_dir.is_dir() and any(out_dir.iterdir()) and not force:
-        raise click.BadParameter(f"{out_dir} exists and is not empty (--force replaces it)", param_hint="--out")
-    # --force deletes the old folder: never the one the step log (or the working directory) is in
-    inside = (step_log.resolve(), Path.cwd())
-    if force and any(path.is_relative_to(out_dir.resolve()) for path in inside):
-        raise click.BadParameter(f"{out_dir} holds the step log or the working directory; name a new folder", param_hint="--out")
-
-
-def _publish(staged: Path, out_dir: Path) -> None:
-    """Put the finished folder at ``out_dir``, replacing what was there (checked by the caller)."""
-    old = None
-    if out_dir.exists():
-        # moved aside first: a rename cannot replace a non-empty folder
-        old = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}.old-"))
-        out_dir.rename(old / out_dir.name)
-    staged.rename(out_dir)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
-
-
 @click.command()
 @click.argument("step_log", type=click.Path(exists=True, dir_okay=False, path_type=Path))
 @click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False, path_type=Path), help="result folder")
 @click.option(
-    "--window-s", type=POSITIVE, default=None, show_default="the whole run", help="seconds of the run the timeline shows, from its first step"
+    "--window-s", type=DURATION_S.option(), default=None, show_default="the whole run", help="seconds of the run the timeline shows, from its first step"
 )
-@click.option("--force", is_flag=True, help="replace --out if it exists and is not empty")
+@result_folder_options()
 def served_run_command(step_log: Path, out_dir: Path, window_s: float, force: bool) -> None:
     """Pictures and summaries of a served run, from the vLLM plug-in's STEP_LOG."""
     check_writable(out_dir, "--out")
-    _refuse_existing(out_dir, step_log, force)
-    try:
-        log = read_step_log(step_log)
-    except StepLogError as err:
-        raise click.ClickException(str(err)) from None
-    settings = command_settings()
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    staged = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}.tmp-"))
-    try:
-        summary = write_served_run(log, staged, math.inf if window_s is None else window_s, settings)
-        _publish(staged, out_dir)
-    except StepLogError as err:
-        raise click.ClickException(f"{step_log}: {err}") from None
-    finally:
-        shutil.rmtree(staged, ignore_errors=True)  # left only when something failed
+    # --force never deletes the folder the step log is in
+    with result_folder(out_dir, force, inputs={"the step log": step_log}) as folder:
+        try:
+            log = read_step_log(step_log)
+        except StepLogError as err:
+            raise click.ClickException(str(err)) from None
+        try:
+            summary = write_served_run(log, folder.path, math.inf if window_s is None else window_s, command_settings())
+        except StepLogError as err:
+            raise click.ClickException(f"{step_log}: {err}") from None
     if log.stopped is not None:
         click.echo(f"warning: the step log stopped early ({log.stopped}); the pictures cover the steps before", err=True)
     click.echo(

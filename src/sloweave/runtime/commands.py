@@ -11,19 +11,30 @@ from pathlib import Path
 
 import click
 
+from sloweave.core.fit import HOLDOUT_ERROR, MAX_HOLDOUT_ERROR
 from sloweave.sim.workloads import WORKLOADS
-from sloweave.studies.inputs import POSITIVE, REQUESTS, SEED
-from sloweave.studies.outputs import check_writable, command_settings, strict_json, write_result_json
+from sloweave.core.validate import DURATION_MS, DURATION_S, MARGIN_MS, MAX_REPEATS, REPEATS, REQUEST_COUNT, SCALE, TOKEN_COUNT, TOKENS, Range
+from sloweave.core.validate import SEED as SEED_RANGE
+from sloweave.studies.inputs import REQUESTS, SEED
+from sloweave.studies.outputs import check_writable, command_settings, result_folder, result_folder_options, strict_json, write_result_json
 
 
-def _int_list(ctx, param, value: str) -> tuple[int, ...]:
-    try:
-        items = tuple(int(v) for v in value.split(",") if v.strip())
-    except ValueError:
-        raise click.BadParameter(f"expected comma-separated whole numbers, got {value!r}") from None
-    if not items or any(v < 0 for v in items):
-        raise click.BadParameter(f"expected whole numbers >= 0, got {value!r}")
-    return items
+def _whole_numbers(limits: Range):
+    """A callback reading a comma-separated list of whole numbers, each within ``limits``."""
+
+    def read(ctx, param, value: str) -> tuple[int, ...]:
+        try:
+            items = tuple(int(v) for v in value.split(",") if v.strip())
+        except ValueError:
+            raise click.BadParameter(f"expected comma-separated whole numbers, got {value!r}") from None
+        if not items:
+            raise click.BadParameter(f"expected comma-separated whole numbers, got {value!r}")
+        try:
+            return tuple(limits.check(item, "each value") for item in items)
+        except ValueError as err:
+            raise click.BadParameter(str(err)) from None
+
+    return read
 
 
 def _need_runtime(command: str) -> None:
@@ -38,24 +49,27 @@ def _need_runtime(command: str) -> None:
             ) from None
 
 
-def _fit_or_fail(profile: Path, monotone_tolerance_ms: float = 5.0):
+def _fit_or_fail(profile: Path, monotone_tolerance_ms: float = 5.0, max_holdout_error: float = MAX_HOLDOUT_ERROR):
     from sloweave.core.fit import ProfileError, fit_profile_file
 
     try:
-        return fit_profile_file(profile, monotone_tolerance_ms=monotone_tolerance_ms)
+        result = fit_profile_file(profile, monotone_tolerance_ms=monotone_tolerance_ms, max_holdout_error=max_holdout_error)
     except ProfileError as err:
         raise click.ClickException(str(err)) from None
+    for note in result.report["notes"]:  # a kind refused, an error not measured: never silent
+        click.echo(f"{profile}: {note}", err=True)
+    return result
 
 
 @click.command()
 @click.option("--model", default="small", show_default=True, help="packaged model (tiny, small) or a local model directory")
 @click.option("--out", "out_path", type=click.Path(dir_okay=False, path_type=Path), required=True, help="profile file (.csv or .json)")
-@click.option("--decodes", default="0,1,4,8,16,32", show_default=True, callback=_int_list, help="decode batch sizes n")
-@click.option("--chunks", default="0,16,64,128,256,512,1024", show_default=True, callback=_int_list, help="prefill chunk sizes c")
-@click.option("--contexts", default="64,256,1024", show_default=True, callback=_int_list, help="per-decode KV contexts (tokens)")
-@click.option("--repeats", type=click.IntRange(min=1), default=3, show_default=True)
-@click.option("--holdout", "holdout_per_state", type=click.IntRange(min=0), default=3, show_default=True, help="off-grid held-out steps per (context, n)")
-@click.option("--threads", type=click.IntRange(min=1), default=1, show_default=True, help="torch threads")
+@click.option("--decodes", default="0,1,4,8,16,32", show_default=True, callback=_whole_numbers(REQUEST_COUNT), help="decode batch sizes n")
+@click.option("--chunks", default="0,16,64,128,256,512,1024", show_default=True, callback=_whole_numbers(TOKEN_COUNT), help="prefill chunk sizes c")
+@click.option("--contexts", default="64,256,1024", show_default=True, callback=_whole_numbers(TOKEN_COUNT), help="per-decode KV contexts (tokens)")
+@click.option("--repeats", type=REPEATS.option(), default=3, show_default=True)
+@click.option("--holdout", "holdout_per_state", type=Range(0, MAX_REPEATS, whole=True).option(), default=3, show_default=True, help="off-grid held-out steps per (context, n)")
+@click.option("--threads", type=REPEATS.option(), default=1, show_default=True, help="torch threads")
 @click.option("--seed", type=SEED, default=0, show_default=True)
 def profile(model, out_path, decodes, chunks, contexts, repeats, holdout_per_state, threads, seed) -> None:
     """Measure step times of the real CPU engine over a (decodes, chunk, context) grid."""
@@ -64,7 +78,7 @@ def profile(model, out_path, decodes, chunks, contexts, repeats, holdout_per_sta
     import torch
     import transformers
 
-    from sloweave.core.fit import fit_profile, write_profile
+    from sloweave.core.fit import ProfileError, fit_profile, write_profile
     from sloweave.runtime.engine import DEFAULT_PAGE_TOKENS, Engine
     from sloweave.runtime.model import load_model, model_label
     from sloweave.runtime.profiler import profile_blocks, run_profile
@@ -87,18 +101,24 @@ def profile(model, out_path, decodes, chunks, contexts, repeats, holdout_per_sta
     }
     write_profile(frame, out_path, meta)
     click.echo(f"wrote {len(frame)} steps to {out_path} in {meta['seconds']} s")
-    click.echo(strict_json(fit_profile(frame, seed=seed).report), nl=False)
+    try:
+        report = fit_profile(frame, seed=seed, where=f"profile {out_path}").report
+    except ProfileError as err:
+        raise click.ClickException(f"the profile is written, but no fit of it can be used: {err}") from None
+    click.echo(strict_json(report), nl=False)
 
 
 @click.command(name="fit")
 @click.argument("profile_path", type=click.Path(exists=True, dir_okay=False, path_type=Path))
 @click.option("--out", "out_path", type=click.Path(dir_okay=False, path_type=Path), default=None, help="write the fitted models as JSON")
-@click.option("--monotone-tolerance-ms", type=click.FloatRange(min=0), default=5.0, show_default=True, help="a drop along c smaller than this is noise, not a broken profile")
-def fit_command(profile_path: Path, out_path: Path | None, monotone_tolerance_ms: float) -> None:
+@click.option("--monotone-tolerance-ms", type=MARGIN_MS.option(), default=5.0, show_default=True, help="a drop along c or n smaller than this (or than 25 %) is noise, not a broken profile")
+@click.option("--max-holdout-error", type=HOLDOUT_ERROR.option(), default=MAX_HOLDOUT_ERROR, show_default=True,
+              help="refuse a fitted kind whose median relative error on held-out steps is above this (0.5: 50 %)")
+def fit_command(profile_path: Path, out_path: Path | None, monotone_tolerance_ms: float, max_holdout_error: float) -> None:
     """Fit the lookup table, the context-aware regression and the P99 margin from a profile."""
     if out_path is not None:
         check_writable(out_path, "--out", is_file=True)
-    result = _fit_or_fail(profile_path, monotone_tolerance_ms)
+    result = _fit_or_fail(profile_path, monotone_tolerance_ms, max_holdout_error)
     doc = result.as_dict()
     if out_path is not None:
         out_path.parent.mkdir(parents=True, exist_ok=True)
@@ -112,25 +132,26 @@ def fit_command(profile_path: Path, out_path: Path | None, monotone_tolerance_ms
 @click.option("--profile", "profile_path", type=click.Path(exists=True, dir_okay=False, path_type=Path), required=True, help="profile from `sloweave profile`")
 @click.option("--workload", type=click.Choice(list(WORKLOADS)), default="mixed", show_default=True)
 @click.option("--requests", "num_requests", type=REQUESTS, default=80, show_default=True)
-@click.option("--rate-scale", type=POSITIVE, default=0.25, show_default=True, help="multiplies the workload's arrival rate")
-@click.option("--prompt-scale", type=POSITIVE, default=0.25, show_default=True, help="multiplies prompt lengths")
-@click.option("--output-scale", type=POSITIVE, default=0.1, show_default=True, help="multiplies output lengths")
-@click.option("--max-prompt", type=click.IntRange(min=1), default=1536, show_default=True)
-@click.option("--max-output", type=click.IntRange(min=1), default=48, show_default=True)
+@click.option("--rate-scale", type=SCALE.option(), default=0.25, show_default=True, help="multiplies the workload's arrival rate")
+@click.option("--prompt-scale", type=SCALE.option(), default=0.25, show_default=True, help="multiplies prompt lengths")
+@click.option("--output-scale", type=SCALE.option(), default=0.1, show_default=True, help="multiplies output lengths")
+@click.option("--max-prompt", type=TOKENS.option(), default=1536, show_default=True)
+@click.option("--max-output", type=TOKENS.option(), default=48, show_default=True)
 @click.option("--policies", default="sloweave,fixed-32,fixed-64,fixed-128,fixed-256,fixed-512,full", show_default=True)
-@click.option("--tpot-ms", type=POSITIVE, default=100.0, show_default=True, help="TPOT target; 100 ms suits the small model on one CPU thread")
-@click.option("--ttft-ms", type=POSITIVE, default=None, help="TTFT target; default: the workload's own")
+@click.option("--tpot-ms", type=DURATION_MS.option(), default=100.0, show_default=True, help="TPOT target; 100 ms suits the small model on one CPU thread")
+@click.option("--ttft-ms", type=DURATION_MS.option(), default=None, help="TTFT target; default: the workload's own")
 @click.option("--cost", "cost_kind", type=click.Choice(["regression", "table"]), default="regression", show_default=True)
 @click.option("--margin/--no-margin", default=True, show_default=True)
 @click.option("--calibrate/--no-calibrate", default=True, show_default=True, help="online recalibration (SLOWeave)")
-@click.option("--stale-factor", type=POSITIVE, default=1.0, show_default=True, help="scale the fitted cost (drift experiment)")
-@click.option("--max-chunk", type=click.IntRange(min=1), default=1024, show_default=True, help="SLOWeave's C_max")
-@click.option("--seeds", default="0", show_default=True, callback=_int_list)
-@click.option("--horizon-s", type=POSITIVE, default=None, help="stop a run after this long")
-@click.option("--threads", type=click.IntRange(min=1), default=1, show_default=True)
+@click.option("--stale-factor", type=SCALE.option(), default=1.0, show_default=True, help="scale the fitted cost (drift experiment)")
+@click.option("--max-chunk", type=TOKENS.option(), default=1024, show_default=True, help="SLOWeave's C_max")
+@click.option("--seeds", default="0", show_default=True, callback=_whole_numbers(SEED_RANGE))
+@click.option("--horizon-s", type=DURATION_S.option(), default=None, help="stop a run after this long")
+@click.option("--threads", type=REPEATS.option(), default=1, show_default=True)
 @click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), default=Path("results/cpu-run"), show_default=True)
-@click.option("--monotone-tolerance-ms", type=click.FloatRange(min=0), default=5.0, show_default=True, help="a drop along c smaller than this is noise, not a broken profile")
-def run_command(model, profile_path, workload, num_requests, rate_scale, prompt_scale, output_scale, max_prompt, max_output, policies, tpot_ms, ttft_ms, cost_kind, margin, calibrate, stale_factor, max_chunk, seeds, horizon_s, threads, out_dir, monotone_tolerance_ms) -> None:
+@result_folder_options()
+@click.option("--monotone-tolerance-ms", type=MARGIN_MS.option(), default=5.0, show_default=True, help="a drop along c or n smaller than this (or than 25 %) is noise, not a broken profile")
+def run_command(model, profile_path, workload, num_requests, rate_scale, prompt_scale, output_scale, max_prompt, max_output, policies, tpot_ms, ttft_ms, cost_kind, margin, calibrate, stale_factor, max_chunk, seeds, horizon_s, threads, out_dir, monotone_tolerance_ms, force) -> None:
     """Serve a workload on the real CPU model under each policy; report measured and simulated metrics."""
     check_writable(out_dir, "--out")
     _need_runtime("run")
@@ -155,32 +176,32 @@ def run_command(model, profile_path, workload, num_requests, rate_scale, prompt_
             f"--max-prompt {max_prompt} + --max-output {max_output} tokens exceed the model's context of {context} tokens "
             "(max_position_embeddings)", param_hint="--max-prompt",
         )
-    out_dir.mkdir(parents=True, exist_ok=True)
-    rows = []
-    for seed in seeds:
-        wl = scaled_workload(workload, num_requests, seed, rate_scale, prompt_scale, output_scale, max_prompt, max_output)
-        engine = Engine(
-            model_obj,
-            max_batch_tokens=int(wl.prompt_tokens.max()) + 128,
-            num_blocks=blocks_needed(int((wl.prompt_tokens + wl.output_tokens).sum()), len(wl)),
-            threads=threads,
-        )
-        for name in names:
-            row, run = run_policy(engine, wl, name, fit, tpot_ms, ttft_ms, cost_kind, margin, calibrate, max_chunk, stale_factor if name == "sloweave" else 1.0, seed, horizon_s)
-            row.update(seed=seed, workload=wl.name, tpot_target_ms=tpot_ms, ttft_target_ms=ttft_ms)
-            rows.append(row)
-            tag = f"{row['policy']}-seed{seed}".replace("+", "_").replace("(", "_").replace(")", "").replace(" ", "")
-            run.requests.to_csv(out_dir / f"requests-{tag}.csv", index=False)
-            run.steps.to_csv(out_dir / f"steps-{tag}.csv", index=False)
-            click.echo(
-                f"{row['policy']:>28s} seed {seed}: goodput {row['measured_goodput_rps']:.3f} req/s, "
-                f"attainment {row['measured_attainment']:.2f}, P99 TPOT {row['measured_p99_tpot_ms']:.1f} ms, "
-                f"P99 TTFT {row['measured_p99_ttft_ms']:.0f} ms, overran {row['overran_prediction_plus_margin_share']:.1%} of steps"
+    with result_folder(out_dir, force) as folder:  # the folder is complete or absent
+        rows = []
+        for seed in seeds:
+            wl = scaled_workload(workload, num_requests, seed, rate_scale, prompt_scale, output_scale, max_prompt, max_output)
+            engine = Engine(
+                model_obj,
+                max_batch_tokens=int(wl.prompt_tokens.max()) + 128,
+                num_blocks=blocks_needed(int((wl.prompt_tokens + wl.output_tokens).sum()), len(wl)),
+                threads=threads,
             )
-    frame = pd.concat([add_ratios(pd.DataFrame([r for r in rows if r["seed"] == s])) for s in seeds], ignore_index=True)
-    frame.to_csv(out_dir / "summary.csv", index=False)
-    write_result_json(out_dir / "summary.json", {"command": "run", "settings": command_settings(), "runs": frame.to_dict(orient="records")})
-    _plot(frame, out_dir / "summary.png", tpot_ms)
+            for name in names:
+                row, run = run_policy(engine, wl, name, fit, tpot_ms, ttft_ms, cost_kind, margin, calibrate, max_chunk, stale_factor if name == "sloweave" else 1.0, seed, horizon_s)
+                row.update(seed=seed, workload=wl.name, tpot_target_ms=tpot_ms, ttft_target_ms=ttft_ms)
+                rows.append(row)
+                tag = f"{row['policy']}-seed{seed}".replace("+", "_").replace("(", "_").replace(")", "").replace(" ", "")
+                run.requests.to_csv(folder.path / f"requests-{tag}.csv", index=False)
+                run.steps.to_csv(folder.path / f"steps-{tag}.csv", index=False)
+                click.echo(
+                    f"{row['policy']:>28s} seed {seed}: goodput {row['measured_goodput_rps']:.3f} req/s, "
+                    f"attainment {row['measured_attainment']:.2f}, P99 TPOT {row['measured_p99_tpot_ms']:.1f} ms, "
+                    f"P99 TTFT {row['measured_p99_ttft_ms']:.0f} ms, overran {row['overran_prediction_plus_margin_share']:.1%} of steps"
+                )
+        frame = pd.concat([add_ratios(pd.DataFrame([r for r in rows if r["seed"] == s])) for s in seeds], ignore_index=True)
+        frame.to_csv(folder.path / "summary.csv", index=False)
+        write_result_json(folder.path / "summary.json", {"command": "run", "settings": command_settings(), "runs": frame.to_dict(orient="records")})
+        _plot(frame, folder.path / "summary.png", tpot_ms)
     click.echo(f"wrote {out_dir}/summary.csv, summary.json, summary.png")
 
 

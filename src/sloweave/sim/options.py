@@ -21,7 +21,7 @@ from sloweave.core.admission import ADMISSION_ACTIONS, AdmissionControl
 from sloweave.core.calibration import self_correcting
 from sloweave.core.cost import CostModel, NoisyCost
 from sloweave.core.policy import Aging, Policy
-from sloweave.core.validate import finite_number, positive_ms, positive_tokens, whole_number
+from sloweave.core.validate import BATCH_SIZE, DURATION_MS, NOISE_SIGMA, SCALE, TOKENS, positive_ms, positive_tokens
 from sloweave.sim.engine import DEADLINE_FORMS, simulate
 from sloweave.sim.result import SimResult
 from sloweave.sim.workloads import Workload
@@ -44,18 +44,18 @@ class EngineOptions:
 
     def __post_init__(self) -> None:
         if self.max_batch_size is not None:
-            whole_number(self.max_batch_size, "max_batch_size")
+            BATCH_SIZE.check(self.max_batch_size, "max_batch_size")
         if self.admission is not None and self.admission not in ADMISSION_ACTIONS:
             raise ValueError(f"admission must be one of {', '.join(ADMISSION_ACTIONS)} (or None), got {self.admission!r}")
         if self.aging_ms is not None:
             positive_ms(self.aging_ms, "aging_ms")
         positive_tokens(self.aging_chunk_tokens, "aging_chunk_tokens")
         if self.kv_capacity_tokens is not None:
-            whole_number(self.kv_capacity_tokens, "kv_capacity_tokens", unit=" of tokens")
+            TOKENS.check(self.kv_capacity_tokens, "kv_capacity_tokens")
         if self.deadline_form not in DEADLINE_FORMS:
             raise ValueError(f"deadline_form must be one of {', '.join(DEADLINE_FORMS)}, got {self.deadline_form!r}")
-        finite_number(self.noise_sigma, "noise_sigma", positive=False)
-        finite_number(self.bias, "bias")  # 1 = the model is exact
+        NOISE_SIGMA.check(self.noise_sigma, "noise_sigma")
+        SCALE.check(self.bias, "bias")  # 1 = the model is exact
         if not isinstance(self.correction, bool):
             raise ValueError(f"correction must be true or false, got {self.correction!r}")
 
@@ -113,13 +113,13 @@ def engine_options(dest: str = "engine"):
     import click
 
     flags = [
-        click.option("--max-batch", "max_batch_size", type=click.IntRange(min=1), default=None, help="cap on started requests, every policy (vLLM's max_num_seqs)"),
+        click.option("--max-batch", "max_batch_size", type=BATCH_SIZE.option(), default=None, help="cap on started requests, every policy (vLLM's max_num_seqs)"),
         click.option("--admission", type=click.Choice(ADMISSION_ACTIONS), default=None, help="admission control for every policy: reject or defer (a best-effort lane)"),
-        click.option("--aging-ms", type=float, default=None, help="starvation control for every policy: after this wait the oldest prompt gets a chunk"),
-        click.option("--kv-capacity-tokens", type=click.IntRange(min=1), default=None, help="KV cache capacity in tokens (admission by memory, preemption with recompute)"),
+        click.option("--aging-ms", type=DURATION_MS.option(), default=None, help="starvation control for every policy: after this wait the oldest prompt gets a chunk"),
+        click.option("--kv-capacity-tokens", type=TOKENS.option(), default=None, help="KV cache capacity in tokens (admission by memory, preemption with recompute)"),
         click.option("--deadline-form", type=click.Choice(DEADLINE_FORMS), default="per-token", show_default=True),
-        click.option("--noise-sigma", type=float, default=0.0, show_default=True, help="prediction error: actual step = model x lognormal(0, sigma) x bias (seeded)"),
-        click.option("--bias", type=float, default=1.0, show_default=True, help="systematic prediction error: the machine is this many times slower than the model"),
+        click.option("--noise-sigma", type=NOISE_SIGMA.option(), default=0.0, show_default=True, help="prediction error: actual step = model x lognormal(0, sigma) x bias (seeded)"),
+        click.option("--bias", type=SCALE.option(), default=1.0, show_default=True, help="systematic prediction error: the machine is this many times slower than the model"),
         click.option("--correction/--no-correction", default=False, show_default=True, help="deadline-aware policies correct the model online and keep an adaptive P99.7 margin (no hand-set margin)"),
     ]
     names = ("max_batch_size", "admission", "aging_ms", "kv_capacity_tokens", "deadline_form", "noise_sigma", "bias", "correction")

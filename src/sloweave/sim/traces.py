@@ -35,7 +35,7 @@ import numpy as np
 import pandas as pd
 
 from sloweave.core.csv_shape import check_csv_shape, located, not_text
-from sloweave.core.validate import DEFAULT_MAX_MODEL_LEN_TOKENS, RepeatedKeyError, max_model_len, one_value_per_key, over_context
+from sloweave.core.validate import DEFAULT_MAX_MODEL_LEN_TOKENS, DURATION_S, MAX_SECONDS, MAX_TOKENS, RATE_RPS, SCALE, SEED, TIME_S, TOKENS, Range, RepeatedKeyError, max_model_len, one_value_per_key, over_context
 from sloweave.sim.workloads import Workload, WorkloadError, poisson_arrivals
 
 # Columns that identify each CSV format, in the order they are tried.
@@ -124,12 +124,7 @@ def _lengths_within(path: Path, prompt: np.ndarray, output: np.ndarray, lines: n
     if long.size:
         i = int(long[0])
         raise _fail(path, int(lines[i]), over_context(f"{prompt[i]:.0f}", f"{output[i]:.0f}", limit))
-    # A limit raised past int64 (max_model_len_tokens=2**70) lets through lengths that would
-    # wrap to negative numbers when stored as int64: refused, not wrapped.
-    wide = np.flatnonzero(prompt + output >= 2.0**63)
-    if wide.size:
-        i = int(wide[0])
-        raise _fail(path, int(lines[i]), f"prompt {prompt[i]:.0f} + output {output[i]:.0f} tokens do not fit a 64-bit count")
+    # the limit is at most MAX_TOKENS, so both fit int64 without wrapping
     return prompt.astype(np.int64), output.astype(np.int64)
 
 
@@ -145,7 +140,8 @@ def _check_sorted(path: Path, arrival_s: np.ndarray, lines: np.ndarray, column: 
         )
 
 
-def _parse_seconds(path: Path, raw: pd.Series, column: str, lines: np.ndarray) -> np.ndarray:
+def _parse_seconds(path: Path, raw: pd.Series, column: str, lines: np.ndarray, per_second: float = 1.0) -> np.ndarray:
+    """Arrival times in the column's unit (``per_second`` of them make a second), in TIME_S's range."""
     text = raw.astype(str).str.strip()
     values = pd.to_numeric(text, errors="coerce").to_numpy(dtype=np.float64)
     for i in np.flatnonzero(~np.isfinite(values)):
@@ -154,6 +150,8 @@ def _parse_seconds(path: Path, raw: pd.Series, column: str, lines: np.ndarray) -
     # refused, not shifted: a trace's clock starts at 0 or later (rebasing is for its first arrival)
     for i in np.flatnonzero(values < 0):
         raise _fail(path, lines[i], f"{column} is {text.iloc[i]}; arrival times must be >= 0")
+    for i in np.flatnonzero(values > MAX_SECONDS * per_second):  # a float clock there cannot add a millisecond
+        raise _fail(path, lines[i], f"{column} is {text.iloc[i]}; arrival times must be <= {MAX_SECONDS * per_second:g} ({MAX_SECONDS:g} s)")
     return values
 
 
@@ -291,7 +289,7 @@ def _load_jsonl(path: Path, limit: int) -> Trace:
     prompt, output = _lengths_within(
         path, *(_parse_lengths(path, frame[c], c, lines) for c in LENGTH_COLUMNS["mooncake"]), lines, limit
     )
-    arrival = _parse_seconds(path, frame["timestamp"], "timestamp", lines) / 1000.0  # Mooncake stamps are ms
+    arrival = _parse_seconds(path, frame["timestamp"], "timestamp", lines, per_second=1000.0) / 1000.0  # Mooncake stamps are ms
     _check_sorted(path, arrival, lines, "timestamp")
     return Trace(path.stem, str(path), "mooncake", _rebased(arrival), prompt, output, limit)
 
@@ -349,16 +347,20 @@ class ReplayOptions:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if not (math.isfinite(self.start_s) and self.start_s >= 0):
-            raise TraceError(f"window start must be a finite number of seconds >= 0, got {self.start_s!r}")
-        if self.end_s is not None and not (math.isfinite(self.end_s) and self.end_s > self.start_s):
-            raise TraceError(f"window end must be a finite number of seconds after its start, got {self.end_s!r}")
-        if not (math.isfinite(self.rate_scale) and self.rate_scale > 0):
-            raise TraceError(f"rate scale (time-scale factor) must be a finite number > 0, got {self.rate_scale!r}")
-        if self.max_prompt_tokens is not None and self.max_prompt_tokens < 1:
-            raise TraceError(f"prompt cap must be >= 1 token, got {self.max_prompt_tokens!r}")
-        if self.max_requests is not None and self.max_requests < 1:
-            raise TraceError(f"max_requests must be >= 1, got {self.max_requests!r}")
+        try:
+            TIME_S.check(self.start_s, "window start")
+            if self.end_s is not None and DURATION_S.check(self.end_s, "window end") <= self.start_s:
+                raise ValueError(f"window end must be after its start ({self.start_s!r} s), got {self.end_s!r}")
+            SCALE.check(self.rate_scale, "rate scale (time-scale factor)")
+            if self.max_prompt_tokens is not None:
+                TOKENS.check(self.max_prompt_tokens, "prompt cap")
+            if self.max_requests is not None:
+                Range(1, MAX_TOKENS, " of requests", whole=True).check(self.max_requests, "max_requests")
+            if self.poisson_rate_rps is not None:
+                RATE_RPS.check(self.poisson_rate_rps, "poisson_rate_rps")
+            SEED.check(self.seed, "seed")
+        except ValueError as err:
+            raise TraceError(str(err)) from None
         if self.arrivals not in ARRIVALS:
             raise TraceError(f"arrivals must be one of {', '.join(ARRIVALS)}, got {self.arrivals!r}")
         if self.arrivals == "poisson":

@@ -16,7 +16,7 @@ from importlib import resources
 import numpy as np
 import pandas as pd
 
-from sloweave.core.validate import DEFAULT_MAX_MODEL_LEN_TOKENS, max_model_len, over_context
+from sloweave.core.validate import DEFAULT_MAX_MODEL_LEN_TOKENS, MAX_MS, MAX_SECONDS, SCALE, max_model_len, over_context
 
 
 class WorkloadError(ValueError):
@@ -70,8 +70,9 @@ class Workload:
         if long.size:
             i = int(long[0])
             raise WorkloadError(f"workload {self.name!r}: request {i}: {over_context(prompt[i], output[i], limit)}")
-        if not np.all(np.isfinite(arrival)) or np.any(arrival < 0):
-            raise WorkloadError(f"workload {self.name!r}: arrival_s must be finite and >= 0")
+        if not np.all(np.isfinite(arrival)) or np.any(arrival < 0) or np.any(arrival > MAX_SECONDS):
+            # beyond 1e10 s a float clock in ms can no longer add a millisecond
+            raise WorkloadError(f"workload {self.name!r}: arrival_s must be finite, >= 0 and <= {MAX_SECONDS:g} s")
         unsorted = np.flatnonzero(np.diff(arrival) < 0)
         if unsorted.size:
             raise WorkloadError(
@@ -83,8 +84,8 @@ class Workload:
         object.__setattr__(self, "output_tokens", output.astype(np.int64))
         if self.tpot_ms is not None:
             tpot = np.asarray(self.tpot_ms, dtype=np.float64)
-            if tpot.shape != (n,) or not np.all(np.isfinite(tpot)) or np.any(tpot <= 0):
-                raise WorkloadError(f"workload {self.name!r}: tpot_ms must hold one finite target > 0 per request")
+            if tpot.shape != (n,) or not np.all(np.isfinite(tpot)) or np.any(tpot <= 0) or np.any(tpot > MAX_MS):
+                raise WorkloadError(f"workload {self.name!r}: tpot_ms must hold one finite target > 0 and <= {MAX_MS:g} ms per request")
             object.__setattr__(self, "tpot_ms", tpot)
 
     def __len__(self) -> int:
@@ -163,8 +164,10 @@ class WorkloadSpec:
         if num_requests <= 0:
             raise WorkloadError(f"workload {self.name!r}: num_requests must be >= 1, got {num_requests!r}")
         _check_seed(self.name, seed)
-        if not rate_scale > 0:
-            raise WorkloadError(f"workload {self.name!r}: rate_scale must be > 0, got {rate_scale!r}")
+        try:
+            SCALE.check(rate_scale, "rate_scale")
+        except ValueError as err:
+            raise WorkloadError(f"workload {self.name!r}: {err}") from None
         rng = np.random.default_rng(seed)
         rate = self.rate_rps * rate_scale
         if self.burst_cv == 1.0:

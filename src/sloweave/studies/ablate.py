@@ -34,8 +34,9 @@ from sloweave.core.policy import Aging, SLOWeave
 from sloweave.sim.engine import simulate
 from sloweave.sim.traces import ReplayOptions, load_trace, replay_workload, split_windows
 from sloweave.sim.workloads import WORKLOADS, Workload
-from sloweave.studies.inputs import POSITIVE, REQUESTS, once_each, parallel_options, runner_of
-from sloweave.studies.outputs import check_writable, command_settings, write_result_json
+from sloweave.core.validate import DURATION_S, REPEATS, SCALE
+from sloweave.studies.inputs import REQUESTS, once_each, parallel_options, runner_of
+from sloweave.studies.outputs import check_writable, command_settings, result_folder, result_folder_options, write_result_json
 from sloweave.studies.parallel import SERIAL, Runner, run_tasks
 
 TPOT_TARGETS_MS = (10.0, 25.0, 50.0)
@@ -138,12 +139,14 @@ def run_config(config: Config, workload: Workload, tpot_ms: float, ttft_ms: floa
 def run_ablation(
     sources: list[Source], configs: tuple[Config, ...], tpot_targets: tuple[float, ...], progress: bool = True, cost: ResolvedCost | None = None,
     runner: Runner = SERIAL,
+    store=None,
 ) -> tuple[pd.DataFrame, pd.DataFrame]:
     """Per-seed rows of every (source, seed, TPOT, config), and the tier study's per-seed rows.
 
-    One task per (source, seed), run where ``runner`` says; rows come back in task order."""
+    One task per (source, seed), run where ``runner`` says; rows come back in task order.
+    ``store`` keeps the finished tasks (--resume)."""
     tasks = [(source, seed) for source in sources for seed in range(len(source.workloads))]
-    outcomes = run_tasks(_source_seed_runs, tasks, (configs, tuple(tpot_targets), cost), runner, "ablation", progress)
+    outcomes = run_tasks(_source_seed_runs, tasks, (configs, tuple(tpot_targets), cost), runner, "ablation", progress, store)
     rows = [row for task_rows, _ in outcomes for row in task_rows]
     tier_rows = [row for _, task_tiers in outcomes for row in task_tiers]
     return pd.DataFrame(rows), pd.DataFrame(tier_rows)
@@ -326,18 +329,19 @@ def write_ablation(runs: pd.DataFrame, tiers: pd.DataFrame, configs: tuple[Confi
 
 @click.command()
 @click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), default=Path("results/ablation"), show_default=True)
-@click.option("--seeds", type=click.IntRange(min=1), default=DEFAULT_SEEDS, show_default=True, help="seeds per workload (trace: disjoint windows)")
+@result_folder_options(resumable=True)
+@click.option("--seeds", type=REPEATS.option(), default=DEFAULT_SEEDS, show_default=True, help="seeds per workload (trace: disjoint windows)")
 @click.option("--requests", "num_requests", type=REQUESTS, default=None, help=f"requests per synthetic seed [default: {DEFAULT_REQUESTS}, --quick: {QUICK_REQUESTS}]")
 @click.option("--quick", is_flag=True, help=f"{QUICK_REQUESTS} requests per seed, {QUICK_TRACE_WINDOW_S:g} s trace windows")
 @click.option("--workload", "workloads", multiple=True, type=click.Choice(list(WORKLOADS)), callback=once_each, help="repeatable; default: all four")
 @click.option("--config", "config_names", multiple=True, type=click.Choice(list(CONFIG_NAMES)), callback=once_each, help="repeatable; default: all (greedy is always run)")
 @click.option("--trace", "trace_path", type=click.Path(dir_okay=False, path_type=Path), default=DEFAULT_TRACE, show_default=True)
 @click.option("--no-trace", is_flag=True, help="skip the real trace")
-@click.option("--trace-rate-scale", type=POSITIVE, default=TRACE_RATE_SCALE, show_default=True)
-@click.option("--trace-window-s", type=POSITIVE, default=None, help=f"[default: {TRACE_WINDOW_S:g}, --quick: {QUICK_TRACE_WINDOW_S:g}]")
+@click.option("--trace-rate-scale", type=SCALE.option(), default=TRACE_RATE_SCALE, show_default=True)
+@click.option("--trace-window-s", type=DURATION_S.option(), default=None, help=f"[default: {TRACE_WINDOW_S:g}, --quick: {QUICK_TRACE_WINDOW_S:g}]")
 @cost_option()
 @parallel_options()
-def ablate(out_dir, seeds, num_requests, quick, workloads, config_names, trace_path, no_trace, trace_rate_scale, trace_window_s, cost: ResolvedCost, jobs, ray_address) -> None:
+def ablate(out_dir, seeds, num_requests, quick, workloads, config_names, trace_path, no_trace, trace_rate_scale, trace_window_s, cost: ResolvedCost, jobs, ray_address, force, resume) -> None:
     """Ablation of the options beyond the paper: CSV, Markdown, JSON and a plot under --out."""
     from sloweave.sim.traces import TraceError
 
@@ -359,17 +363,18 @@ def ablate(out_dir, seeds, num_requests, quick, workloads, config_names, trace_p
             sources.append(trace_source(trace_path, seeds, trace_window_s, trace_rate_scale))
         except TraceError as err:
             raise click.UsageError(f"{err} (pass --no-trace to run without the real trace)") from None
-    runs, tiers = run_ablation(sources, configs, TPOT_TARGETS_MS, cost=cost, runner=runner_of(jobs, ray_address))
-    meta = {
-        "command": "ablate",
-        "settings": command_settings(),
-        "seeds": seeds,
-        "num_requests": num_requests,
-        "trace": None if no_trace else f"{trace_path} x{trace_rate_scale:g}, {seeds} windows of {trace_window_s:g} s",
-        "tpot_targets_ms": list(TPOT_TARGETS_MS),
-        "elapsed_s": time.perf_counter() - started,
-    }
-    out = write_ablation(runs, tiers, configs, out_dir, meta, cost)
+    with result_folder(out_dir, force, resume, resumable=True) as folder:
+        runs, tiers = run_ablation(sources, configs, TPOT_TARGETS_MS, cost=cost, runner=runner_of(jobs, ray_address), store=folder.store)
+        meta = {
+            "command": "ablate",
+            "settings": command_settings(),
+            "seeds": seeds,
+            "num_requests": num_requests,
+            "trace": None if no_trace else f"{trace_path} x{trace_rate_scale:g}, {seeds} windows of {trace_window_s:g} s",
+            "tpot_targets_ms": list(TPOT_TARGETS_MS),
+            "elapsed_s": time.perf_counter() - started,
+        }
+        out = write_ablation(runs, tiers, configs, folder.path, meta, cost)
     if not cost.is_analytic:
         for line in cost.summary_lines():
             click.echo(line)

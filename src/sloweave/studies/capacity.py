@@ -40,9 +40,10 @@ from sloweave.core.cost import AnalyticCost, CostModel
 from sloweave.core.costs import ResolvedCost, analytic_description, cost_option
 from sloweave.sim.metrics import RunMetrics, summarize
 from sloweave.core.policy import DEFAULT_MAX_CHUNK_TOKENS
-from sloweave.studies.inputs import POSITIVE, REQUESTS, max_model_len_option, model_len_or_default, once_each, parallel_options
+from sloweave.core.validate import ATTAINMENT, DURATION_MS, DURATION_S, RATE_RPS, REPEATS, SCALE, TOKENS
+from sloweave.studies.inputs import REQUESTS, max_model_len_option, model_len_or_default, once_each, parallel_options
 from sloweave.studies.parallel import Runner, local_cores, run_tasks
-from sloweave.studies.outputs import check_writable, command_settings, write_result_json
+from sloweave.studies.outputs import check_writable, command_settings, result_folder, result_folder_options, write_result_json
 from sloweave.studies.replay import DEFAULT_TRACE_TTFT_MS, _pyplot, build_policy, plot_cdfs, policy_style, run_policy
 from sloweave.sim.traces import FORMATS, ReplayOptions, Trace, TraceError, load_trace, replay_workload, split_windows
 from sloweave.sim.options import DEFAULT_OPTIONS, EngineOptions, engine_options
@@ -370,6 +371,7 @@ class CapacityStudy:
         jobs: int = 1,
         tpot_change_ms: float | None = None,
         ray: str | None = None,
+        store=None,
     ) -> None:
         if not 0.0 < attainment_target <= 1.0:
             raise ValueError(f"attainment target must be in (0, 1], got {attainment_target!r}")
@@ -402,6 +404,8 @@ class CapacityStudy:
         self.max_k = math.ceil(math.log2(max_scale) * self.steps - 1e-9)
         self.curve_points_per_doubling = curve_points_per_doubling
         self.progress = progress
+        # where finished tasks are kept for --resume (``sloweave.studies.parallel.TaskStore``); None: nowhere
+        self.store = store
         self._runs: dict[tuple, _Run] = {}
         _check_scalable(source)
 
@@ -409,7 +413,7 @@ class CapacityStudy:
         # Shipped to Ray workers without the cache of runs: a task never reads another task's
         # runs (searches depend on their own inputs, curve tasks are the points not yet run),
         # so the cache (tens of MB after a search) would be sent for nothing.
-        return {**self.__dict__, "_runs": {}}
+        return {**self.__dict__, "_runs": {}, "store": None}
 
     # ---- lattice and cached simulations
 
@@ -452,7 +456,7 @@ class CapacityStudy:
 
     def _map(self, method: str, tasks: list[tuple], desc: str) -> list:
         """``getattr(self, method)(*task)`` for every task, in task order, where the runner says."""
-        outcomes = run_tasks(_study_task, [(method, *task) for task in tasks], self, self.runner, desc, self.progress)
+        outcomes = run_tasks(_study_task, [(method, *task) for task in tasks], self, self.runner, desc, self.progress, self.store)
         for _, runs in outcomes:
             self._runs.update(runs)
         return [result for result, _ in outcomes]
@@ -809,21 +813,21 @@ def _describe(cost: CostModel) -> dict:
 @click.option("--workload", type=click.Choice(list(ALL_WORKLOADS)), default=None, help="synthetic workload or scenario instead of a trace")
 @click.option("--format", "fmt", type=click.Choice(FORMATS), default="auto", show_default=True)
 @click.option("--policy", "policies", multiple=True, callback=once_each, help=f"repeat for several; fixed-tuned / budget-tuned / sarathi-tuned: that rule at its best budget per target, from a refined sweep [default: {', '.join(DEFAULT_POLICIES)}]")
-@click.option("--tpot-ms", "tpot_targets", type=POSITIVE, multiple=True, callback=once_each, help="repeat for several [default: 10, 25, 50]")
-@click.option("--tpot-change-ms", type=POSITIVE, default=None, help="the TPOT target changes to this for requests arriving in the second half of each run")
-@click.option("--ttft-ms", type=POSITIVE, default=None, help=f"TTFT target [default: the workload's; {DEFAULT_TRACE_TTFT_MS:g} for a trace]")
-@click.option("--attainment", type=click.FloatRange(min=0, max=1, min_open=True), default=DEFAULT_ATTAINMENT, show_default=True)
-@click.option("--seeds", type=click.IntRange(min=1), default=None, help="seeds / trace windows [default: 5; --quick 3]")
-@click.option("--window-s", type=POSITIVE, default=DEFAULT_WINDOW_S, show_default=True, help="trace window length; windows are spread evenly over the trace")
+@click.option("--tpot-ms", "tpot_targets", type=DURATION_MS.option(), multiple=True, callback=once_each, help="repeat for several [default: 10, 25, 50]")
+@click.option("--tpot-change-ms", type=DURATION_MS.option(), default=None, help="the TPOT target changes to this for requests arriving in the second half of each run")
+@click.option("--ttft-ms", type=DURATION_MS.option(), default=None, help=f"TTFT target [default: the workload's; {DEFAULT_TRACE_TTFT_MS:g} for a trace]")
+@click.option("--attainment", type=ATTAINMENT.option(), default=DEFAULT_ATTAINMENT, show_default=True)
+@click.option("--seeds", type=REPEATS.option(), default=None, help="seeds / trace windows [default: 5; --quick 3]")
+@click.option("--window-s", type=DURATION_S.option(), default=DEFAULT_WINDOW_S, show_default=True, help="trace window length; windows are spread evenly over the trace")
 @click.option("--whole-trace", is_flag=True, help="cut the whole trace into --seeds equal consecutive windows instead")
 @click.option("--requests", "num_requests", type=REQUESTS, default=None, help="requests per seed for workloads and length-only files [default: 2000; --quick 800]")
-@click.option("--max-prompt-tokens", type=click.IntRange(min=1), default=None, help="cap prompts (the count is reported)")
+@click.option("--max-prompt-tokens", type=TOKENS.option(), default=None, help="cap prompts (the count is reported)")
 @click.option("--arrivals", type=click.Choice(["trace", "poisson"]), default="trace", show_default=True, help="poisson: generate arrivals (length-only files)")
-@click.option("--rate-rps", type=POSITIVE, default=None, help="base rate of generated arrivals (load scale 1)")
-@click.option("--steps-per-doubling", type=click.IntRange(min=1), default=None, help="load lattice resolution [default: 16 (4.4%); --quick 8 (9%)]")
-@click.option("--min-scale", type=POSITIVE, default=1.0 / 16.0, show_default=True)
-@click.option("--max-scale", type=POSITIVE, default=256.0, show_default=True)
-@click.option("--max-chunk", type=click.IntRange(min=1), default=DEFAULT_MAX_CHUNK_TOKENS, show_default=True)
+@click.option("--rate-rps", type=RATE_RPS.option(), default=None, help="base rate of generated arrivals (load scale 1)")
+@click.option("--steps-per-doubling", type=REPEATS.option(), default=None, help="load lattice resolution [default: 16 (4.4%); --quick 8 (9%)]")
+@click.option("--min-scale", type=SCALE.option(), default=1.0 / 16.0, show_default=True)
+@click.option("--max-scale", type=SCALE.option(), default=256.0, show_default=True)
+@click.option("--max-chunk", type=TOKENS.option(), default=DEFAULT_MAX_CHUNK_TOKENS, show_default=True)
 @click.option("--quick", is_flag=True, help="3 seeds instead of 5, a lattice of 8 instead of 16 steps per doubling, fewer curve points")
 @parallel_options()
 @click.option("--no-curves", is_flag=True, help="capacities only: skip the load curves and CDFs")
@@ -831,7 +835,8 @@ def _describe(cost: CostModel) -> dict:
 @engine_options()
 @cost_option()
 @click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), default=Path("results/capacity"), show_default=True)
-def capacity(trace_paths, workload, fmt, policies, tpot_targets, tpot_change_ms, ttft_ms, attainment, seeds, window_s, whole_trace, num_requests, max_prompt_tokens, arrivals, rate_rps, max_model_len_tokens, steps_per_doubling, min_scale, max_scale, max_chunk, quick, jobs, ray_address, no_curves, engine: EngineOptions, cost: ResolvedCost, out_dir) -> None:
+@result_folder_options(resumable=True)
+def capacity(trace_paths, workload, fmt, policies, tpot_targets, tpot_change_ms, ttft_ms, attainment, seeds, window_s, whole_trace, num_requests, max_prompt_tokens, arrivals, rate_rps, max_model_len_tokens, steps_per_doubling, min_scale, max_scale, max_chunk, quick, jobs, ray_address, no_curves, engine: EngineOptions, cost: ResolvedCost, out_dir, force, resume) -> None:
     """Highest load (arrival-rate scale) at which each policy keeps SLO attainment >= the target."""
     if bool(trace_paths) == (workload is not None):
         raise click.UsageError("give --trace PATH (one or more) or --workload NAME, not both and not neither")
@@ -851,7 +856,9 @@ def capacity(trace_paths, workload, fmt, policies, tpot_targets, tpot_change_ms,
         raise click.UsageError(str(err)) from None
     _print_notes(source.describe(), rate_rps, trace_paths, max_prompt_tokens)
     meta = {"command": "capacity", "options": command_settings(), "policies": policies, "max_chunk_tokens": max_chunk}
-    payload = run_capacity(study, out_dir, meta, cost, curves=not no_curves)
+    with result_folder(out_dir, force, resume, resumable=True) as folder:
+        study.store = folder.store  # every finished search and curve point is kept for --resume
+        payload = run_capacity(study, folder.path, meta, cost, curves=not no_curves)
     _print_results(payload, cost, out_dir, study)
 
 

@@ -6,16 +6,17 @@ import importlib
 
 import click
 
-from sloweave.core.validate import DEFAULT_MAX_MODEL_LEN_TOKENS, positive_number
+from sloweave.core.validate import DEFAULT_MAX_MODEL_LEN_TOKENS, REPEATS, TOKENS, Range
+from sloweave.core.validate import SEED as SEED_RANGE
 
 # numpy's generators take non-negative seeds only (a negative one used to end in a traceback)
-SEED = click.IntRange(min=0)
+SEED = SEED_RANGE.option()
 
 # Requests one run generates: a run keeps per-request arrays and per-iteration records in
 # memory, and 1e11 requests ended in a 745 GiB allocation error; 10 million simulate in
 # about an hour here and fit in a few GB. (A trace's own size is its limit.)
 MAX_REQUESTS = 10_000_000
-REQUESTS = click.IntRange(min=1, max=MAX_REQUESTS)
+REQUESTS = Range(1, MAX_REQUESTS, " of requests", whole=True).option()
 
 
 def max_model_len_option():
@@ -23,7 +24,7 @@ def max_model_len_option():
     return click.option(
         "--max-model-len",
         "max_model_len_tokens",
-        type=click.IntRange(min=1),
+        type=TOKENS.option(),
         default=None,
         help=f"longest request (prompt + output tokens) the served model's context allows; a trace "
         f"request beyond it is refused with its line [default: {DEFAULT_MAX_MODEL_LEN_TOKENS}]",
@@ -32,22 +33,6 @@ def max_model_len_option():
 
 def model_len_or_default(max_model_len_tokens: int | None) -> int:
     return DEFAULT_MAX_MODEL_LEN_TOKENS if max_model_len_tokens is None else max_model_len_tokens
-
-
-class PositiveNumber(click.ParamType):
-    """A finite number > 0 on the command line (a target in ms, a rate, a scale, a window)."""
-
-    name = "float"
-
-    def convert(self, value, param, ctx):
-        number = click.FLOAT.convert(value, param, ctx)  # a default that is already a float passes through
-        try:
-            return positive_number(number, "the value")
-        except ValueError as err:
-            self.fail(str(err), param, ctx)
-
-
-POSITIVE = PositiveNumber()
 
 
 def once_each(ctx, param, values: tuple) -> tuple:
@@ -87,7 +72,7 @@ def parallel_options():
             "'auto' joins the cluster Ray finds (RAY_ADDRESS, `ray start`), or give its address; results are the serial run's",
         )(command)
         return click.option(
-            "--jobs", type=click.IntRange(min=1), default=None,
+            "--jobs", type=REPEATS.option(), default=None,
             help="parallel simulation processes on this machine [default: all local cores]; results are the serial run's",
         )(command)
 

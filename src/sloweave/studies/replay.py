@@ -17,8 +17,9 @@ from sloweave.core.costs import ResolvedCost, cost_option
 from sloweave.sim.metrics import RunMetrics, per_request_frame, run_duration_ms, slo_met, summarize
 from sloweave.core.policy import DEFAULT_MAX_CHUNK_TOKENS, Policy, make_policy
 from sloweave.sim.options import DEFAULT_OPTIONS, EngineOptions, engine_options
-from sloweave.studies.inputs import POSITIVE, SEED, max_model_len_option, model_len_or_default, once_each, parallel_options, runner_of
-from sloweave.studies.outputs import check_writable, command_settings, write_result_json
+from sloweave.core.validate import DURATION_MS, DURATION_S, MAX_TOKENS, RATE_RPS, SCALE, TIME_S, TOKENS, Range
+from sloweave.studies.inputs import SEED, max_model_len_option, model_len_or_default, once_each, parallel_options, runner_of
+from sloweave.studies.outputs import check_writable, command_settings, result_folder, result_folder_options, write_result_json
 from sloweave.studies.parallel import SERIAL, Runner, run_tasks
 from sloweave.sim.traces import FORMATS, ReplayOptions, ReplayReport, TraceError, load_trace, replay_workload
 from sloweave.sim.workloads import Workload
@@ -106,6 +107,7 @@ def replay_many(
     options: EngineOptions = DEFAULT_OPTIONS,
     noise_seed: int = 0,
     runner: Runner = SERIAL,
+    store=None,
 ) -> list[tuple[pd.DataFrame, dict[str, RunMetrics]]]:
     """Run every policy on each workload (each trace), each with the same engine ``options``;
     per workload, all per-request rows and the metrics by policy. A policy named twice is
@@ -117,7 +119,7 @@ def replay_many(
         raise ValueError(f"policy given more than once: {', '.join(twice)} (each policy is replayed once)")
     context = (tuple(workloads), tpot_ms, ttft_ms, cost, options, noise_seed)
     tasks = [(w, policy) for w in range(len(workloads)) for policy in built]
-    outcomes = iter(run_tasks(_replayed, tasks, context, runner, "replay", progress))
+    outcomes = iter(run_tasks(_replayed, tasks, context, runner, "replay", progress, store))
     replayed = []
     for _ in workloads:
         runs = [next(outcomes) for _ in built]
@@ -171,25 +173,26 @@ def describe_report(report: ReplayReport) -> str:
 @click.command()
 @click.argument("trace_paths", metavar="TRACE...", nargs=-1, required=True, type=click.Path(dir_okay=False, path_type=Path))
 @click.option("--format", "fmt", type=click.Choice(FORMATS), default="auto", show_default=True)
-@click.option("--start-s", type=float, default=0.0, show_default=True, help="window start, seconds after the first request")
-@click.option("--end-s", type=float, default=None, help="window end (exclusive), seconds; default: end of the trace")
-@click.option("--duration-s", type=float, default=None, help="window length instead of --end-s")
-@click.option("--rate-scale", type=float, default=1.0, show_default=True, help="time-scale factor: arrivals are divided by it (2 = twice as fast)")
-@click.option("--max-prompt-tokens", type=click.IntRange(min=1), default=None, help="cap prompts at this length (the count is reported)")
-@click.option("--max-requests", type=click.IntRange(min=1), default=None, help="keep the first N requests of the window")
+@click.option("--start-s", type=TIME_S.option(), default=0.0, show_default=True, help="window start, seconds after the first request")
+@click.option("--end-s", type=DURATION_S.option(), default=None, help="window end (exclusive), seconds; default: end of the trace")
+@click.option("--duration-s", type=DURATION_S.option(), default=None, help="window length instead of --end-s")
+@click.option("--rate-scale", type=SCALE.option(), default=1.0, show_default=True, help="time-scale factor: arrivals are divided by it (2 = twice as fast)")
+@click.option("--max-prompt-tokens", type=TOKENS.option(), default=None, help="cap prompts at this length (the count is reported)")
+@click.option("--max-requests", type=Range(1, MAX_TOKENS, " of requests", whole=True).option(), default=None, help="keep the first N requests of the window")
 @click.option("--arrivals", type=click.Choice(["trace", "poisson"]), default="trace", show_default=True, help="poisson: generate arrivals (needed for length-only files)")
-@click.option("--rate-rps", type=float, default=None, help="rate of generated Poisson arrivals (before --rate-scale)")
+@click.option("--rate-rps", type=RATE_RPS.option(), default=None, help="rate of generated Poisson arrivals (before --rate-scale)")
 @click.option("--seed", type=SEED, default=0, show_default=True, help="seed of generated arrivals")
 @click.option("--policy", "policies", multiple=True, callback=once_each, default=DEFAULT_REPLAY_POLICIES, show_default=True, help="repeat for several")
-@click.option("--tpot-ms", type=POSITIVE, default=25.0, show_default=True)
-@click.option("--ttft-ms", type=POSITIVE, default=DEFAULT_TRACE_TTFT_MS, show_default=True)
-@click.option("--max-chunk", type=click.IntRange(min=1), default=DEFAULT_MAX_CHUNK_TOKENS, show_default=True)
+@click.option("--tpot-ms", type=DURATION_MS.option(), default=25.0, show_default=True)
+@click.option("--ttft-ms", type=DURATION_MS.option(), default=DEFAULT_TRACE_TTFT_MS, show_default=True)
+@click.option("--max-chunk", type=TOKENS.option(), default=DEFAULT_MAX_CHUNK_TOKENS, show_default=True)
 @max_model_len_option()
 @parallel_options()
 @engine_options()
 @cost_option()
 @click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), default=Path("results/replay"), show_default=True)
-def replay(trace_paths, fmt, start_s, end_s, duration_s, rate_scale, max_prompt_tokens, max_requests, arrivals, rate_rps, seed, max_model_len_tokens, jobs, ray_address, policies, tpot_ms, ttft_ms, max_chunk, engine: EngineOptions, cost: ResolvedCost, out_dir) -> None:
+@result_folder_options(resumable=True)
+def replay(trace_paths, fmt, start_s, end_s, duration_s, rate_scale, max_prompt_tokens, max_requests, arrivals, rate_rps, seed, max_model_len_tokens, jobs, ray_address, policies, tpot_ms, ttft_ms, max_chunk, engine: EngineOptions, cost: ResolvedCost, out_dir, force, resume) -> None:
     """Replay request traces under each policy; write requests.csv, metrics.csv/json and CDF plots.
 
     One trace writes under --out; several write one folder per trace (named by its file)
@@ -204,15 +207,22 @@ def replay(trace_paths, fmt, start_s, end_s, duration_s, rate_scale, max_prompt_
         replays = [replay_workload(load_trace(path, fmt, model_len_or_default(max_model_len_tokens)), options) for path in trace_paths]
         for _, report in replays:
             click.echo(describe_report(report), err=True)
-        results = replay_many([w for w, _ in replays], list(policies), tpot_ms, ttft_ms, cost.model, max_chunk, True, engine, seed, runner_of(jobs, ray_address))
     except (TraceError, ValueError) as err:
         raise click.UsageError(str(err)) from None
+    tables = []
+    with result_folder(out_dir, force, resume, resumable=True) as folder:
+        try:
+            results = replay_many([w for w, _ in replays], list(policies), tpot_ms, ttft_ms, cost.model, max_chunk, True, engine, seed, runner_of(jobs, ray_address), folder.store)
+        except (TraceError, ValueError) as err:
+            raise click.UsageError(str(err)) from None
+        for stem, (_, report), (requests, metrics) in zip(stems, replays, results):
+            where = folder.path if len(trace_paths) == 1 else folder.path / stem
+            tables.append(_write_replay(where, report, requests, metrics, tpot_ms, ttft_ms, max_chunk, engine, cost))
     if not cost.is_analytic:
         for line in cost.summary_lines():
             click.echo(line)
-    for stem, (_, report), (requests, metrics) in zip(stems, replays, results):
+    for stem, (_, report), table in zip(stems, replays, tables):
         where = out_dir if len(trace_paths) == 1 else out_dir / stem
-        table = _write_replay(where, report, requests, metrics, tpot_ms, ttft_ms, max_chunk, engine, cost)
         if len(trace_paths) > 1:
             click.echo(f"== {report.source}")
         columns = ["policy", "attainment", "goodput_rps", "p99_ttft_ms", "p99_tpot_ms", "num_pending"]

@@ -22,8 +22,9 @@ from sloweave.sim.metrics import RunMetrics, per_request_frame, run_duration_ms,
 from sloweave.core.policy import DEFAULT_MAX_CHUNK_TOKENS, SLOWeave, make_policy
 from sloweave.sim.engine import SimResult, simulate
 from sloweave.sim.workloads import WORKLOADS, get_workload_spec
+from sloweave.core.validate import REPEATS
 from sloweave.studies.inputs import REQUESTS, once_each, parallel_options, runner_of
-from sloweave.studies.outputs import check_writable, write_result_json
+from sloweave.studies.outputs import check_writable, result_folder, result_folder_options, write_result_json
 from sloweave.studies.parallel import SERIAL, Runner, run_tasks
 from sloweave.studies.pictures import plot_step_timeline
 
@@ -106,15 +107,15 @@ def _metric_row(workload: str, policy: str, tpot_ms: float, seed: int, metrics: 
     return {"workload": workload, "policy": policy, "tpot_ms": tpot_ms, "seed": seed, **metrics.as_dict()}
 
 
-def run_study(config: StudyConfig, progress: bool = True, runner: Runner = SERIAL) -> tuple[pd.DataFrame, dict[str, SimResult]]:
+def run_study(config: StudyConfig, progress: bool = True, runner: Runner = SERIAL, store=None) -> tuple[pd.DataFrame, dict[str, SimResult]]:
     """Every (workload, seed, policy, TPOT target) run; returns per-seed rows and sample runs.
 
     One task per (workload, seed), run where ``runner`` says; rows come back in task order,
     so the table is the serial run's. The sample runs (SLOWeave at 25 ms, seed 0, per
-    workload) feed the time-series plot.
+    workload) feed the time-series plot. ``store`` keeps the finished tasks (--resume).
     """
     tasks = [(w, s) for w in config.workloads for s in range(config.seeds)]
-    outcomes = run_tasks(_workload_seed_runs, tasks, config, runner, "simulating", progress)
+    outcomes = run_tasks(_workload_seed_runs, tasks, config, runner, "simulating", progress, store)
     rows = [row for task_rows, _ in outcomes for row in task_rows]
     samples = {workload: sample for (workload, _), (_, sample) in zip(tasks, outcomes) if sample is not None}
     return pd.DataFrame(rows), samples
@@ -330,22 +331,24 @@ def write_single_run(result: SimResult, requests: pd.DataFrame, metrics: RunMetr
 
 @click.command()
 @click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), default=Path("results/reproduce"), show_default=True)
-@click.option("--seeds", type=click.IntRange(min=1), default=DEFAULT_SEEDS, show_default=True)
+@result_folder_options(resumable=True)
+@click.option("--seeds", type=REPEATS.option(), default=DEFAULT_SEEDS, show_default=True)
 @click.option("--requests", "num_requests", type=REQUESTS, default=None, help=f"requests per workload and seed [default: {DEFAULT_REQUESTS}, --quick: {QUICK_REQUESTS}]")
 @click.option("--quick", is_flag=True, help=f"{QUICK_REQUESTS} requests per run instead of {DEFAULT_REQUESTS}")
 @click.option("--workload", "workloads", multiple=True, type=click.Choice(list(WORKLOADS)), callback=once_each, help="repeatable; default: all four")
 @cost_option()
 @parallel_options()
-def reproduce(out_dir: Path, seeds: int, num_requests: int | None, quick: bool, workloads: tuple[str, ...], cost: ResolvedCost, jobs, ray_address) -> None:
+def reproduce(out_dir: Path, seeds: int, num_requests: int | None, quick: bool, workloads: tuple[str, ...], cost: ResolvedCost, jobs, ray_address, force, resume) -> None:
     """Reproduce the paper's study: Table 3 (25 ms) and Table 4 (10/25/50 ms), with plots."""
     check_writable(out_dir, "--out")
     if num_requests is None:
         num_requests = QUICK_REQUESTS if quick else DEFAULT_REQUESTS
     config = StudyConfig(workloads=workloads or tuple(WORKLOADS), seeds=seeds, num_requests=num_requests, cost=cost.model)
     started = time.perf_counter()
-    runs, samples = run_study(config, runner=runner_of(jobs, ray_address))
-    elapsed = time.perf_counter() - started
-    tables = write_study(runs, samples, config, out_dir, elapsed, cost)
+    with result_folder(out_dir, force, resume, resumable=True) as folder:
+        runs, samples = run_study(config, runner=runner_of(jobs, ray_address), store=folder.store)
+        elapsed = time.perf_counter() - started
+        tables = write_study(runs, samples, config, folder.path, elapsed, cost)
     pd.set_option("display.width", 200)
     pd.set_option("display.max_columns", 20)
     if not cost.is_analytic:

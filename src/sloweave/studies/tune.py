@@ -38,8 +38,9 @@ import pandas as pd
 
 from sloweave.sim.options import DEFAULT_OPTIONS, EngineOptions, engine_options
 from sloweave.studies.capacity import best_of_rule, budget_of, default_jobs, refined_budgets
-from sloweave.studies.inputs import POSITIVE, REQUESTS, max_model_len_option, model_len_or_default, once_each, parallel_options
-from sloweave.studies.outputs import check_writable, command_settings, write_result_json
+from sloweave.core.validate import ATTAINMENT, DURATION_MS, DURATION_S, MAX_TOKENS, REPEATS, SCALE, TOKENS, Range
+from sloweave.studies.inputs import REQUESTS, max_model_len_option, model_len_or_default, once_each, parallel_options
+from sloweave.studies.outputs import check_writable, command_settings, result_folder, result_folder_options, write_result_json
 from sloweave.studies.capacity import DEFAULT_ATTAINMENT, DEFAULT_WINDOW_S, CapacityStudy, LoadSource, SpecSource, trace_source
 from sloweave.core.cost import AnalyticCost, CostModel
 from sloweave.core.costs import KIND_STEP_PROFILE, ResolvedCost, cost_option
@@ -187,13 +188,15 @@ def tune(
     options: EngineOptions = DEFAULT_OPTIONS,
     jobs: int = 1,
     ray: str | None = None,
+    store=None,
 ) -> TuneResult:
     """Sweep the engine's fixed budget on ``source``; see the module docstring.
 
     ``load_scale`` is the load (arrival-rate scale, rounded to the capacity lattice) at
     which goodput and latencies are compared; None picks the best budget's capacity (the
     median over seeds), the highest load that budget sustains. ``refine`` adds one round
-    of budgets between the best one and its neighbours.
+    of budgets between the best one and its neighbours. ``store`` keeps the finished tasks
+    (``sloweave.studies.parallel.TaskStore``: --resume).
     """
     if not budgets_tokens or any(int(b) != b or b < 1 for b in budgets_tokens):
         raise ValueError(f"budgets must be whole numbers of tokens >= 1, got {budgets_tokens!r}")
@@ -218,6 +221,7 @@ def tune(
             options=options,
             jobs=jobs,
             ray=ray,
+            store=store,
         )
 
     def best_of(candidates: list[int]) -> int:
@@ -474,26 +478,27 @@ def _cost_from_profile(path: Path, kind: str, context_tokens: float | None, sour
 @click.option("--format", "fmt", type=click.Choice(FORMATS), default="auto", show_default=True)
 @click.option("--engine", type=click.Choice(list(ENGINES)), default="vllm", show_default=True, help="whose flag to print")
 @click.option("--rule", type=click.Choice(RULES), default=None, help="the engine's budget rule [default: the engine's: vllm/trtllm sarathi, sglang fixed]")
-@click.option("--tpot-ms", type=POSITIVE, default=25.0, show_default=True)
-@click.option("--ttft-ms", type=POSITIVE, default=None, help=f"TTFT target [default: the workload's; {DEFAULT_TRACE_TTFT_MS:g} for a trace]")
-@click.option("--attainment", type=click.FloatRange(min=0, max=1, min_open=True), default=DEFAULT_ATTAINMENT, show_default=True)
-@click.option("--budget", "budgets", type=click.IntRange(min=1), multiple=True, callback=once_each, help="repeat for a custom sweep [default: 256 ... 8192, powers of two and 1.5x between]")
-@click.option("--load-scale", type=POSITIVE, default=None, help="load for the goodput comparison, as a rate scale [default: the best budget's capacity]")
+@click.option("--tpot-ms", type=DURATION_MS.option(), default=25.0, show_default=True)
+@click.option("--ttft-ms", type=DURATION_MS.option(), default=None, help=f"TTFT target [default: the workload's; {DEFAULT_TRACE_TTFT_MS:g} for a trace]")
+@click.option("--attainment", type=ATTAINMENT.option(), default=DEFAULT_ATTAINMENT, show_default=True)
+@click.option("--budget", "budgets", type=TOKENS.option(), multiple=True, callback=once_each, help="repeat for a custom sweep [default: 256 ... 8192, powers of two and 1.5x between]")
+@click.option("--load-scale", type=SCALE.option(), default=None, help="load for the goodput comparison, as a rate scale [default: the best budget's capacity]")
 @cost_option()
 @click.option("--cost-kind", type=click.Choice(["regression", "table"]), default="regression", show_default=True, help="model fitted from a step-time profile file")
-@click.option("--context-tokens", type=POSITIVE, default=None, help="KV context per decode for a step-time profile file [default: mean prompt + half the mean output]")
-@click.option("--seeds", type=click.IntRange(min=1), default=None, help="seeds / trace windows [default: 5; --quick 3]")
+@click.option("--context-tokens", type=Range(0, MAX_TOKENS, " of tokens", low_open=True).option(), default=None, help="KV context per decode for a step-time profile file [default: mean prompt + half the mean output]")
+@click.option("--seeds", type=REPEATS.option(), default=None, help="seeds / trace windows [default: 5; --quick 3]")
 @click.option("--requests", "num_requests", type=REQUESTS, default=None, help="requests per seed of a workload [default: 2000; --quick 800]")
-@click.option("--window-s", type=POSITIVE, default=DEFAULT_WINDOW_S, show_default=True, help="trace window length")
-@click.option("--min-scale", type=POSITIVE, default=1.0 / 16.0, show_default=True, help="lowest load searched (rate scale); lower it for slow cost models")
-@click.option("--max-chunk", type=click.IntRange(min=1), default=DEFAULT_MAX_CHUNK_TOKENS, show_default=True, help="SLOWeave's C_max")
+@click.option("--window-s", type=DURATION_S.option(), default=DEFAULT_WINDOW_S, show_default=True, help="trace window length")
+@click.option("--min-scale", type=SCALE.option(), default=1.0 / 16.0, show_default=True, help="lowest load searched (rate scale); lower it for slow cost models")
+@click.option("--max-chunk", type=TOKENS.option(), default=DEFAULT_MAX_CHUNK_TOKENS, show_default=True, help="SLOWeave's C_max")
 @click.option("--refine/--no-refine", default=True, show_default=True, help="one more round between the best budget and its neighbours")
 @click.option("--quick", is_flag=True, help="3 seeds, 800 requests, 6 budgets (powers of two), lattice step 9 %")
 @parallel_options()
 @max_model_len_option()
 @engine_options(dest="engine_opts")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), default=Path("results/tune"), show_default=True)
-def tune_command(workload, trace_path, fmt, engine, rule, tpot_ms, ttft_ms, attainment, budgets, load_scale, cost, cost_kind, context_tokens, seeds, num_requests, window_s, min_scale, max_chunk, refine, quick, jobs, ray_address, max_model_len_tokens, engine_opts, out_dir) -> None:
+@result_folder_options(resumable=True)
+def tune_command(workload, trace_path, fmt, engine, rule, tpot_ms, ttft_ms, attainment, budgets, load_scale, cost, cost_kind, context_tokens, seeds, num_requests, window_s, min_scale, max_chunk, refine, quick, jobs, ray_address, max_model_len_tokens, engine_opts, out_dir, force, resume) -> None:
     """Sweep the fixed token budget of an engine and print the value to set."""
     if (trace_path is None) == (workload is None):
         raise click.UsageError("give exactly one of --workload NAME or --trace PATH")
@@ -519,29 +524,34 @@ def tune_command(workload, trace_path, fmt, engine, rule, tpot_ms, ttft_ms, atta
             ttft_ms = ttft_ms or spec.ttft_ms
         if cost.kind == KIND_STEP_PROFILE:
             cost = step_profile_cost(cost, cost_kind, context_tokens, source)
-        result = tune(
-            source,
-            rule,
-            budgets,
-            tpot_ms,
-            ttft_ms,
-            cost.model,
-            attainment,
-            load_scale,
-            steps_per_doubling=8 if quick else 16,
-            min_scale=min_scale,
-            max_chunk_tokens=max_chunk,
-            refine=refine,
-            progress=True,
-            options=engine_opts,
-            jobs=jobs or default_jobs(),
-            ray=ray_address,
-        )
     except (TraceError, WorkloadError, ValueError) as err:
         raise click.UsageError(str(err)) from None
-    options = command_settings()
-    notes = [] if cost.is_analytic else cost.summary_lines()
-    payload = write_outputs(result, engine, out_dir, {"command": "tune", "options": options, "cost": cost.description}, notes)
+    with result_folder(out_dir, force, resume, resumable=True) as folder:
+        try:
+            result = tune(
+                source,
+                rule,
+                budgets,
+                tpot_ms,
+                ttft_ms,
+                cost.model,
+                attainment,
+                load_scale,
+                steps_per_doubling=8 if quick else 16,
+                min_scale=min_scale,
+                max_chunk_tokens=max_chunk,
+                refine=refine,
+                progress=True,
+                options=engine_opts,
+                jobs=jobs or default_jobs(),
+                ray=ray_address,
+                store=folder.store,
+            )
+        except (TraceError, WorkloadError, ValueError) as err:
+            raise click.UsageError(str(err)) from None
+        options = command_settings()
+        notes = [] if cost.is_analytic else cost.summary_lines()
+        payload = write_outputs(result, engine, folder.path, {"command": "tune", "options": options, "cost": cost.description}, notes)
     for line in notes:
         click.echo(line)
     click.echo(markdown_table(result))

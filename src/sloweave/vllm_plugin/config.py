@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING
 
 from sloweave.core.cost import AnalyticCost, ConstantMargin, CostModel, Margin, RelativeMargin, ZeroMargin
 from sloweave.core.step_log import DEFAULT_MAX_STEPS
-from sloweave.core.validate import non_negative_number, positive_ms, whole_number
+from sloweave.core.validate import MARGIN_MS, TOKENS, Range, whole_number
 
 if TYPE_CHECKING:
     from sloweave.core.calibration import SelfCorrection
@@ -52,14 +52,14 @@ REQUEST_TPOT_KEY = "sloweave_tpot_ms"
 MAX_TPOT_MS = 3_600_000.0
 
 
+TPOT_TARGET = Range(0, MAX_TPOT_MS, " of milliseconds", low_open=True)
+
+
 def tpot_target_ms(value, name: str) -> float:
     """A TPOT target: a finite number of milliseconds > 0 and at most ``MAX_TPOT_MS``
-    (ValueError naming ``name`` otherwise). One rule for the configured default and for a
-    request's own target."""
-    target_ms = positive_ms(value, name)  # ValueError for 10**400 too: served with the default, no crash
-    if target_ms > MAX_TPOT_MS:
-        raise ValueError(f"{name} must be at most {MAX_TPOT_MS:.0f} milliseconds (one hour per token), got {value!r}")
-    return target_ms
+    (ValueError naming ``name`` otherwise; 10**400 too: served with the default, no crash).
+    One rule for the configured default and for a request's own target."""
+    return TPOT_TARGET.check(value, name)
 
 
 def request_tpot_ms(extra_args: Mapping | None, request_id: str | None = None) -> float | None:
@@ -78,6 +78,8 @@ def request_tpot_ms(extra_args: Mapping | None, request_id: str | None = None) -
 
 # a margin of 100x the prediction is already a different model, not a margin
 MAX_MARGIN_FRACTION = 100.0
+MARGIN_RANGE_MS = Range(0, MAX_TPOT_MS, " of milliseconds")
+MARGIN_FRACTION = Range(0, MAX_MARGIN_FRACTION)
 
 
 class PluginConfigError(ValueError):
@@ -104,14 +106,11 @@ class PluginConfig:
         # Numbers are kept as the checked floats: an integer past int64 (2**64 in the JSON) is a
         # fine number of milliseconds, but numpy in the cost models cannot take it as it is.
         object.__setattr__(self, "tpot_ms", _checked(tpot_target_ms, self.tpot_ms, "tpot_ms"))
-        _whole(self.max_chunk_tokens, "max_chunk_tokens")
-        _whole(self.aging_chunk_tokens, "aging_chunk_tokens")
-        for name in ("margin_ms", "margin_fraction", "aging_ms"):
-            object.__setattr__(self, name, _checked(non_negative_number, getattr(self, name), name))
+        _checked(TOKENS.check, self.max_chunk_tokens, "max_chunk_tokens")
+        _checked(TOKENS.check, self.aging_chunk_tokens, "aging_chunk_tokens")
         # past these a margin is no margin but another model (and 1e308 overflowed at start-up)
-        for name, limit in (("margin_ms", MAX_TPOT_MS), ("margin_fraction", MAX_MARGIN_FRACTION)):
-            if getattr(self, name) > limit:
-                raise PluginConfigError(f"sloweave config: {name} must be at most {limit:g}, got {getattr(self, name)!r}")
+        for name, limits in (("margin_ms", MARGIN_RANGE_MS), ("margin_fraction", MARGIN_FRACTION), ("aging_ms", MARGIN_MS)):
+            object.__setattr__(self, name, _checked(limits.check, getattr(self, name), name))
         if self.cost_kind not in ("regression", "table"):
             raise PluginConfigError(f"sloweave config: cost_kind must be 'regression' or 'table', got {self.cost_kind!r}")
         if not isinstance(self.cost, str) or not (self.cost == "analytic" or self.cost in _presets() or os.path.exists(self.cost)):
