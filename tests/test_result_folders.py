@@ -1,6 +1,6 @@
 """Result folders (issue 25): complete or absent, never mixed with an earlier run, one writer at a time.
 
-Every command that writes an --out folder goes through ``sloweave.studies.outputs.result_folder``.
+Every command that writes an --out folder goes through ``sloweave.studies.result_folders.result_folder``.
 The interrupted runs are real processes sent SIGINT (to the whole process group, as Ctrl-C in a
 terminal does); they are held at a known point (a patched function that waits once it has run)
 and signalled only once a marker file says they got there, so nothing depends on the machine's

@@ -19,7 +19,8 @@ from sloweave.sim.options import engine_options
 from sloweave.sim.workloads import ALL_WORKLOADS, WorkloadError, get_workload_spec
 from sloweave.core.validate import DURATION_MS, GIB, MARGIN_MS, REQUEST_COUNT, SCALE, TOKEN_COUNT, TOKENS
 from sloweave.studies.inputs import REQUESTS, SEED
-from sloweave.studies.outputs import Interrupted, check_writable, command_settings, result_folder, result_folder_options, strict_json, write_result_json
+from sloweave.studies.outputs import check_writable, command_settings, strict_json, write_result_json
+from sloweave.studies.result_folders import Interrupted, result_folder, result_folder_options
 
 
 class _Commands(click.Group):

@@ -2,7 +2,7 @@
 
 A rename within one file system is atomic (``os.replace``): a reader sees the old file or the
 new one, never a half-written one, and a run stopped while writing leaves the old file as it
-was. Folders of results use the same idea (``sloweave.studies.outputs.result_folder``).
+was. Folders of results use the same idea (``sloweave.studies.result_folders.result_folder``).
 """
 
 from __future__ import annotations

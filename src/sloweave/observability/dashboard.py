@@ -25,7 +25,7 @@ from pathlib import Path
 
 import click
 
-from sloweave.studies.outputs import result_folder_options
+from sloweave.studies.result_folders import result_folder_options
 
 from sloweave.core.validate import DURATION_S, MAX_SECONDS, TIME_S, Range
 
@@ -454,7 +454,8 @@ def _checked_engine(ctx, param, value: str) -> str:
 @click.option("--engine", default="0", show_default=True, callback=_checked_engine, help="the data-parallel rank to draw (label engine)")
 def dashboard_command(prometheus_url, out_dir, minutes, start_s, end_s, step_s, engine, force) -> None:
     """Draw the Grafana dashboard's panels from a Prometheus, without Grafana."""
-    from sloweave.studies.outputs import check_writable, result_folder
+    from sloweave.studies.outputs import check_writable
+    from sloweave.studies.result_folders import result_folder
 
     check_writable(out_dir, "--out")
     start_s, end_s = _window(minutes, start_s, end_s)

@@ -6,7 +6,7 @@ summary under the simulator's names (``sloweave.core.decision_metrics.summarize`
 simulated and a served run can be compared side by side, key by key.
 
 The result folder is complete or absent: everything is written into a temporary folder
-beside ``--out`` and renamed into place at the end (``sloweave.studies.outputs.result_folder``,
+beside ``--out`` and renamed into place at the end (``sloweave.studies.result_folders.result_folder``,
 as every command that writes a folder does).
 """
 
@@ -22,7 +22,8 @@ import pandas as pd
 from sloweave.core.decision_metrics import UNDERPREDICTION_TOLERANCE_MS, summarize
 from sloweave.core.step_log import StepLog, StepLogError, read_step_log
 from sloweave.core.validate import DURATION_S
-from sloweave.studies.outputs import check_writable, command_settings, result_folder, result_folder_options, write_result_json
+from sloweave.studies.outputs import check_writable, command_settings, write_result_json
+from sloweave.studies.result_folders import result_folder, result_folder_options
 from sloweave.studies.pictures import plot_step_timeline, pyplot
 
 # Above this many steps the decomposition shows means over equal runs of steps (a bar per

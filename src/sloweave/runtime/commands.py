@@ -16,7 +16,8 @@ from sloweave.sim.workloads import WORKLOADS
 from sloweave.core.validate import DURATION_MS, DURATION_S, MARGIN_MS, MAX_REPEATS, REPEATS, REQUEST_COUNT, SCALE, TOKEN_COUNT, TOKENS, Range
 from sloweave.core.validate import SEED as SEED_RANGE
 from sloweave.studies.inputs import REQUESTS, SEED
-from sloweave.studies.outputs import check_writable, command_settings, result_folder, result_folder_options, strict_json, write_result_json
+from sloweave.studies.outputs import check_writable, command_settings, strict_json, write_result_json
+from sloweave.studies.result_folders import result_folder, result_folder_options
 
 
 def _whole_numbers(limits: Range):

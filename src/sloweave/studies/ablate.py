@@ -36,7 +36,8 @@ from sloweave.sim.traces import ReplayOptions, load_trace, replay_workload, spli
 from sloweave.sim.workloads import WORKLOADS, Workload
 from sloweave.core.validate import DURATION_S, REPEATS, SCALE
 from sloweave.studies.inputs import REQUESTS, once_each, parallel_options, runner_of
-from sloweave.studies.outputs import check_writable, command_settings, result_folder, result_folder_options, write_result_json
+from sloweave.studies.outputs import check_writable, command_settings, write_result_json
+from sloweave.studies.result_folders import result_folder, result_folder_options
 from sloweave.studies.parallel import SERIAL, Runner, run_tasks
 
 TPOT_TARGETS_MS = (10.0, 25.0, 50.0)

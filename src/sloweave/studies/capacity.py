@@ -43,7 +43,8 @@ from sloweave.core.policy import DEFAULT_MAX_CHUNK_TOKENS
 from sloweave.core.validate import ATTAINMENT, DURATION_MS, DURATION_S, RATE_RPS, REPEATS, SCALE, TOKENS
 from sloweave.studies.inputs import REQUESTS, max_model_len_option, model_len_or_default, once_each, parallel_options
 from sloweave.studies.parallel import Runner, local_cores, run_tasks
-from sloweave.studies.outputs import check_writable, command_settings, result_folder, result_folder_options, write_result_json
+from sloweave.studies.outputs import check_writable, command_settings, write_result_json
+from sloweave.studies.result_folders import result_folder, result_folder_options
 from sloweave.studies.replay import DEFAULT_TRACE_TTFT_MS, _pyplot, build_policy, plot_cdfs, policy_style, run_policy
 from sloweave.sim.traces import FORMATS, ReplayOptions, Trace, TraceError, load_trace, replay_workload, split_windows
 from sloweave.sim.options import DEFAULT_OPTIONS, EngineOptions, engine_options

@@ -19,7 +19,8 @@ from sloweave.core.policy import DEFAULT_MAX_CHUNK_TOKENS, Policy, make_policy
 from sloweave.sim.options import DEFAULT_OPTIONS, EngineOptions, engine_options
 from sloweave.core.validate import DURATION_MS, DURATION_S, MAX_TOKENS, RATE_RPS, SCALE, TIME_S, TOKENS, Range
 from sloweave.studies.inputs import SEED, max_model_len_option, model_len_or_default, once_each, parallel_options, runner_of
-from sloweave.studies.outputs import check_writable, command_settings, result_folder, result_folder_options, write_result_json
+from sloweave.studies.outputs import check_writable, command_settings, write_result_json
+from sloweave.studies.result_folders import result_folder, result_folder_options
 from sloweave.studies.parallel import SERIAL, Runner, run_tasks
 from sloweave.sim.traces import FORMATS, ReplayOptions, ReplayReport, TraceError, load_trace, replay_workload
 from sloweave.sim.workloads import Workload

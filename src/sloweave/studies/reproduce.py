@@ -24,7 +24,8 @@ from sloweave.sim.engine import SimResult, simulate
 from sloweave.sim.workloads import WORKLOADS, get_workload_spec
 from sloweave.core.validate import REPEATS
 from sloweave.studies.inputs import REQUESTS, once_each, parallel_options, runner_of
-from sloweave.studies.outputs import check_writable, result_folder, result_folder_options, write_result_json
+from sloweave.studies.outputs import check_writable, write_result_json
+from sloweave.studies.result_folders import result_folder, result_folder_options
 from sloweave.studies.parallel import SERIAL, Runner, run_tasks
 from sloweave.studies.pictures import plot_step_timeline
 

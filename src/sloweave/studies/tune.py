@@ -40,7 +40,8 @@ from sloweave.sim.options import DEFAULT_OPTIONS, EngineOptions, engine_options
 from sloweave.studies.capacity import best_of_rule, budget_of, default_jobs, refined_budgets
 from sloweave.core.validate import ATTAINMENT, DURATION_MS, DURATION_S, MAX_TOKENS, REPEATS, SCALE, TOKENS, Range
 from sloweave.studies.inputs import REQUESTS, max_model_len_option, model_len_or_default, once_each, parallel_options
-from sloweave.studies.outputs import check_writable, command_settings, result_folder, result_folder_options, write_result_json
+from sloweave.studies.outputs import check_writable, command_settings, write_result_json
+from sloweave.studies.result_folders import result_folder, result_folder_options
 from sloweave.studies.capacity import DEFAULT_ATTAINMENT, DEFAULT_WINDOW_S, CapacityStudy, LoadSource, SpecSource, trace_source
 from sloweave.core.cost import AnalyticCost, CostModel
 from sloweave.core.costs import KIND_STEP_PROFILE, ResolvedCost, cost_option
