@@ -281,3 +281,63 @@ def test_a_step_time_profile_cell_past_its_range_is_refused_at_its_line(tmp_path
     )
     with pytest.raises(ProfileError, match=re.escape(f"{path}, line 3: chunk_tokens=10000000000000; expected a whole number of tokens >= 0")):
         read_profile(path)
+
+
+# ------------------------------------------- class 3: one typed check for every API argument
+
+
+def _api_arguments():
+    """(the name its message must carry, a call taking the value, whether None means "off")."""
+    from sloweave.core.calibration import OnlineCalibrator
+    from sloweave.core.cost import AnalyticCost, ConstantMargin, RelativeMargin
+    from sloweave.core.deadlines import DeadlineTracker
+    from sloweave.core.policy import Aging, FixedChunk, TokenBudget
+    from sloweave.sim.traces import ReplayOptions
+    from sloweave.vllm_plugin.config import PluginConfig
+
+    workload = get_workload_spec("chat").generate(5, seed=0)
+    return [
+        ("max_chunk_tokens", lambda v: SLOWeave(max_chunk_tokens=v), False),
+        ("Fixed-C chunk size", FixedChunk, False),
+        ("token budget", TokenBudget, False),
+        ("aging_ms", lambda v: Aging(v, 256), False),
+        ("aging chunk_tokens", lambda v: Aging(1000.0, v), False),
+        ("AnalyticCost.base_ms", lambda v: AnalyticCost(base_ms=v), False),
+        ("ConstantMargin.margin_ms", ConstantMargin, False),
+        ("RelativeMargin.fraction", lambda v: RelativeMargin(AnalyticCost(), v), False),
+        ("alpha", lambda v: OnlineCalibrator(alpha=v), False),
+        ("min_factor", lambda v: OnlineCalibrator(min_factor=v), False),
+        ("max_factor", lambda v: OnlineCalibrator(max_factor=v), False),
+        ("window_steps", lambda v: OnlineCalibrator(window_steps=v), False),
+        ("default_tpot_ms", DeadlineTracker, False),
+        ("noise_sigma", lambda v: EngineOptions(noise_sigma=v), False),
+        ("bias", lambda v: EngineOptions(bias=v), False),
+        ("kv_capacity_tokens", lambda v: EngineOptions(kv_capacity_tokens=v), True),
+        ("max_batch_size", lambda v: EngineOptions(max_batch_size=v), True),
+        ("aging_ms", lambda v: EngineOptions(aging_ms=v), True),
+        ("tpot_ms", lambda v: simulate(workload, make_policy("sloweave"), tpot_ms=v), False),
+        ("rate_scale", lambda v: get_workload_spec("chat").generate(5, 0, rate_scale=v), False),
+        ("rate scale", lambda v: ReplayOptions(rate_scale=v), False),
+        ("window start", lambda v: ReplayOptions(start_s=v), False),
+        ("tpot_ms", lambda v: PluginConfig(tpot_ms=v), False),
+        ("margin_ms", lambda v: PluginConfig(margin_ms=v), False),
+        ("max_chunk_tokens", lambda v: PluginConfig(max_chunk_tokens=v), False),
+        ("aging_ms", lambda v: PluginConfig(aging_ms=v), False),
+    ]
+
+
+API_ARGUMENTS = _api_arguments()
+NOT_NUMBERS = st.sampled_from([True, False, "1", "25", b"1", [1], {"ms": 1}, None, math.nan, math.inf, -math.inf, -1, 10**400])
+
+
+@SETTINGS
+@given(argument=st.sampled_from(API_ARGUMENTS), value=NOT_NUMBERS)
+def test_an_api_argument_that_is_no_number_in_range_is_refused_naming_it(argument, value):
+    # True was read as 1 ms, a string failed inside numpy ("ufunc 'isfinite' not supported"),
+    # 10**400 overflowed later with a traceback that named nothing
+    name, call, none_is_off = argument
+    if value is None and none_is_off:
+        call(value)  # None: the option is off
+        return
+    with pytest.raises(ValueError, match=re.escape(name)):
+        call(value)
