@@ -15,6 +15,13 @@ Aging: when the policy keeps choosing decode-only while a prompt waits, the olde
 would starve under sustained load. After it has waited ``aging_ms`` without progress it gets
 a chunk of ``aging_chunk_tokens`` anyway; every such step is recorded as an SLO exception
 naming the requests whose deadlines the step is predicted to miss.
+
+One adapter for every real engine (the vLLM plug-in, the CPU runtime): an engine is a state
+builder and the hand-offs, in the manner of vLLM's ``SchedulerInterface``. Before a step it
+builds a ``StepState`` and asks ``plan_step`` for the ``StepPlan``; then it reports what it
+scheduled (``on_scheduled``), when the step came back and who emitted (``on_step_done``), and
+which requests finished (``on_finished``). Deadlines, per-request targets, aging, the cost's
+KV context, the margin, online correction and the decision metrics all live here.
 """
 
 from __future__ import annotations
@@ -26,7 +33,7 @@ from dataclasses import dataclass, field
 
 from sloweave.core.calibration import CalibratedCost, OnlineCalibrator
 from sloweave.core.cost import CostModel, Margin, ZeroMargin
-from sloweave.core.deadlines import DeadlineTracker
+from sloweave.core.deadlines import DeadlineTracker, budget_until
 from sloweave.core.policy import Aging, SLOWeave, decide_step
 from sloweave.core.slo import SLOException
 from sloweave.core.validate import whole_number
@@ -67,6 +74,8 @@ class StepPlan:
     margin_ms: float = 0.0  # delta(n, c), included in predicted_ms
     pending_prompt_tokens: int = 0  # prompt tokens on offer (what the chunk could have been)
     prompts_on_offer: int = 0
+    policy_chunk_tokens: int = 0  # the decision's chunk (policy, then aging) before the engine's cap
+    deadline_ms: float = math.inf  # the earliest next-token deadline budget_ms counts to (+inf: none)
 
 
 @dataclass
@@ -119,6 +128,10 @@ class BudgetController:
         # Optional metrics hooks (sloweave.core.decision_metrics.DecisionRecorder), e.g. the
         # vLLM plug-in's Prometheus exporter; None costs one attribute test per step.
         self.recorder = None
+        # (delta, T + delta) of a step: SLOWeave's own; a static rule (the CPU runtime runs the
+        # baselines through here too) has no margin and predicts with the machine's model it
+        # carries, or not at all (NaN)
+        self._price = getattr(policy, "margin_and_predicted_ms", None) or _static_price(getattr(policy, "cost", None))
 
     # ---- deadlines, fed with real token times -------------------------------------------
 
@@ -146,11 +159,12 @@ class BudgetController:
                 self._emit_at(step.emitting, step.end_ms)
                 step.applied = True
         start_ms = max(state.now_ms, self._in_flight[-1].end_ms) if self._in_flight else state.now_ms
-        budget_ms = self.tracker.budget_ms(start_ms) if state.decode_tokens else math.inf
-        set_context = getattr(self.policy.cost, "set_context", None)
+        deadline_ms = self.tracker.earliest_deadline_ms() if state.decode_tokens else math.inf
+        budget_ms = budget_until(deadline_ms, start_ms)  # +inf with no deadline
+        set_context = getattr(getattr(self.policy, "cost", None), "set_context", None)
         if set_context is not None:
             set_context(state.decode_kv_tokens, state.prefill_prefix_tokens)
-        set_offer = getattr(self.policy.cost, "set_offer", None)
+        set_offer = getattr(getattr(self.policy, "cost", None), "set_offer", None)
         if set_offer is not None:
             set_offer(list(state.prompts_on_offer) or None)
         # The simulator's decision path: the policy, then the aging rule.
@@ -160,15 +174,15 @@ class BudgetController:
         # The budget always covers the decodes' demand (up to the engine's own cap): a budget
         # that starves decodes is a bug, not a choice. The prefill gets the chunk on top.
         token_budget = min(self.max_budget_tokens, state.decode_tokens + chunk)
-        chunk = max(0, token_budget - state.decode_tokens)
-        margin_ms, predicted_ms = self.policy.margin_and_predicted_ms(state.decode_tokens, chunk)
+        decided, chunk = chunk, max(0, token_budget - state.decode_tokens)
+        margin_ms, predicted_ms = self._price(state.decode_tokens, chunk)
         base_ms = math.nan
         if self.correction is not None:
             base_ms = self.policy.cost.base.predict(state.decode_tokens, chunk, state.decode_kv_tokens, state.prefill_prefix_tokens)
         plan = StepPlan(
             token_budget, chunk, start_ms, state.now_ms, budget_ms, predicted_ms, infeasible, aged, state.decode_tokens, base_ms,
             state.decode_kv_tokens, state.prefill_prefix_tokens, margin_ms,
-            state.pending_prompt_tokens, len(state.prompts_on_offer),
+            state.pending_prompt_tokens, len(state.prompts_on_offer), decided, deadline_ms,
         )
         self.stats.steps += 1
         self.stats.infeasible_steps += infeasible
@@ -241,6 +255,13 @@ class BudgetController:
 
     def _misses(self, request_id: Hashable, end_ms: float) -> bool:
         return request_id in self.tracker and self.tracker.deadline_of(request_id) < end_ms
+
+
+def _static_price(cost: CostModel | None) -> Callable[[int, int], tuple[float, float]]:
+    """A static rule's (margin, prediction): no margin; its machine's model, or NaN without one."""
+    if cost is None:
+        return lambda n_decodes, chunk_tokens: (0.0, math.nan)
+    return lambda n_decodes, chunk_tokens: (0.0, cost(n_decodes, chunk_tokens))
 
 
 def check_clock_ms(now_ms: float) -> float:

@@ -1,7 +1,8 @@
 """What the adaptive scheduler decided, under one set of metric names for every body.
 
 The vLLM plug-in exports these as Prometheus metrics (``sloweave.vllm_plugin.metrics``);
-the simulator and the CPU runtime write a summary under the same names (``summarize``), so
+the simulator and the CPU runtime write a summary under the same names (``summarize``; the
+runtime's through ``DecisionSummary``, a recorder on its ``BudgetController``), so
 a dashboard, a simulated run and a measured run can be read side by side. Nothing here
 imports an engine or ``prometheus_client``.
 
@@ -18,6 +19,7 @@ Per scheduling step:
 from __future__ import annotations
 
 import math
+from collections import deque
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -119,6 +121,49 @@ class Recorders:
     def on_step_done(self, plan, measured_ms: float, started_ms: float = math.nan) -> None:
         for recorder in self.recorders:
             recorder.on_step_done(plan, measured_ms, started_ms)
+
+
+class DecisionSummary:
+    """A ``DecisionRecorder`` that keeps every step that came back, summarised at the end.
+
+    The CPU runtime's controller records into one: ``summary()`` is its run's decision
+    metrics under the names above, as the simulator's ``summarize_simulation`` and the served
+    run's step log give them. A step planned and never returned is left out (its measured
+    time is unknown).
+    """
+
+    def __init__(self) -> None:
+        self._planned: deque = deque()  # (plan, late requests) of steps scheduled, not back yet
+        self.steps: list[tuple] = []  # (plan, late requests, measured ms) of steps back
+
+    def on_plan(self, plan, late_requests: int, ran_tokens: tuple[int, int] | None = None) -> None:
+        self._planned.append((plan, late_requests))
+
+    def on_step_done(self, plan, measured_ms: float, started_ms: float = math.nan) -> None:
+        while self._planned and self._planned[0][0] is not plan:  # a step the engine never returned
+            self._planned.popleft()
+        if self._planned:
+            self.steps.append((*self._planned.popleft(), measured_ms))
+
+    def summary(self) -> dict:
+        plans = [plan for plan, _, _ in self.steps]
+
+        def column(name: str, dtype=np.float64) -> np.ndarray:
+            return np.array([getattr(plan, name) for plan in plans], dtype=dtype)
+
+        predicted = column("predicted_ms")
+        return summarize(
+            column("chunk_tokens", np.int64),
+            column("token_budget", np.int64),
+            column("budget_ms"),
+            column("infeasible", bool),
+            # a static rule without a model of the machine predicts nothing
+            predicted_step_ms=predicted if np.all(np.isfinite(predicted)) else None,
+            measured_step_ms=np.array([measured for _, _, measured in self.steps], dtype=np.float64),
+            slo_exceptions=int(column("aged", bool).sum()),
+            slo_exception_requests=sum(late for plan, late, _ in self.steps if plan.aged),
+            margin_ms=column("margin_ms"),
+        )
 
 
 # --------------------------------------------------------------------------- summaries

@@ -146,13 +146,17 @@ def fit_command(profile_path: Path, out_path: Path | None, monotone_tolerance_ms
 @click.option("--calibrate/--no-calibrate", default=True, show_default=True, help="online recalibration (SLOWeave)")
 @click.option("--stale-factor", type=SCALE.option(), default=1.0, show_default=True, help="scale the fitted cost (drift experiment)")
 @click.option("--max-chunk", type=TOKENS.option(), default=1024, show_default=True, help="SLOWeave's C_max")
+@click.option("--aging-ms", type=DURATION_MS.option(), default=None,
+              help="starvation control for every policy, as the vLLM plug-in's aging_ms (2000 there): after this wait without "
+                   "progress the oldest prompt gets a chunk (an SLO exception); off by default, as in `sloweave simulate`")
+@click.option("--aging-chunk-tokens", type=TOKENS.option(), default=256, show_default=True, help="the chunk aging forces")
 @click.option("--seeds", default="0", show_default=True, callback=_whole_numbers(SEED_RANGE))
 @click.option("--horizon-s", type=DURATION_S.option(), default=None, help="stop a run after this long")
 @click.option("--threads", type=REPEATS.option(), default=1, show_default=True)
 @click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), default=Path("results/cpu-run"), show_default=True)
 @result_folder_options()
 @click.option("--monotone-tolerance-ms", type=MARGIN_MS.option(), default=5.0, show_default=True, help="a drop along c or n smaller than this (or than 25 %) is noise, not a broken profile")
-def run_command(model, profile_path, workload, num_requests, rate_scale, prompt_scale, output_scale, max_prompt, max_output, policies, tpot_ms, ttft_ms, cost_kind, margin, calibrate, stale_factor, max_chunk, seeds, horizon_s, threads, out_dir, monotone_tolerance_ms, force) -> None:
+def run_command(model, profile_path, workload, num_requests, rate_scale, prompt_scale, output_scale, max_prompt, max_output, policies, tpot_ms, ttft_ms, cost_kind, margin, calibrate, stale_factor, max_chunk, aging_ms, aging_chunk_tokens, seeds, horizon_s, threads, out_dir, monotone_tolerance_ms, force) -> None:
     """Serve a workload on the real CPU model under each policy; report measured and simulated metrics."""
     check_writable(out_dir, "--out")
     _need_runtime("run")
@@ -188,12 +192,16 @@ def run_command(model, profile_path, workload, num_requests, rate_scale, prompt_
                 threads=threads,
             )
             for name in names:
-                row, run = run_policy(engine, wl, name, fit, tpot_ms, ttft_ms, cost_kind, margin, calibrate, max_chunk, stale_factor if name == "sloweave" else 1.0, seed, horizon_s)
+                row, run = run_policy(engine, wl, name, fit, tpot_ms, ttft_ms, cost_kind, margin, calibrate, max_chunk, stale_factor if name == "sloweave" else 1.0, seed, horizon_s,
+                                      aging_ms=aging_ms, aging_chunk_tokens=aging_chunk_tokens)
                 row.update(seed=seed, workload=wl.name, tpot_target_ms=tpot_ms, ttft_target_ms=ttft_ms)
                 rows.append(row)
                 tag = f"{row['policy']}-seed{seed}".replace("+", "_").replace("(", "_").replace(")", "").replace(" ", "")
                 run.requests.to_csv(folder.path / f"requests-{tag}.csv", index=False)
                 run.steps.to_csv(folder.path / f"steps-{tag}.csv", index=False)
+                # the controller's decisions under the names the simulator and the vLLM plug-in use
+                decisions = {"source": "cpu-runtime", "policy": row["policy"], "seed": seed, "tpot_ms": tpot_ms, "metrics": run.decision_metrics}
+                write_result_json(folder.path / f"decision_metrics-{tag}.json", decisions)
                 click.echo(
                     f"{row['policy']:>28s} seed {seed}: goodput {row['measured_goodput_rps']:.3f} req/s, "
                     f"attainment {row['measured_attainment']:.2f}, P99 TPOT {row['measured_p99_tpot_ms']:.1f} ms, "
@@ -203,7 +211,7 @@ def run_command(model, profile_path, workload, num_requests, rate_scale, prompt_
         frame.to_csv(folder.path / "summary.csv", index=False)
         write_result_json(folder.path / "summary.json", {"command": "run", "settings": command_settings(), "runs": frame.to_dict(orient="records")})
         _plot(frame, folder.path / "summary.png", tpot_ms)
-    click.echo(f"wrote {out_dir}/summary.csv, summary.json, summary.png")
+    click.echo(f"wrote {out_dir}/summary.csv, summary.json, summary.png (per run: requests-, steps-, decision_metrics-*)")
 
 
 def _plot(frame, path: Path, tpot_ms: float) -> None:

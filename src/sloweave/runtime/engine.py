@@ -3,7 +3,8 @@
 The manager's own background thread would own the clock and the loop; here the caller
 does: it adds requests when they arrive, and each ``step()`` runs one iteration
 (``prepare_next_batch`` -> forward -> ``update_batch``) with the chunk decided by a
-callback, timed from before scheduling to after the new tokens are out. This uses the
+callback (a number of tokens, or a plan carrying one, kept in the step's record), timed from
+before scheduling to after the new tokens are out. This uses the
 private ``ContinuousBatchingManager._create_batch_processor`` and ``_generation_step``
 (transformers pinned to 5.20.2 in pyproject).
 """
@@ -39,6 +40,7 @@ class StepRecord:
     prefill_request: str | None
     emitted: list[str] = field(default_factory=list)  # requests that got a token at end_ms
     finished: list[str] = field(default_factory=list)
+    decision: object = None  # the plan the decider returned (None when it returned a number)
 
     @property
     def step_ms(self) -> float:
@@ -118,8 +120,9 @@ class Engine:
     # ------------------------------------------------------------------ stepping
 
     @torch.no_grad()
-    def step(self, decide: Callable[[StepShape, float], int]) -> StepRecord | None:
-        """Run one iteration; ``decide(shape, start_ms)`` returns the prefill chunk.
+    def step(self, decide: Callable[[StepShape, float], object]) -> StepRecord | None:
+        """Run one iteration; ``decide(shape, start_ms)`` returns the prefill chunk, or a plan
+        whose ``chunk_tokens`` it is (returned in the record's ``decision``).
 
         Returns None when there was nothing to run.
         """
@@ -160,6 +163,7 @@ class Engine:
             prefill_request=plan.prefill_request,
             emitted=emitted,
             finished=finished,
+            decision=plan.decision,
         )
 
 

@@ -16,7 +16,7 @@ import pandas as pd
 
 from sloweave.core.fit import ContextualCost, FitResult, FixedContextCost, ResidualMargin
 from sloweave.sim.metrics import evaluate
-from sloweave.core.policy import SLOWeave, make_policy
+from sloweave.core.policy import Aging, SLOWeave, make_policy
 from sloweave.core.calibration import OnlineCalibrator, ScaledCost, SelfCorrection, self_correcting
 from sloweave.runtime.engine import Engine
 from sloweave.runtime.runner import MeasuredRun, RequestSpec, run_requests
@@ -98,12 +98,12 @@ def _zero(n_decodes: int, chunk_tokens: int) -> float:
     return 0.0
 
 
-def simulated_metrics(workload: Workload, name: str, fit: FitResult, tpot_ms: float, ttft_ms: float, cost_kind: str = "regression", use_margin: bool = True, max_chunk_tokens: int = 1024) -> dict:
+def simulated_metrics(workload: Workload, name: str, fit: FitResult, tpot_ms: float, ttft_ms: float, cost_kind: str = "regression", use_margin: bool = True, max_chunk_tokens: int = 1024, aging: Aging | None = None) -> dict:
     """The simulator's prediction of the same run, on the fitted cost at the workload's mean context."""
     cost = FixedContextCost(fit.cost(cost_kind), mean_context_tokens(workload))
     margin = ResidualMargin(cost, fit.margin_fractions) if use_margin else None
     policy = make_policy(name, cost, margin if make_policy(name).uses_deadlines else None, max_chunk_tokens)
-    result = simulate(workload, policy, tpot_ms=tpot_ms, actual_cost=cost)
+    result = simulate(workload, policy, tpot_ms=tpot_ms, actual_cost=cost, aging=aging)
     return evaluate(result, ttft_ms, tpot_ms).as_dict()
 
 
@@ -122,8 +122,12 @@ def run_policy(
     seed: int = 0,
     horizon_s: float | None = None,
     progress: bool = True,
+    aging_ms: float | None = None,
+    aging_chunk_tokens: int = 256,
 ) -> tuple[dict, MeasuredRun]:
-    """One measured run; returns a flat summary row and the full run."""
+    """One measured run; returns a flat summary row and the full run.
+
+    ``aging_ms`` (None: off) applies to every policy, in the run and in the simulated one."""
     setup = build_policy(name, fit, cost_kind, use_margin, calibrate, max_chunk_tokens, stale_factor)
     run = run_requests(
         engine,
@@ -131,20 +135,23 @@ def run_policy(
         setup.policy,
         tpot_ms,
         cost=setup.cost,
-        margin=setup.margin,
         calibrator=setup.calibrator,
         seed=seed,
         horizon_s=horizon_s,
         progress=progress,
         label=name,
+        aging_ms=aging_ms,
+        aging_chunk_tokens=aging_chunk_tokens,
     )
     measured = run.metrics(ttft_ms).as_dict()
     row = {"policy": setup.policy.name if name != "sloweave" else _sloweave_label(use_margin, calibrate, stale_factor)}
     row.update({f"measured_{k}": v for k, v in measured.items()})
     row.update(run.overrun_stats())
     row["chunk_mismatch_steps"] = int((run.steps["ran_chunk_tokens"] != run.steps["chunk_tokens"]).sum())
+    row["aged_steps"] = len(run.slo_exceptions)
     if math.isfinite(tpot_ms):
-        sim = simulated_metrics(workload, name, fit, tpot_ms, ttft_ms, cost_kind, use_margin, max_chunk_tokens)
+        aging = Aging(aging_ms, aging_chunk_tokens) if aging_ms is not None else None
+        sim = simulated_metrics(workload, name, fit, tpot_ms, ttft_ms, cost_kind, use_margin, max_chunk_tokens, aging)
         row.update({f"simulated_{k}": sim[k] for k in ("goodput_rps", "attainment", "p99_tpot_ms", "p99_ttft_ms")})
     return row, run
 

@@ -3,7 +3,8 @@
 ``SLOWeaveScheduler`` schedules every decoding request (one token each) plus one chunk of
 the oldest unfinished prompt, the paper's iteration shape. The chunk size comes from a
 callback (``chunk_decider``) that the driver installs: it receives the step's shape
-(``StepShape``) and returns how many prompt tokens to run. The scheduler then hands the
+(``StepShape``) and returns how many prompt tokens to run, or a plan that says it
+(``chunk_tokens``: the core's ``StepPlan``, kept with the step). The scheduler then hands the
 base class exactly ``n_decodes + chunk`` tokens of budget, so its splitting code cuts the
 prompt at that chunk, and it records what it asked for and what was scheduled.
 
@@ -32,6 +33,8 @@ class StepShape:
     decode_kv_tokens: int  # KV tokens the decodes read: sum of (context + 1)
     prefill_prefix_tokens: int  # tokens of that prompt already in the KV cache
     token_capacity: int  # the engine's static max_batch_tokens
+    prompt_id: str | None = None  # that prompt's request (None: no prompt waits)
+    decoding_ids: tuple[str, ...] = ()  # the decoding requests
 
 
 @dataclass(frozen=True)
@@ -44,6 +47,7 @@ class StepPlan:
     ran_decodes: int
     prefill_request: str | None
     scheduled: list  # transformers FutureRequestState objects of the step
+    decision: object = None  # what the decider returned, when it was a plan rather than a number
 
 
 class KVCacheFullError(RuntimeError):
@@ -57,7 +61,7 @@ class SLOWeaveScheduler(Scheduler):
         # No free-block safety margin: admission is the driver's business, and a margin
         # would silently drop the chunk the policy asked for.
         super().__init__(cache, 0.0 if safety_margin is None else safety_margin, max_requests_per_batch)
-        self.chunk_decider: Callable[[StepShape], int] | None = None
+        self.chunk_decider: Callable[[StepShape], object] | None = None
         self.last_plan: StepPlan | None = None
 
     def _oldest_prompt(self):
@@ -79,11 +83,16 @@ class SLOWeaveScheduler(Scheduler):
             decode_kv_tokens=sum(s.current_len() + 1 for s in decoding),
             prefill_prefix_tokens=head.position_offset if head is not None else 0,
             token_capacity=token_budget,
+            prompt_id=head.request_id if head is not None else None,
+            decoding_ids=tuple(s.request_id for s in decoding),
         )
+        decision = None
         if self.chunk_decider is None:
             chunk = min(shape.waiting_tokens, token_budget - shape.n_decodes)
         else:
-            chunk = int(self.chunk_decider(shape))
+            decision = self.chunk_decider(shape)
+            # a number of tokens, or a plan that carries one
+            chunk = int(getattr(decision, "chunk_tokens", decision))
         if not 0 <= chunk <= shape.waiting_tokens:
             raise ValueError(f"chunk_decider returned {chunk} with {shape.waiting_tokens} prompt tokens waiting")
         if shape.n_decodes + chunk > token_budget:
@@ -105,7 +114,8 @@ class SLOWeaveScheduler(Scheduler):
                 f"only {ran_decodes} of {shape.n_decodes} decoding requests got KV cache blocks; "
                 "raise num_blocks (the KV pool is too small for this workload)"
             )
-        self.last_plan = StepPlan(shape, chunk, ran_chunk, ran_decodes, head.request_id if chunk else None, scheduled)
+        prefill_request = head.request_id if chunk else None
+        self.last_plan = StepPlan(shape, chunk, ran_chunk, ran_decodes, prefill_request, scheduled, decision)
         if not scheduled and allocation_failed:
             return None, decode_fast_path, 0, 0
         return scheduled, decode_fast_path, num_q_tokens, max_kv_read
