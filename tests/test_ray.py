@@ -9,7 +9,6 @@ task's inputs when it keeps dying. The first test starts its own instance throug
 from __future__ import annotations
 
 import os
-import time
 from pathlib import Path
 
 import pytest
@@ -21,7 +20,6 @@ from sloweave.studies.parallel import Runner, TaskFailed, run_tasks
 
 HERE = Path(__file__).parent
 TRACE = HERE / "fixtures" / "traces" / "azure_conv_first150.csv"
-START_LIMIT_S = 120
 
 # Small studies, each a few seconds serially: (command, the files that must match byte for byte)
 STUDIES = {
@@ -52,9 +50,8 @@ def test_capacity_with_a_private_local_instance_equals_the_serial_run(tmp_path):
     assert not ray.is_initialized()
     args, files = STUDIES["capacity"]
     invoke([*args, "--jobs", "1", "--out", str(tmp_path / "serial")])
-    started = time.monotonic()
+    # (how long Ray takes to start is the machine's load, not this behaviour: not asserted)
     invoke([*args, "--ray", "local", "--jobs", "2", "--out", str(tmp_path / "ray")])
-    assert time.monotonic() - started < START_LIMIT_S
     assert not ray.is_initialized()  # started for the run, stopped after it
     same_files(tmp_path / "serial", tmp_path / "ray", files)
 

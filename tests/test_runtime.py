@@ -13,7 +13,7 @@ from click.testing import CliRunner
 from transformers.generation.continuous_batching.scheduler import SCHEDULER_MAPPING
 
 from sloweave.cli import main
-from sloweave.core.fit import fit_profile, read_profile, write_profile
+from sloweave.core.fit import RegressionCost, fit_profile, read_profile, write_profile
 from sloweave.core.policy import make_policy
 from sloweave.core.calibration import DEFAULT_MARGIN_QUANTILE, AdaptiveMargin, CalibratedCost, OnlineCalibrator, ScaledCost, SelfCorrection
 from sloweave.core.fit import ResidualMargin
@@ -45,11 +45,27 @@ def profile_frame(engine):
 # The tiny model's steps take a few ms, the size of one time slice of a shared CPU, so a
 # noise drop along c is only called a broken profile above 25 ms here.
 TOLERANCE_MS = 25.0
+LIVE_TOLERANCE_MS = 1000.0  # the live profile's fit (test_profile_fit_schedule_path)
+# A model of the tiny engine's steps, in RegressionCost's terms (ms; per 1k KV tokens, per query x
+# 1M KV tokens): the size of this engine's steps on a CPU, fixed.
+STEADY_COEFFICIENTS = np.array([1.0, 0.1, 0.1, 0.4, 0.005, 0.5, 10.0])
 
 
 @pytest.fixture(scope="module")
-def fitted(profile_frame):
-    return fit_profile(profile_frame, monotone_tolerance_ms=TOLERANCE_MS)
+def steady_profile(profile_frame):
+    """The live profile's steps (the engine's grid, its KV reads, its held-out points), each timed
+    by a fixed model with seeded noise of a few per cent: the same on every run. A fit of the
+    live times would fail (non-monotone) after a CPU stall on the wrong steps; the tests that
+    use ``fitted`` are about scheduling with a fit, not about this minute's timing."""
+    steady = profile_frame.copy()
+    noise = np.random.default_rng(0).lognormal(0.0, 0.05, len(steady))
+    steady["step_ms"] = RegressionCost(STEADY_COEFFICIENTS).predict_frame(steady) * noise
+    return steady
+
+
+@pytest.fixture(scope="module")
+def fitted(steady_profile):
+    return fit_profile(steady_profile, monotone_tolerance_ms=TOLERANCE_MS)
 
 
 def request_list() -> RequestSpec:
@@ -73,7 +89,7 @@ def test_every_policy_completes_requests_with_the_right_token_counts(engine, fit
     spec = request_list()
     cost = fitted.regression if policy_name == "sloweave" else None
     policy = make_policy(policy_name, cost, fitted.margin(cost) if cost else None, 256)
-    run = run_requests(engine, spec, policy, tpot_ms=40.0, cost=cost, margin=fitted.margin(cost) if cost else None, progress=False)
+    run = run_requests(engine, spec, policy, tpot_ms=40.0, cost=cost, progress=False)
     assert (run.requests["status"] == "finished").all()
     assert run.token_counts == {f"r{i}": int(k) for i, k in enumerate(spec.output_tokens)}
     assert np.all(run.requests["ttft_ms"] > 0)
@@ -101,7 +117,7 @@ def test_sloweave_chunks_follow_the_real_deadline_budget(engine, fitted):
     means = {}
     for tpot in (3.0, 200.0):
         setup = build_policy("sloweave", fitted, use_margin=True, calibrate=False, max_chunk_tokens=400)
-        run = run_requests(engine, spec, setup.policy, tpot, cost=setup.cost, margin=setup.margin, progress=False)
+        run = run_requests(engine, spec, setup.policy, tpot, cost=setup.cost, progress=False)
         s = run.steps
         chunked = s[(s["n_decodes"] > 0) & (s["chunk_tokens"] > 0)]
         decided = s[(s["n_decodes"] > 0) & (s["waiting_tokens"] > 0)]
@@ -123,33 +139,45 @@ def test_profile_fit_schedule_path(engine, profile_frame, fitted, tmp_path):
     row = grid[(grid["n_decodes"] == 4) & (grid["context_tokens"] == 96)].iloc[0]
     assert 4 * 97 <= row["decode_kv_tokens"] <= 4 * 97 + 4 * 60
     path = write_profile(profile_frame, tmp_path / "profile.csv")
-    out = CliRunner().invoke(main, ["fit", str(path), "--out", str(tmp_path / "fit.json"), "--monotone-tolerance-ms", "25"])
+    # the live times: a CPU stall over both repeats of a step can make them non-monotone, which
+    # the fit rightly refuses (tests/test_fit.py); here only a drop of over a second would be
+    # called broken, so this path does not fail with the machine's load
+    tolerance = ["--monotone-tolerance-ms", str(LIVE_TOLERANCE_MS)]
+    out = CliRunner().invoke(main, ["fit", str(path), "--out", str(tmp_path / "fit.json"), *tolerance])
     assert out.exit_code == 0, out.output
     assert "regression_holdout" in out.output
-    result = fit_profile(read_profile(path), monotone_tolerance_ms=TOLERANCE_MS)
+    result = fit_profile(read_profile(path), monotone_tolerance_ms=LIVE_TOLERANCE_MS)
     assert math.isfinite(result.report["regression_holdout"]["median_abs_rel_error"])
     wl = scaled_workload("mixed", 8, seed=1, rate_scale=0.5, prompt_scale=0.1, output_scale=0.05, max_prompt_tokens=300, max_output_tokens=8)
     row, run = run_policy(engine, wl, "sloweave", result, tpot_ms=30.0, ttft_ms=3000.0, max_chunk_tokens=256, progress=False)
     assert row["measured_num_finished"] == 8
     assert row["chunk_mismatch_steps"] == 0
     assert math.isfinite(row["simulated_goodput_rps"])
-    assert 0.0 <= row["overran_prediction_plus_margin_share"] <= 1.0
+    # the row's overrun share is that of the run's steps
+    steps = run.steps
+    assert row["steps"] == len(steps) > 0
+    assert row["overran_prediction_plus_margin_share"] == np.mean(steps["step_ms"] > steps["predicted_ms"] + steps["margin_ms"])
 
 
 def test_online_calibration_learns_a_stale_cost_model(engine, fitted):
-    """A cost model 4x too optimistic is corrected from measured steps as the run goes."""
-    stale = ScaledCost(fitted.regression, 0.25)
-    calibrator = OnlineCalibrator()
+    """A cost model far too optimistic is corrected from measured steps as the run goes.
+
+    The stale model is a hundredth of a model of this engine's step size (10-30 us a step): no
+    CPU runs these steps within 10x of that, so it is stale on every machine, however fast; the
+    calibrator may learn up to 1000x, so what it learns is the machine's, not its bound."""
+    stale = ScaledCost(fitted.regression, 0.01)
+    calibrator = OnlineCalibrator(max_factor=1000.0)
     cost = CalibratedCost(stale, calibrator)
     policy = make_policy("sloweave", cost, None, 256)
     spec = RequestSpec(np.zeros(4), np.array([60, 60, 200, 120]), np.array([20, 20, 10, 10]))
     run = run_requests(engine, spec, policy, 30.0, cost=cost, calibrator=calibrator, progress=False)
     assert (run.requests["status"] == "finished").all()
     learned = np.exp(calibrator.log_factor[calibrator.observations > 0])
-    assert np.median(learned) > 2.0
+    assert np.median(learned) > 10.0
     s = run.steps
     late = s.iloc[len(s) // 2 :]
-    stale_error = np.median(np.abs(late["step_ms"] / [stale.predict(n, c, d, p) for n, c, d, p in late[["n_decodes", "chunk_tokens", "decode_kv_tokens", "prefill_prefix_tokens"]].itertuples(index=False)] - 1))
+    stale_ms = [stale.predict(n, c, d, p) for n, c, d, p in late[["n_decodes", "chunk_tokens", "decode_kv_tokens", "prefill_prefix_tokens"]].itertuples(index=False)]
+    stale_error = np.median(np.abs(stale_ms / late["step_ms"] - 1))  # about 0.99
     calibrated_error = np.median(np.abs(late["predicted_ms"] / late["step_ms"] - 1))
     assert calibrated_error < stale_error
 
@@ -162,21 +190,25 @@ def test_kv_pool_too_small_is_a_clear_error(model):
     assert "KV" in str(err.value) or "block" in str(err.value) or "offload" in str(err.value)
 
 
-def test_run_command_end_to_end(profile_frame, tmp_path):
-    path = write_profile(profile_frame, tmp_path / "profile.csv")
+def test_run_command_end_to_end(steady_profile, tmp_path):
+    path = write_profile(steady_profile, tmp_path / "profile.csv")
     out_dir = tmp_path / "run"
     args = [
         "run", "--model", "tiny", "--profile", str(path), "--workload", "mixed", "--requests", "6",
         "--rate-scale", "0.5", "--prompt-scale", "0.1", "--output-scale", "0.05", "--max-prompt", "256",
-        "--max-output", "6", "--policies", "sloweave,fixed-32,full", "--tpot-ms", "30", "--max-chunk", "256",
+        "--max-output", "6", "--policies", "sloweave,fixed-32,fixed-128,full", "--tpot-ms", "30", "--max-chunk", "256",
         "--out", str(out_dir), "--monotone-tolerance-ms", "25",
     ]
     result = CliRunner().invoke(main, args)
     assert result.exit_code == 0, result.output
     summary = pd.read_csv(out_dir / "summary.csv")
-    assert list(summary["policy"]) == ["sloweave+margin+calib", "fixed-32", "full"]
+    assert list(summary["policy"]) == ["sloweave+margin+calib", "fixed-32", "fixed-128", "full"]
     assert (summary["measured_num_finished"] == 6).all()
-    assert summary.loc[summary["policy"] == "fixed-32", "goodput_vs_best_fixed"].iloc[0] in (1.0, pytest.approx(1.0))
+    # every policy's goodput over the better of the two fixed chunks measured in this run
+    goodput = summary["measured_goodput_rps"]
+    best_fixed = goodput[summary["policy"].str.startswith("fixed-")].max()
+    expected = goodput / best_fixed if best_fixed > 0 else goodput * math.nan
+    np.testing.assert_allclose(summary["goodput_vs_best_fixed"], expected, rtol=1e-12)
     assert (out_dir / "summary.png").stat().st_size > 0
     summary_json = json.loads((out_dir / "summary.json").read_text())
     assert summary_json["sloweave_version"] and summary_json["settings"]["max_prompt"] == 256
@@ -190,8 +222,8 @@ def test_run_command_end_to_end(profile_frame, tmp_path):
         (["--model", "no-such-model"], "neither a packaged model"),
     ],
 )
-def test_run_command_refuses_requests_beyond_the_models_context(profile_frame, tmp_path, extra, message):
-    path = write_profile(profile_frame, tmp_path / "profile.csv")
+def test_run_command_refuses_requests_beyond_the_models_context(steady_profile, tmp_path, extra, message):
+    path = write_profile(steady_profile, tmp_path / "profile.csv")
     args = ["run", "--model", "tiny", "--profile", str(path), "--out", str(tmp_path / "run"), "--monotone-tolerance-ms", "25", *extra]
     result = CliRunner().invoke(main, args)
     assert result.exit_code == 2, result.output

@@ -313,16 +313,52 @@ def test_online_correction_learns_a_mispredicted_cost_and_stops_the_overruns():
     assert calibrator.factor(8, True) == pytest.approx(1.6) and calibrator.factor(40, False) == pytest.approx(1.6)
 
 
-def test_results_are_bit_for_bit_those_of_the_simulator_before_it_was_split():
+def golden_cases():
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("sim_cases", GOLDEN / "sim_cases.py")
     cases = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(cases)
-    expected = json.loads((GOLDEN / "simulator.json").read_text())
+    return cases, json.loads((GOLDEN / "simulator.json").read_text())
+
+
+def test_results_are_bit_for_bit_those_of_the_simulator_before_it_was_split():
+    cases, expected = golden_cases()
     got = cases.all_digests()
     assert got.keys() == expected.keys()
     assert [k for k in expected if got[k] != expected[k]] == []
+
+
+def test_every_golden_case_pins_a_result_of_its_own():
+    """A digest shared by two cases pins nothing about what tells them apart (the option, the
+    policy): no two cases share one, unless sim_cases.py says why."""
+    cases, expected = golden_cases()
+    by_digest = {}
+    for key, value in expected.items():
+        by_digest.setdefault(value, []).append(key)
+    shared = [frozenset(keys) for keys in by_digest.values() if len(keys) > 1]
+    assert [sorted(keys) for keys in shared if keys not in cases.SAME_DIGEST_BY_DESIGN] == []
+    # the two pairs that used to coincide everywhere: lookahead or not, reject or defer
+    for w in cases.WORKLOAD_NAMES:
+        for option in cases.LOOKAHEAD_OPTIONS:
+            for base in ("sloweave", "sloweave-multi"):
+                assert expected[f"{w}/{base}+lookahead/{option}"] != expected[f"{w}/{base}/{option}"]
+        for p in cases.POLICIES:
+            assert expected[f"{w}/{p}/4"] != expected[f"{w}/{p}/5"]
+
+
+@pytest.mark.parametrize("action", ["reject", "defer"])
+def test_the_admission_cases_refuse_requests_for_every_policy(action):
+    """Options 4 and 5 pin admission control only where it refuses someone."""
+    cases, _ = golden_cases()
+    option = 4 if action == "reject" else 5
+    for w in cases.WORKLOAD_NAMES:
+        for p in cases.POLICIES:
+            work, policy, tpot, kw = cases.case(w, p, option)
+            assert kw["admission"].action == action
+            result = simulate(work, policy, tpot, **kw)
+            reasons = result.rejected_reason if action == "reject" else result.deferred_reason
+            assert (reasons != "").sum() > 0, (w, p)
 
 
 class ContextSpy(ContextAnalyticCost):

@@ -87,8 +87,9 @@ def completion(prompt_tokens: int, max_tokens: int, **extra) -> dict:
     return {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True, "return_token_ids": True, **extra}
 
 
-def stream(base: str, body: dict) -> tuple[list[int], list[float]]:
-    """Token ids of a streamed completion and the time each chunk arrived."""
+def stream(base: str, body: dict, after_first_chunk=None) -> tuple[list[int], list[float]]:
+    """Token ids of a streamed completion and the time each chunk with tokens arrived;
+    ``after_first_chunk()`` is called once the first such chunk is read, before reading on."""
     tokens, times = [], []
     with post(base, {**body, "stream": True}) as response:
         for line in response:
@@ -96,16 +97,24 @@ def stream(base: str, body: dict) -> tuple[list[int], list[float]]:
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             chunk = json.loads(line[len("data: ") :])["choices"][0]
-            tokens.extend(chunk.get("token_ids") or [])
-            times.append(time.monotonic())
+            if chunk.get("token_ids"):
+                tokens.extend(chunk["token_ids"])
+                times.append(time.monotonic())
+                if after_first_chunk is not None and len(times) == 1:
+                    after_first_chunk()
     return tokens, times
 
 
 def test_streaming_completions_with_the_plug_in(server):
     base, _ = server
-    tokens, times = stream(base, completion(300, 16))
+    body = completion(300, 16, temperature=0.0)
+    tokens, times = stream(base, body)
     assert len(tokens) == 16 and all(0 <= t < 1024 for t in tokens)
-    assert len(times) >= 16  # one chunk per token: it really streamed
+    # it really streamed: the tokens came in pieces (how many depends on how fast this client and
+    # the server's front end read: vLLM hands on at once what waited), and they are the reply's own
+    assert len(times) >= 2
+    with post(base, body) as response:
+        assert tokens == json.loads(response.read())["choices"][0]["token_ids"]  # greedy: the same reply
     # a request's own target, as a client passes it
     tokens, _ = stream(base, completion(50, 8, vllm_xargs={"sloweave_tpot_ms": 40}))
     assert len(tokens) == 8
@@ -113,22 +122,42 @@ def test_streaming_completions_with_the_plug_in(server):
 
 @pytest.mark.parametrize("bad", [-1, 0, "fast", 1e300])
 def test_a_bad_target_gets_its_error_while_concurrent_requests_complete(server, bad):
+    """The bad request is answered while two good streams are open: each has its first tokens and
+    reads on only once the bad one is refused (events order them, not a sleep); two more good
+    requests come after it. All four complete."""
     base, log_path = server
     results: dict[int, list[int]] = {}
+    first_read: dict[int, float] = {}  # when a stream's first tokens were read
+    ended: dict[int, float] = {}  # when it was read to its end
+    streaming = [threading.Event() for _ in range(2)]
+    answered = threading.Event()
 
     def good(i: int) -> None:
-        results[i] = stream(base, completion(200 + 150 * i, 24))[0]
+        def hold() -> None:  # the first two: open and under way until the bad request is answered
+            if i < 2:
+                streaming[i].set()
+                answered.wait(REQUEST_TIMEOUT_S)
+
+        tokens, times = stream(base, completion(200 + 150 * i, 24), after_first_chunk=hold)
+        results[i], first_read[i], ended[i] = tokens, times[0], time.monotonic()
 
     threads = [threading.Thread(target=good, args=(i,)) for i in range(4)]
     for thread in threads[:2]:
         thread.start()
-    time.sleep(0.3)
-    with pytest.raises(urllib.error.HTTPError) as refused:
-        post(base, completion(40, 8, vllm_xargs={"sloweave_tpot_ms": bad}))
+    assert all(event.wait(REQUEST_TIMEOUT_S) for event in streaming)
+    try:
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            post(base, completion(40, 8, vllm_xargs={"sloweave_tpot_ms": bad}))
+        answered_s = time.monotonic()
+    finally:
+        answered.set()
     for thread in threads[2:]:
         thread.start()
     for thread in threads:
         thread.join(timeout=REQUEST_TIMEOUT_S)
+    assert not any(thread.is_alive() for thread in threads), "a good request did not finish"
+    # the bad request was answered while the first two streams were under way
+    assert all(first_read[i] < answered_s < ended[i] for i in (0, 1))
     assert refused.value.code == 400
     message = json.loads(refused.value.read())["error"]["message"]
     assert "sloweave_tpot_ms must be" in message and repr(bad) in message
@@ -168,6 +197,7 @@ def test_without_the_front_end_check_a_bad_target_is_served_with_the_default(tmp
             thread.start()
         for thread in threads:
             thread.join(timeout=REQUEST_TIMEOUT_S)
+        assert not any(thread.is_alive() for thread in threads), "a request did not finish"
         assert sorted(results) == [0, 1, 2, 3] and all(len(tokens) == 16 for tokens in results.values())
         metrics = urllib.request.urlopen(f"{base}/metrics", timeout=10).read().decode()
         assert 'sloweave_request_target_errors_total{engine="0"} 1.0' in metrics

@@ -32,12 +32,15 @@ async def _session() -> list[int]:
     llm = AsyncLLM.from_engine_args(args)
     params = SamplingParams(max_tokens=TOKENS_PER_TURN, ignore_eos=True, temperature=0.0, output_kind=RequestOutputKind.DELTA)
 
-    async def turns():
-        for prompt in TURNS:
-            yield StreamingInput(prompt=TokensPrompt(prompt_token_ids=prompt))
-            await asyncio.sleep(0.2)  # the next turn arrives after this one's answer has started
-
     tokens = []
+
+    async def turns():
+        for k, prompt in enumerate(TURNS):
+            yield StreamingInput(prompt=TokensPrompt(prompt_token_ids=prompt))
+            # the next turn arrives after this one's answer has started (its first token is back),
+            # however long that takes here
+            while k + 1 < len(TURNS) and len(tokens) <= k * TOKENS_PER_TURN:
+                await asyncio.sleep(0.01)
 
     async def collect():
         async for output in llm.generate(turns(), params, request_id="session"):
