@@ -4,6 +4,7 @@ Hand-computed with the paper's analytic cost:
 T(n, c) = 0.35 + 1[n>0] (0.90 + 0.055 n) + 1[c>0] (0.40 + 0.006 c) ms.
 """
 
+import dataclasses
 import json
 import math
 from pathlib import Path
@@ -24,6 +25,7 @@ from sloweave.sim.clock import IterationClock
 from sloweave.sim.deadline_source import CumulativeTargets, PerRequestTargets, SharedTarget, TrackedDeadlines
 from sloweave.sim.decide import AgingDecider, chunk_decider
 from sloweave.sim.engine import build_engine, simulate
+from sloweave.sim.workloads import get_workload_spec
 from sloweave.sim.memory import KVCapacity, KVLedger, UnlimitedKV
 from sloweave.sim.queue import FcfsPrompts, OnePrompt, PrefillQueue
 from sloweave.sim.recorder import Recorder
@@ -165,6 +167,23 @@ def test_cumulative_targets_bank_the_slack_of_a_request_running_ahead():
     assert source.budget_ms(11.0, 3, running) == pytest.approx(24.0)
     assert source.late(0, 11.0, 3, 24.1) and not source.late(0, 11.0, 3, 23.9)
     assert source.banked and not SharedTarget(10.0).banked
+
+
+def test_cumulative_per_request_targets_give_the_next_budget_before_any_request_started():
+    # with per-request targets the lookahead's next budget was min() of the targets seen so far,
+    # an empty sequence until a request started: every such run raised ValueError at its first step
+    source = CumulativeTargets(25.0, [40.0, 8.0, 30.0])
+    assert source.next_fresh_budget_ms(math.inf, None) == math.inf  # nobody decodes, no head: no deadline
+    assert source.next_fresh_budget_ms(math.inf, 1) == 8.0  # the head joins with its own target
+    source.started(2, end_ms=5.0, iteration=0, last_iter=10)
+    assert source.next_fresh_budget_ms(12.0, None) == 30.0 and source.next_fresh_budget_ms(12.0, 1) == 8.0
+
+
+def test_lookahead_runs_with_cumulative_deadlines_and_per_request_targets():
+    workload = get_workload_spec("chat").generate(60, seed=0)
+    tiers = dataclasses.replace(workload, tpot_ms=np.where(np.arange(len(workload)) % 2, 10.0, 50.0))
+    result = simulate(tiers, make_policy("sloweave+lookahead"), tpot_ms=25.0, deadline_form="cumulative")
+    assert result.finished.all()
 
 
 def test_tracked_deadlines_check_the_source_against_the_core_tracker():

@@ -114,8 +114,12 @@ class CumulativeTargets(SharedTarget):
         return deadline - now_ms < predicted_ms - LATE_TOLERANCE_MS
 
     def next_fresh_budget_ms(self, budget_ms: float, head: int | None) -> float:
-        # A fresh iteration adds one target to every request's deadline: the smallest target seen.
-        return self.tpot_ms if self.targets is None else min(self._keys)
+        # A fresh iteration adds one target to every request's deadline: the smallest target among
+        # the requests that started and the head, which joins them when its prefill completes.
+        if self.targets is None:
+            return self.tpot_ms
+        seen = [*self._keys, *([] if head is None else [self.targets[head]])]
+        return min(seen) if seen else budget_ms
 
 
 class TrackedDeadlines:
