@@ -17,8 +17,8 @@ from sloweave.core.costs import cost_option
 from sloweave.core.policy import DEFAULT_MAX_CHUNK_TOKENS, SLOWeave, make_policy
 from sloweave.sim.options import engine_options
 from sloweave.sim.workloads import ALL_WORKLOADS, WorkloadError, get_workload_spec
-from sloweave.core.validate import DURATION_MS, GIB, MARGIN_MS, REQUEST_COUNT, SCALE, TOKEN_COUNT, TOKENS
-from sloweave.studies.inputs import REQUESTS, SEED
+from sloweave.core.validate import DURATION_MS, GIB, MARGIN_MS, REQUEST_COUNT, SCALE, SEED, TOKEN_COUNT, TOKENS
+from sloweave.studies.inputs import REQUESTS
 from sloweave.studies.outputs import check_writable, command_settings, strict_json, write_result_json
 from sloweave.studies.result_folders import Interrupted, result_folder, result_folder_options
 
@@ -77,7 +77,7 @@ def decide(n_decodes: int, waiting_tokens: int, budget_ms: float, max_chunk: int
 @click.option("--tpot-ms", type=DURATION_MS.option(), default=25.0, show_default=True)
 @click.option("--ttft-ms", type=DURATION_MS.option(), default=None, help="default: the workload's target")
 @click.option("--requests", "num_requests", type=REQUESTS, default=2000, show_default=True)
-@click.option("--seed", type=SEED, default=0, show_default=True)
+@click.option("--seed", type=SEED.option(), default=0, show_default=True)
 @click.option("--rate-scale", type=SCALE.option(), default=1.0, show_default=True, help="multiplies the arrival rate")
 @click.option("--max-chunk", type=TOKENS.option(), default=DEFAULT_MAX_CHUNK_TOKENS, show_default=True)
 @click.option("--margin", "margin_kind", type=click.Choice(["none", "constant", "relative"]), default="none", show_default=True)

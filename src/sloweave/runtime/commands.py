@@ -14,8 +14,8 @@ import click
 from sloweave.core.fit import HOLDOUT_ERROR, MAX_HOLDOUT_ERROR
 from sloweave.sim.workloads import WORKLOADS
 from sloweave.core.validate import DURATION_MS, DURATION_S, MARGIN_MS, MAX_REPEATS, REPEATS, REQUEST_COUNT, SCALE, TOKEN_COUNT, TOKENS, Range
-from sloweave.core.validate import SEED as SEED_RANGE
-from sloweave.studies.inputs import REQUESTS, SEED
+from sloweave.core.validate import SEED
+from sloweave.studies.inputs import REQUESTS
 from sloweave.studies.outputs import check_writable, command_settings, strict_json, write_result_json
 from sloweave.studies.result_folders import result_folder, result_folder_options
 
@@ -71,7 +71,7 @@ def _fit_or_fail(profile: Path, monotone_tolerance_ms: float = 5.0, max_holdout_
 @click.option("--repeats", type=REPEATS.option(), default=3, show_default=True)
 @click.option("--holdout", "holdout_per_state", type=Range(0, MAX_REPEATS, whole=True).option(), default=3, show_default=True, help="off-grid held-out steps per (context, n)")
 @click.option("--threads", type=REPEATS.option(), default=1, show_default=True, help="torch threads")
-@click.option("--seed", type=SEED, default=0, show_default=True)
+@click.option("--seed", type=SEED.option(), default=0, show_default=True)
 def profile(model, out_path, decodes, chunks, contexts, repeats, holdout_per_state, threads, seed) -> None:
     """Measure step times of the real CPU engine over a (decodes, chunk, context) grid."""
     check_writable(out_path, "--out", is_file=True)
@@ -150,7 +150,7 @@ def fit_command(profile_path: Path, out_path: Path | None, monotone_tolerance_ms
               help="starvation control for every policy, as the vLLM plug-in's aging_ms (2000 there): after this wait without "
                    "progress the oldest prompt gets a chunk (an SLO exception); off by default, as in `sloweave simulate`")
 @click.option("--aging-chunk-tokens", type=TOKENS.option(), default=256, show_default=True, help="the chunk aging forces")
-@click.option("--seeds", default="0", show_default=True, callback=_whole_numbers(SEED_RANGE))
+@click.option("--seeds", default="0", show_default=True, callback=_whole_numbers(SEED))
 @click.option("--horizon-s", type=DURATION_S.option(), default=None, help="stop a run after this long")
 @click.option("--threads", type=REPEATS.option(), default=1, show_default=True)
 @click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), default=Path("results/cpu-run"), show_default=True)

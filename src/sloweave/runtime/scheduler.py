@@ -4,7 +4,7 @@
 the oldest unfinished prompt, the paper's iteration shape. The chunk size comes from a
 callback (``chunk_decider``) that the driver installs: it receives the step's shape
 (``StepShape``) and returns how many prompt tokens to run, or a plan that says it
-(``chunk_tokens``: the core's ``StepPlan``, kept with the step). The scheduler then hands the
+(``chunk_tokens``: the core's ``StepPlan``, kept with the step as ``ScheduledStep.decision``). The scheduler then hands the
 base class exactly ``n_decodes + chunk`` tokens of budget, so its splitting code cuts the
 prompt at that chunk, and it records what it asked for and what was scheduled.
 
@@ -38,7 +38,7 @@ class StepShape:
 
 
 @dataclass(frozen=True)
-class StepPlan:
+class ScheduledStep:
     """What the scheduler did for one step."""
 
     shape: StepShape
@@ -62,7 +62,7 @@ class SLOWeaveScheduler(Scheduler):
         # would silently drop the chunk the policy asked for.
         super().__init__(cache, 0.0 if safety_margin is None else safety_margin, max_requests_per_batch)
         self.chunk_decider: Callable[[StepShape], object] | None = None
-        self.last_plan: StepPlan | None = None
+        self.last_plan: ScheduledStep | None = None
 
     def _oldest_prompt(self):
         prefilling = [s for s in self.active_requests.values() if s.status == RequestStatus.PREFILLING]
@@ -115,7 +115,7 @@ class SLOWeaveScheduler(Scheduler):
                 "raise num_blocks (the KV pool is too small for this workload)"
             )
         prefill_request = head.request_id if chunk else None
-        self.last_plan = StepPlan(shape, chunk, ran_chunk, ran_decodes, prefill_request, scheduled, decision)
+        self.last_plan = ScheduledStep(shape, chunk, ran_chunk, ran_decodes, prefill_request, scheduled, decision)
         if not scheduled and allocation_failed:
             return None, decode_fast_path, 0, 0
         return scheduled, decode_fast_path, num_q_tokens, max_kv_read

@@ -7,10 +7,6 @@ import importlib
 import click
 
 from sloweave.core.validate import DEFAULT_MAX_MODEL_LEN_TOKENS, REPEATS, TOKENS, Range
-from sloweave.core.validate import SEED as SEED_RANGE
-
-# numpy's generators take non-negative seeds only (a negative one used to end in a traceback)
-SEED = SEED_RANGE.option()
 
 # Requests one run generates: a run keeps per-request arrays and per-iteration records in
 # memory, and 1e11 requests ended in a 745 GiB allocation error; 10 million simulate in

@@ -17,8 +17,8 @@ from sloweave.core.costs import ResolvedCost, cost_option
 from sloweave.sim.metrics import RunMetrics, per_request_frame, run_duration_ms, slo_met, summarize
 from sloweave.core.policy import DEFAULT_MAX_CHUNK_TOKENS, Policy, make_policy
 from sloweave.sim.options import DEFAULT_OPTIONS, EngineOptions, engine_options
-from sloweave.core.validate import DURATION_MS, DURATION_S, MAX_TOKENS, RATE_RPS, SCALE, TIME_S, TOKENS, Range
-from sloweave.studies.inputs import SEED, max_model_len_option, model_len_or_default, once_each, parallel_options, runner_of
+from sloweave.core.validate import DURATION_MS, DURATION_S, MAX_TOKENS, RATE_RPS, SCALE, SEED, TIME_S, TOKENS, Range
+from sloweave.studies.inputs import max_model_len_option, model_len_or_default, once_each, parallel_options, runner_of
 from sloweave.studies.outputs import check_writable, command_settings, write_result_json
 from sloweave.studies.result_folders import result_folder, result_folder_options
 from sloweave.studies.parallel import SERIAL, Runner, run_tasks
@@ -182,7 +182,7 @@ def describe_report(report: ReplayReport) -> str:
 @click.option("--max-requests", type=Range(1, MAX_TOKENS, " of requests", whole=True).option(), default=None, help="keep the first N requests of the window")
 @click.option("--arrivals", type=click.Choice(["trace", "poisson"]), default="trace", show_default=True, help="poisson: generate arrivals (needed for length-only files)")
 @click.option("--rate-rps", type=RATE_RPS.option(), default=None, help="rate of generated Poisson arrivals (before --rate-scale)")
-@click.option("--seed", type=SEED, default=0, show_default=True, help="seed of generated arrivals")
+@click.option("--seed", type=SEED.option(), default=0, show_default=True, help="seed of generated arrivals")
 @click.option("--policy", "policies", multiple=True, callback=once_each, default=DEFAULT_REPLAY_POLICIES, show_default=True, help="repeat for several")
 @click.option("--tpot-ms", type=DURATION_MS.option(), default=25.0, show_default=True)
 @click.option("--ttft-ms", type=DURATION_MS.option(), default=DEFAULT_TRACE_TTFT_MS, show_default=True)

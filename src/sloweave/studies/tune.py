@@ -7,7 +7,7 @@ a sweep it simulates the engine's rule on the operator's workload or trace and c
 and reports:
 
 - its capacity: the highest load at which SLO attainment stays at the target (the
-  capacity search of ``sloweave.studies.capacity``, same lattice, same seeds for every budget);
+  capacity search of ``sloweave.studies.search``, same lattice, same seeds for every budget);
 - at one given load: goodput, attainment, P99 TTFT and P99 TPOT (the trade-off: small
   budgets protect TPOT and pay in TTFT, large ones the reverse);
 - the budget with the highest capacity and the one with the highest goodput at that load,
@@ -37,12 +37,13 @@ import numpy as np
 import pandas as pd
 
 from sloweave.sim.options import DEFAULT_OPTIONS, EngineOptions, engine_options
-from sloweave.studies.capacity import best_of_rule, budget_of, default_jobs, refined_budgets
+from sloweave.studies.search import DEFAULT_ATTAINMENT, CapacityStudy, best_of_rule, budget_of, refined_budgets
 from sloweave.core.validate import ATTAINMENT, DURATION_MS, DURATION_S, MAX_TOKENS, REPEATS, SCALE, TOKENS, Range
 from sloweave.studies.inputs import REQUESTS, max_model_len_option, model_len_or_default, once_each, parallel_options
 from sloweave.studies.outputs import check_writable, command_settings, write_result_json
+from sloweave.studies.parallel import local_cores
 from sloweave.studies.result_folders import result_folder, result_folder_options
-from sloweave.studies.capacity import DEFAULT_ATTAINMENT, DEFAULT_WINDOW_S, CapacityStudy, LoadSource, SpecSource, trace_source
+from sloweave.studies.sources import DEFAULT_WINDOW_S, LoadSource, SpecSource, trace_source
 from sloweave.core.cost import AnalyticCost, CostModel
 from sloweave.core.costs import KIND_STEP_PROFILE, ResolvedCost, cost_option
 from sloweave.core.policy import DEFAULT_MAX_CHUNK_TOKENS
@@ -544,7 +545,7 @@ def tune_command(workload, trace_path, fmt, engine, rule, tpot_ms, ttft_ms, atta
                 refine=refine,
                 progress=True,
                 options=engine_opts,
-                jobs=jobs or default_jobs(),
+                jobs=jobs or local_cores(),
                 ray=ray_address,
                 store=folder.store,
             )

@@ -52,14 +52,14 @@ REQUEST_TPOT_KEY = "sloweave_tpot_ms"
 MAX_TPOT_MS = 3_600_000.0
 
 
-TPOT_TARGET = Range(0, MAX_TPOT_MS, " of milliseconds", low_open=True)
+REQUEST_TPOT_RANGE = Range(0, MAX_TPOT_MS, " of milliseconds", low_open=True)
 
 
 def tpot_target_ms(value, name: str) -> float:
     """A TPOT target: a finite number of milliseconds > 0 and at most ``MAX_TPOT_MS``
     (ValueError naming ``name`` otherwise; 10**400 too: served with the default, no crash).
     One rule for the configured default and for a request's own target."""
-    return TPOT_TARGET.check(value, name)
+    return REQUEST_TPOT_RANGE.check(value, name)
 
 
 def request_tpot_ms(extra_args: Mapping | None, request_id: str | None = None) -> float | None:
