@@ -24,9 +24,11 @@ from pathlib import Path
 import pandas as pd
 
 from sloweave.sim.workloads import WORKLOADS
-import sloweave.studies.capacity as capacity_module
+import sloweave.studies.search as search_module
 from sloweave.studies import parallel
-from sloweave.studies.capacity import CapacityStudy, SpecSource, capacity_frame, default_jobs
+from sloweave.studies.capacity import capacity_frame, default_jobs
+from sloweave.studies.search import CapacityStudy, SearchLattice
+from sloweave.studies.sources import SpecSource
 from sloweave.studies.outputs import write_result_json
 
 POLICIES = ["sloweave", "sloweave-multi", "fixed-tuned", "sarathi-tuned"]
@@ -34,7 +36,7 @@ POLICIES = ["sloweave", "sloweave-multi", "fixed-tuned", "sarathi-tuned"]
 
 def study_of(requests: int, jobs: int, ray: str | None) -> CapacityStudy:
     source = SpecSource(WORKLOADS["mixed"], requests, (0, 1, 2))
-    return CapacityStudy(source, POLICIES, [10.0, 25.0], 2000.0, steps_per_doubling=8, jobs=jobs, ray=ray)
+    return CapacityStudy(source, POLICIES, [10.0, 25.0], 2000.0, SearchLattice(steps_per_doubling=8), runner=parallel.Runner(jobs, ray))
 
 
 def one(requests: int, jobs: int, ray: str | None) -> tuple[float, pd.DataFrame, int]:
@@ -50,9 +52,9 @@ def task_split(requests: int) -> list[dict]:
     import pickle
 
     batches = []
-    real = capacity_module.run_tasks
+    real = search_module.run_tasks
 
-    def recording(fn, tasks, context=None, runner=parallel.SERIAL, desc="tasks", progress=False):
+    def recording(fn, tasks, context=None, runner=parallel.SERIAL, desc="tasks", progress=False, store=None):
         if not tasks:
             return []
         shipped = len(pickle.dumps(context))
@@ -68,11 +70,11 @@ def task_split(requests: int) -> list[dict]:
         return results
 
     # the study calls its module's run_tasks: record through it for one serial study
-    capacity_module.run_tasks = recording
+    search_module.run_tasks = recording
     try:
         study_of(requests, 1, None).capacities()
     finally:
-        capacity_module.run_tasks = real
+        search_module.run_tasks = real
     return batches
 
 

@@ -241,7 +241,7 @@ def test_ctrl_c_during_the_search_keeps_the_finished_tasks_and_resume_gives_the_
 
 
 def test_ctrl_c_after_the_search_keeps_every_task_and_resume_computes_none(tmp_path, monkeypatch):
-    from sloweave.studies import capacity
+    from sloweave.studies import search
 
     args = [*CAPACITY, "--jobs", "1"]
     reference = tmp_path / "reference"
@@ -252,14 +252,14 @@ def test_ctrl_c_after_the_search_keeps_every_task_and_resume_computes_none(tmp_p
     assert code == 130 and "Traceback" not in err, err
     assert not out.exists() and "finished task(s) kept in" in err
     ran = []
-    task = capacity._study_task
+    task = search._study_task
 
     @functools.wraps(task)
     def counted(*a):
         ran.append(a[1:])
         return task(*a)
 
-    monkeypatch.setattr(capacity, "_study_task", counted)
+    monkeypatch.setattr(search, "_study_task", counted)
     resumed = invoke(*args, "--out", out, "--resume")
     assert resumed.exit_code == 0, resumed.output
     assert ran == []  # every task read back

@@ -48,7 +48,6 @@ from __future__ import annotations
 import bisect
 import itertools
 import json
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -56,6 +55,7 @@ import numpy as np
 import pandas as pd
 
 from sloweave.core.atomic import atomic_path, write_text_atomic
+from sloweave.core.cells import numbers, show
 from sloweave.core.csv_shape import check_csv_shape, located
 from sloweave.core.step_log import StepLogError, profile_rows, read_step_log
 from sloweave.core.cost import CostModelError, check_monotone_in_chunk
@@ -170,16 +170,16 @@ def validate_profile(frame: pd.DataFrame, where: str = "profile", lines: list[in
     for column in INT_COLUMNS:
         if column not in frame.columns:
             continue
-        values = _numbers(frame[column])
+        values = numbers(frame[column])
         # past MAX_TOKENS a count is no step a machine ran (1e13 tokens), and past 2**63 it would wrap
         bad = np.flatnonzero(~np.isfinite(values) | (values < 0) | (values != np.round(values)) | (values > MAX_TOKENS))
         if bad.size:
-            raise ProfileError(f"{at(bad[0])}{column}={_show(frame[column].iloc[bad[0]])}; expected {TOKEN_COUNT.describe()}")
+            raise ProfileError(f"{at(bad[0])}{column}={show(frame[column].iloc[bad[0]])}; expected {TOKEN_COUNT.describe()}")
         frame[column] = values.astype(np.int64)
-    step = _numbers(frame["step_ms"])
+    step = numbers(frame["step_ms"])
     bad = np.flatnonzero(~np.isfinite(step) | (step <= 0) | (step > MAX_MS))
     if bad.size:
-        raise ProfileError(f"{at(bad[0])}step_ms={_show(frame['step_ms'].iloc[bad[0]])}; expected {DURATION_MS.describe()}")
+        raise ProfileError(f"{at(bad[0])}step_ms={show(frame['step_ms'].iloc[bad[0]])}; expected {DURATION_MS.describe()}")
     frame["step_ms"] = step
     empty = np.flatnonzero((frame["n_decodes"].to_numpy() == 0) & (frame["chunk_tokens"].to_numpy() == 0))
     if empty.size:
@@ -194,19 +194,6 @@ def validate_profile(frame: pd.DataFrame, where: str = "profile", lines: list[in
     else:
         frame["split"] = "fit"
     return frame
-
-
-def _numbers(column: pd.Series) -> np.ndarray:
-    """A column as floats, NaN where a cell is no number. A boolean is none: pandas reads a
-    column of True/False (or JSON true/false) as booleans, which would count as 1 and 0. Nor
-    is an integer past the largest float (10**400 in JSON), on which pandas raises OverflowError."""
-    cells = column.map(lambda v: np.nan if isinstance(v, (bool, np.bool_)) or (isinstance(v, int) and abs(v) > sys.float_info.max) else v)
-    return pd.to_numeric(cells, errors="coerce").to_numpy(dtype=float, copy=True)
-
-
-def _show(value) -> str:
-    """A cell as the user wrote it (numpy scalars print as plain numbers)."""
-    return repr(value.item() if isinstance(value, np.generic) else value)
 
 
 # ----------------------------------------------------------------------------- cost models

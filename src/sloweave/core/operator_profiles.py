@@ -28,7 +28,8 @@ import numpy as np
 import pandas as pd
 
 from sloweave.core.csv_shape import check_csv_shape, located
-from sloweave.core.fit import ProfileError, _numbers, _show
+from sloweave.core.cells import numbers, show
+from sloweave.core.fit import ProfileError
 from sloweave.core.validate import MARGIN_MS, MAX_TOKENS, REPEATS, Range, RepeatedKeyError, one_value_per_key
 
 # Per-layer token-parallel operators that make up a decoder layer besides attention (Vidur's set:
@@ -196,7 +197,7 @@ BYTE_COLUMNS = ("size",)
 def _check_numbers(frame: pd.DataFrame, column: str, path: Path, kind: str, rows=None) -> None:
     """Every value in ``CELL_RANGES[kind]``; names the first bad line."""
     limits = CELL_RANGES[kind]
-    values = _numbers(frame[column])
+    values = numbers(frame[column])
     index = np.arange(len(frame)) if rows is None else np.flatnonzero(rows)
     with np.errstate(invalid="ignore"):
         bad = ~np.isfinite(values[index]) | (values[index] < limits.low) | (values[index] > limits.high)
@@ -204,7 +205,7 @@ def _check_numbers(frame: pd.DataFrame, column: str, path: Path, kind: str, rows
             bad |= values[index] != np.round(values[index])
     if bad.any():
         row = int(index[np.flatnonzero(bad)[0]])
-        raise ProfileError(f"{path}, line {_line(frame, row)}: {column}={_show(frame[column].iloc[row])}; expected {limits.describe()}")
+        raise ProfileError(f"{path}, line {_line(frame, row)}: {column}={show(frame[column].iloc[row])}; expected {limits.describe()}")
     frame[column] = values
 
 

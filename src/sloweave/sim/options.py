@@ -13,7 +13,7 @@ A comparison is like for like when every policy runs with one ``EngineOptions``.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, fields, replace
 
 import numpy as np
 
@@ -107,35 +107,38 @@ DEFAULT_OPTIONS = EngineOptions()
 
 def engine_options(dest: str = "engine"):
     """The engine options every study command takes, turned into one ``EngineOptions``
-    passed to the command as ``dest``."""
+    passed to the command as ``dest``.
+
+    Each option is named once: its ``EngineOptions`` field, beside its flag; the flag's
+    parameter is the field's name and its default the field's default."""
     import functools
 
     import click
 
-    flags = [
-        click.option("--max-batch", "max_batch_size", type=BATCH_SIZE.option(), default=None, help="cap on started requests, every policy (vLLM's max_num_seqs)"),
-        click.option("--admission", type=click.Choice(ADMISSION_ACTIONS), default=None, help="admission control for every policy: reject or defer (a best-effort lane)"),
-        click.option("--aging-ms", type=DURATION_MS.option(), default=None, help="starvation control for every policy: after this wait the oldest prompt gets a chunk"),
-        click.option("--kv-capacity-tokens", type=TOKENS.option(), default=None, help="KV cache capacity in tokens (admission by memory, preemption with recompute)"),
-        click.option("--deadline-form", type=click.Choice(DEADLINE_FORMS), default="per-token", show_default=True),
-        click.option("--noise-sigma", type=NOISE_SIGMA.option(), default=0.0, show_default=True, help="prediction error: actual step = model x lognormal(0, sigma) x bias (seeded)"),
-        click.option("--bias", type=SCALE.option(), default=1.0, show_default=True, help="systematic prediction error: the machine is this many times slower than the model"),
-        click.option("--correction/--no-correction", default=False, show_default=True, help="deadline-aware policies correct the model online and keep an adaptive P99.7 margin (no hand-set margin)"),
-    ]
-    names = ("max_batch_size", "admission", "aging_ms", "kv_capacity_tokens", "deadline_form", "noise_sigma", "bias", "correction")
+    defaults = {f.name: f.default for f in fields(EngineOptions)}
+    flags = {  # EngineOptions field: (the flag, or None for --<field>, its click settings); aging_chunk_tokens has no flag
+        "max_batch_size": ("--max-batch", {"type": BATCH_SIZE.option(), "help": "cap on started requests, every policy (vLLM's max_num_seqs)"}),
+        "admission": (None, {"type": click.Choice(ADMISSION_ACTIONS), "help": "admission control for every policy: reject or defer (a best-effort lane)"}),
+        "aging_ms": (None, {"type": DURATION_MS.option(), "help": "starvation control for every policy: after this wait the oldest prompt gets a chunk"}),
+        "kv_capacity_tokens": (None, {"type": TOKENS.option(), "help": "KV cache capacity in tokens (admission by memory, preemption with recompute)"}),
+        "deadline_form": (None, {"type": click.Choice(DEADLINE_FORMS), "show_default": True}),
+        "noise_sigma": (None, {"type": NOISE_SIGMA.option(), "show_default": True, "help": "prediction error: actual step = model x lognormal(0, sigma) x bias (seeded)"}),
+        "bias": (None, {"type": SCALE.option(), "show_default": True, "help": "systematic prediction error: the machine is this many times slower than the model"}),
+        "correction": ("--correction/--no-correction", {"show_default": True, "help": "deadline-aware policies correct the model online and keep an adaptive P99.7 margin (no hand-set margin)"}),
+    }
 
     def decorate(command):
         @functools.wraps(command)
         def wrapper(*args, **kwargs):
-            given = {name: kwargs.pop(name) for name in names if name in kwargs}
+            given = {name: kwargs.pop(name) for name in flags if name in kwargs}
             try:
                 kwargs[dest] = EngineOptions(**given)
             except ValueError as err:
                 raise click.UsageError(str(err)) from None
             return command(*args, **kwargs)
 
-        for flag in reversed(flags):
-            wrapper = flag(wrapper)
+        for name, (flag, settings) in reversed(flags.items()):
+            wrapper = click.option(flag or "--" + name.replace("_", "-"), name, default=defaults[name], **settings)(wrapper)
         return wrapper
 
     return decorate

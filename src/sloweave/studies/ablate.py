@@ -29,7 +29,8 @@ from sloweave.core.context_cost import ContextAnalyticCost
 from sloweave.core.costs import ResolvedCost, analytic_description, context_models, cost_option
 from sloweave.sim.metrics import evaluate_run
 from sloweave.sim.tiers import assign_tiers, default_tiers, tier_report
-from sloweave.studies.reproduce import _markdown
+from sloweave.studies.markdown import markdown_table
+from sloweave.studies.pictures import pyplot
 from sloweave.core.policy import Aging, SLOWeave
 from sloweave.sim.engine import simulate
 from sloweave.sim.traces import ReplayOptions, load_trace, replay_workload, split_windows
@@ -246,10 +247,7 @@ def goal_check(table: pd.DataFrame) -> list[dict]:
 
 
 def plot_ablation(table: pd.DataFrame, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     tpots = sorted(table["tpot_ms"].unique())
     sources = list(dict.fromkeys(table["source"]))
@@ -298,27 +296,27 @@ def write_ablation(runs: pd.DataFrame, tiers: pd.DataFrame, configs: tuple[Confi
         *cost_lines,
         "## Goodput, req/s (x relative to the `vs` configuration), mean over seeds",
         "",
-        _markdown(wide),
+        markdown_table(wide),
         "",
         "## The same runs judged by QoServe's cumulative SLO (every token k by t_first + k D), goodput req/s",
         "",
-        _markdown(wide_goodput(table, "goodput_cumulative_rps", ratios=False)),
+        markdown_table(wide_goodput(table, "goodput_cumulative_rps", ratios=False)),
         "",
         "## What each configuration changes",
         "",
-        _markdown(pd.DataFrame([{"config": c.name, "vs": c.reference, "what": c.what} for c in configs])),
+        markdown_table(pd.DataFrame([{"config": c.name, "vs": c.reference, "what": c.what} for c in configs])),
         "",
         "## Goal: best >= 1.10x greedy at 10 ms on mixed and long, no loss at 25 and 50 ms",
         "",
-        _markdown(pd.DataFrame(goal)) if goal else "(mixed and long were not both run)",
+        markdown_table(pd.DataFrame(goal)) if goal else "(mixed and long were not both run)",
         "",
         "## SLO tiers (10 ms interactive / 50 ms batch, half each), attainment per tier",
         "",
-        _markdown(tier_means),
+        markdown_table(tier_means),
         "",
         "## All metrics",
         "",
-        _markdown(table.drop(columns=["what"])),
+        markdown_table(table.drop(columns=["what"])),
         "",
     ]
     (out_dir / "ablation.md").write_text("\n".join(lines))
@@ -379,7 +377,7 @@ def ablate(out_dir, seeds, num_requests, quick, workloads, config_names, trace_p
     if not cost.is_analytic:
         for line in cost.summary_lines():
             click.echo(line)
-    click.echo(_markdown(out["wide"]))
+    click.echo(markdown_table(out["wide"]))
     for row in out["goal"]:
         click.echo(f"goal {row['source']} {row['tpot_ms']:g} ms: best/greedy = {row['ratio']:.2f}x (need >= {row['needed']:.2f}x): {'met' if row['met'] else 'NOT met'}")
     click.echo(f"wrote {out_dir}/ablation.csv, ablation.md, ablation.json, ablation.png ({meta['elapsed_s']:.0f} s)")

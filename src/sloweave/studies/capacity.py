@@ -12,8 +12,6 @@ Its earlier names stay importable from here.
 from __future__ import annotations
 
 import math
-import sys
-import types
 from dataclasses import asdict
 from pathlib import Path
 
@@ -28,11 +26,11 @@ from sloweave.core.validate import ATTAINMENT, DURATION_MS, DURATION_S, RATE_RPS
 from sloweave.sim.options import EngineOptions, engine_options
 from sloweave.sim.traces import FORMATS, TraceError, load_trace
 from sloweave.sim.workloads import ALL_WORKLOADS, WorkloadError
-from sloweave.studies import search as _search_module
 from sloweave.studies.inputs import REQUESTS, max_model_len_option, model_len_or_default, once_each, parallel_options
 from sloweave.studies.outputs import check_writable, command_settings, write_result_json
-from sloweave.studies.parallel import local_cores, run_tasks
-from sloweave.studies.replay import DEFAULT_TRACE_TTFT_MS, _pyplot, plot_cdfs, policy_style
+from sloweave.studies.parallel import Runner, local_cores, run_tasks
+from sloweave.studies.pictures import pyplot
+from sloweave.studies.replay import DEFAULT_TRACE_TTFT_MS, plot_cdfs, policy_style
 from sloweave.studies.result_folders import result_folder, result_folder_options
 from sloweave.studies.search import (  # noqa: F401  (re-exported: the names' earlier home)
     ATTAINMENT_TOLERANCE,
@@ -42,6 +40,7 @@ from sloweave.studies.search import (  # noqa: F401  (re-exported: the names' ea
     TUNING_GRID_TOKENS,
     Capacity,
     CapacityStudy,
+    SearchLattice,
     SeedCapacity,
     _study_task,
     best_of_rule,
@@ -136,7 +135,7 @@ def _pair_row(ours: Capacity, best: Capacity, rule: str, swept: int) -> dict:
 def plot_curves(
     curves: pd.DataFrame, column: str, ylabel: str, path: Path, target: float | None = None, upper_bound: float | None = None
 ) -> None:
-    plt = _pyplot()
+    plt = pyplot()
     targets = sorted(curves["tpot_ms"].unique())
     fig, axes = plt.subplots(1, len(targets), figsize=(4.6 * len(targets), 3.8), squeeze=False)
     for ax, tpot in zip(axes[0], targets):
@@ -187,7 +186,7 @@ def run_capacity(study: CapacityStudy, out_dir: Path, meta: dict, cost: Resolved
         "ttft_ms": study.ttft_ms,
         "tpot_targets_ms": list(study.tpot_targets_ms),
         "attainment_target": study.attainment_target,
-        "lattice": {"steps_per_doubling": study.steps, "min_scale": study.scale(study.min_k), "max_scale": study.scale(study.max_k)},
+        "lattice": study.lattice.describe(),
         "simulations": study.simulations,
         "parallel": study.runner.describe(),
         "cost": cost.description if cost is not None else _describe(study.cost),
@@ -282,12 +281,11 @@ def capacity(trace_paths, workload, fmt, policies, tpot_targets, tpot_change_ms,
     seeds = seeds or (3 if quick else 5)
     try:
         source, ttft_ms = _cli_source(trace_paths, workload, fmt, seeds, window_s, whole_trace, num_requests, max_prompt_tokens, arrivals, rate_rps, quick, ttft_ms, max_model_len_tokens)
+        lattice = SearchLattice(attainment, steps_per_doubling or (8 if quick else 16), min_scale, max_scale, 2 if quick else 4)
         study = CapacityStudy(
-            source, policies, list(tpot_targets) or list(DEFAULT_TPOT_TARGETS_MS), ttft_ms,
-            attainment_target=attainment, steps_per_doubling=steps_per_doubling or (8 if quick else 16),
-            min_scale=min_scale, max_scale=max_scale, cost=cost.model, max_chunk_tokens=max_chunk,
-            curve_points_per_doubling=2 if quick else 4, progress=True, options=engine,
-            jobs=jobs or default_jobs(), ray=ray_address, tpot_change_ms=tpot_change_ms,
+            source, policies, list(tpot_targets) or list(DEFAULT_TPOT_TARGETS_MS), ttft_ms, lattice,
+            cost=cost.model, max_chunk_tokens=max_chunk, options=engine, tpot_change_ms=tpot_change_ms,
+            runner=Runner(jobs or default_jobs(), ray_address), progress=True,
         )
     except (TraceError, WorkloadError, ValueError) as err:
         raise click.UsageError(str(err)) from None
@@ -357,15 +355,3 @@ def _print_results(payload: dict, cost: ResolvedCost, out_dir: Path, study: Capa
     curves = "curves.csv, cdf_requests.csv, PNG plots, " if payload["cdf_rate_scale"] else ""
     click.echo(f"wrote {out_dir}/capacity.csv (+ capacity_detail.csv, capacity_seeds.csv, relative.csv, {curves}capacity.json) from {study.simulations} simulations")
 
-
-class _Module(types.ModuleType):
-    """This module, where setting ``_study_task`` or ``run_tasks`` (a test or a benchmark
-    patching their earlier home) sets them where the search looks them up."""
-
-    def __setattr__(self, name: str, value) -> None:
-        if name in ("_study_task", "run_tasks"):
-            setattr(_search_module, name, value)
-        super().__setattr__(name, value)
-
-
-sys.modules[__name__].__class__ = _Module

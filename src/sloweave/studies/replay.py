@@ -22,6 +22,7 @@ from sloweave.studies.inputs import max_model_len_option, model_len_or_default, 
 from sloweave.studies.outputs import check_writable, command_settings, write_result_json
 from sloweave.studies.result_folders import result_folder, result_folder_options
 from sloweave.studies.parallel import SERIAL, Runner, run_tasks
+from sloweave.studies.pictures import pyplot
 from sloweave.sim.traces import FORMATS, ReplayOptions, ReplayReport, TraceError, load_trace, replay_workload
 from sloweave.sim.workloads import Workload
 
@@ -50,15 +51,6 @@ def run_policy(
 # --------------------------------------------------------------------------- plots
 
 
-def _pyplot():
-    import matplotlib
-
-    matplotlib.use("Agg")  # files only, no display
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
 def policy_style(policy: str, index: int) -> dict:
     """SLOWeave thick, black and on top; the other policies in the default colour cycle, by list order."""
     if policy == "sloweave":
@@ -71,7 +63,7 @@ def plot_cdfs(
 ) -> None:
     """Empirical CDFs, one line per label. Unfinished requests (nan) are left out of the
     curve but counted in the denominator, so a curve that stops below 1 shows them."""
-    plt = _pyplot()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
     for index, (label, values) in enumerate(series.items()):
         values = np.asarray(values, dtype=float)

@@ -27,7 +27,8 @@ from sloweave.studies.inputs import REQUESTS, once_each, parallel_options, runne
 from sloweave.studies.outputs import check_writable, write_result_json
 from sloweave.studies.result_folders import result_folder, result_folder_options
 from sloweave.studies.parallel import SERIAL, Runner, run_tasks
-from sloweave.studies.pictures import plot_step_timeline
+from sloweave.studies.markdown import markdown_table
+from sloweave.studies.pictures import plot_step_timeline, pyplot
 
 # Table 3 and Table 4 use the paper's static set, so they are a reproduction.
 PAPER_STATIC_POLICIES = ("full", "fixed-64", "fixed-256", "fixed-1024")
@@ -187,27 +188,8 @@ def _with_paper_table4(t4: pd.DataFrame) -> pd.DataFrame:
     return out
 
 
-def _markdown(frame: pd.DataFrame) -> str:
-    """A GitHub table without the optional `tabulate` dependency."""
-
-    def fmt(value) -> str:
-        if isinstance(value, (float, np.floating)):
-            if np.isnan(value):
-                return "-"
-            return f"{value:.3f}" if abs(value) < 10 else f"{value:.1f}"
-        return str(value)
-
-    header = "| " + " | ".join(frame.columns) + " |"
-    rule = "|" + "|".join("---" for _ in frame.columns) + "|"
-    body = ["| " + " | ".join(fmt(v) for v in row) + " |" for row in frame.itertuples(index=False)]
-    return "\n".join([header, rule, *body])
-
-
 def plot_goodput_vs_tpot(means: pd.DataFrame, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     workloads = list(dict.fromkeys(means["workload"]))
     fig, axes = plt.subplots(1, len(workloads), figsize=(4.2 * len(workloads), 3.6), squeeze=False)
@@ -270,18 +252,18 @@ def write_study(
         *cost_lines,
         f"## Table 3: TPOT {TABLE3_TPOT_MS:g} ms (paper's values beside ours where SPEC.md has them)",
         "",
-        _markdown(t3_paper),
+        markdown_table(t3_paper),
         "",
         "## Table 4: SLOWeave goodput over the strongest static policy per cell (paper's static set)",
         "",
-        _markdown(t4_paper),
+        markdown_table(t4_paper),
         "",
         "## Table 4 (extended): against every static policy we have",
         "",
-        _markdown(t4x_paper),
+        markdown_table(t4x_paper),
         "",
     ]
-    for name, text in (("table3.md", _markdown(t3_paper)), ("table4.md", _markdown(t4_paper)), ("table4_extended.md", _markdown(t4x_paper))):
+    for name, text in (("table3.md", markdown_table(t3_paper)), ("table4.md", markdown_table(t4_paper)), ("table4_extended.md", markdown_table(t4x_paper))):
         (out_dir / name).write_text(text + "\n")
     (out_dir / "report.md").write_text("\n".join(report))
     write_result_json(

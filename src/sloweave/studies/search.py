@@ -18,7 +18,7 @@ uncertainty (SPEC.md: aggregate per request first, then average over seeds).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 
 import numpy as np
 import pandas as pd
@@ -27,7 +27,7 @@ from sloweave.core.cost import AnalyticCost, CostModel
 from sloweave.core.policy import DEFAULT_MAX_CHUNK_TOKENS
 from sloweave.sim.metrics import RunMetrics, summarize
 from sloweave.sim.options import DEFAULT_OPTIONS, EngineOptions
-from sloweave.studies.parallel import Runner, run_tasks
+from sloweave.studies.parallel import SERIAL, Runner, run_tasks
 from sloweave.studies.replay import build_policy, run_policy
 from sloweave.studies.sources import LoadSource, check_scalable
 
@@ -40,6 +40,60 @@ ATTAINMENT_TOLERANCE = 1e-12
 # grid (steps of about 1.4x), then one round of geometric midpoints around the best.
 TUNED_RULES = ("fixed", "budget", "sarathi")
 TUNING_GRID_TOKENS = (64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096, 6144, 8192)
+
+
+@dataclass(frozen=True)
+class SearchLattice:
+    """Where a capacity search looks and what it asks: the attainment to keep, and the load
+    lattice s_k = 2 ** (k / steps_per_doubling) from ``min_scale`` to ``max_scale`` (rounded
+    outwards to whole steps), with ``curve_points_per_doubling`` points per doubling on the
+    load curves. One value travels through ``CapacityStudy``, ``tune`` and the commands."""
+
+    attainment_target: float = DEFAULT_ATTAINMENT
+    steps_per_doubling: int = 16
+    min_scale: float = 1.0 / 16.0
+    max_scale: float = 256.0
+    curve_points_per_doubling: int = 4
+
+    def __post_init__(self) -> None:
+        if not 0.0 < self.attainment_target <= 1.0:
+            raise ValueError(f"attainment target must be in (0, 1], got {self.attainment_target!r}")
+        if self.steps_per_doubling < 1:
+            raise ValueError(f"steps_per_doubling must be >= 1, got {self.steps_per_doubling!r}")
+        if not (0 < self.min_scale <= 1.0 <= self.max_scale and math.isfinite(self.max_scale)):
+            raise ValueError(f"need 0 < min_scale <= 1 <= max_scale (got {self.min_scale!r}, {self.max_scale!r})")
+        object.__setattr__(self, "attainment_target", float(self.attainment_target))
+        object.__setattr__(self, "steps_per_doubling", int(self.steps_per_doubling))
+
+    @property
+    def min_k(self) -> int:
+        return math.floor(math.log2(self.min_scale) * self.steps_per_doubling + 1e-9)
+
+    @property
+    def max_k(self) -> int:
+        return math.ceil(math.log2(self.max_scale) * self.steps_per_doubling - 1e-9)
+
+    def scale(self, k: int) -> float:
+        return 2.0 ** (k / self.steps_per_doubling)
+
+    def describe(self) -> dict:
+        return {"steps_per_doubling": self.steps_per_doubling, "min_scale": self.scale(self.min_k), "max_scale": self.scale(self.max_k)}
+
+
+DEFAULT_LATTICE = SearchLattice()
+_RUNNER_FIELDS = ("jobs", "ray")
+
+
+def with_changes(lattice: SearchLattice, runner: Runner, changes: dict, caller: str) -> tuple[SearchLattice, Runner]:
+    """``lattice`` and ``runner`` with the fields given one by one (``steps_per_doubling=8``,
+    ``jobs=2``: the keywords ``CapacityStudy`` and ``tune`` took before the objects)."""
+    lattice_fields = {f.name for f in fields(SearchLattice)}
+    unknown = sorted(set(changes) - lattice_fields - set(_RUNNER_FIELDS))
+    if unknown:
+        raise TypeError(f"{caller}() got an unexpected keyword argument {unknown[0]!r}")
+    lattice_changes = {k: v for k, v in changes.items() if k in lattice_fields}
+    runner_changes = {k: v for k, v in changes.items() if k in _RUNNER_FIELDS}
+    return (replace(lattice, **lattice_changes) if lattice_changes else lattice), (replace(runner, **runner_changes) if runner_changes else runner)
 
 
 @dataclass(frozen=True)
@@ -167,26 +221,18 @@ class CapacityStudy:
         policies: list[str] | tuple[str, ...],
         tpot_targets_ms: list[float] | tuple[float, ...],
         ttft_ms: float,
-        attainment_target: float = DEFAULT_ATTAINMENT,
-        steps_per_doubling: int = 16,
-        min_scale: float = 1.0 / 16.0,
-        max_scale: float = 256.0,
+        lattice: SearchLattice = DEFAULT_LATTICE,
         cost: CostModel | None = None,
         max_chunk_tokens: int = DEFAULT_MAX_CHUNK_TOKENS,
-        curve_points_per_doubling: int = 4,
-        progress: bool = False,
         options: EngineOptions = DEFAULT_OPTIONS,
-        jobs: int = 1,
         tpot_change_ms: float | None = None,
-        ray: str | None = None,
+        runner: Runner = SERIAL,
+        progress: bool = False,
         store=None,
+        **changes,
     ) -> None:
-        if not 0.0 < attainment_target <= 1.0:
-            raise ValueError(f"attainment target must be in (0, 1], got {attainment_target!r}")
-        if steps_per_doubling < 1:
-            raise ValueError(f"steps_per_doubling must be >= 1, got {steps_per_doubling!r}")
-        if not (0 < min_scale <= 1.0 <= max_scale and math.isfinite(max_scale)):
-            raise ValueError(f"need 0 < min_scale <= 1 <= max_scale (got {min_scale!r}, {max_scale!r})")
+        # ``changes``: a field of the lattice or the runner given on its own (``steps_per_doubling=8``, ``jobs=2``)
+        lattice, runner = with_changes(lattice, runner, changes, "CapacityStudy")
         if not (math.isfinite(ttft_ms) and ttft_ms > 0) or not all(math.isfinite(t) and t > 0 for t in tpot_targets_ms):
             raise ValueError("SLO targets must be finite numbers of milliseconds > 0")
         if not policies or not tpot_targets_ms:
@@ -198,19 +244,20 @@ class CapacityStudy:
         self.tpot_change_ms = tpot_change_ms
         self.source = source
         self.options = options
-        self.runner = Runner(jobs, ray)
+        self.runner = runner
         self.cost = cost or AnalyticCost()
         self.max_chunk_tokens = max_chunk_tokens
         self.tuned_rules, names = _expand_tuned(policies)
         self.policies = {p.name: p for p in (build_policy(name, self.cost, max_chunk_tokens) for name in names)}
         self.tpot_targets_ms = tuple(float(t) for t in tpot_targets_ms)
         self.ttft_ms = float(ttft_ms)
-        self.attainment_target = float(attainment_target)
-        self.steps = int(steps_per_doubling)
+        self.lattice = lattice
+        self.attainment_target = lattice.attainment_target
+        self.steps = lattice.steps_per_doubling
         # Lattice bounds, rounded outwards to whole lattice steps.
-        self.min_k = math.floor(math.log2(min_scale) * self.steps + 1e-9)
-        self.max_k = math.ceil(math.log2(max_scale) * self.steps - 1e-9)
-        self.curve_points_per_doubling = curve_points_per_doubling
+        self.min_k = lattice.min_k
+        self.max_k = lattice.max_k
+        self.curve_points_per_doubling = lattice.curve_points_per_doubling
         self.progress = progress
         # where finished tasks are kept for --resume (``sloweave.studies.parallel.TaskStore``); None: nowhere
         self.store = store
@@ -226,7 +273,7 @@ class CapacityStudy:
     # ---- lattice and cached simulations
 
     def scale(self, k: int) -> float:
-        return 2.0 ** (k / self.steps)
+        return self.lattice.scale(k)
 
     def _key(self, policy: str, seed: int, k: int, tpot_ms: float) -> tuple:
         # A static policy's schedule does not depend on the TPOT target (unless admission

@@ -37,17 +37,18 @@ import numpy as np
 import pandas as pd
 
 from sloweave.sim.options import DEFAULT_OPTIONS, EngineOptions, engine_options
-from sloweave.studies.search import DEFAULT_ATTAINMENT, CapacityStudy, best_of_rule, budget_of, refined_budgets
+from sloweave.studies.search import DEFAULT_ATTAINMENT, DEFAULT_LATTICE, CapacityStudy, SearchLattice, best_of_rule, budget_of, refined_budgets, with_changes
 from sloweave.core.validate import ATTAINMENT, DURATION_MS, DURATION_S, MAX_TOKENS, REPEATS, SCALE, TOKENS, Range
 from sloweave.studies.inputs import REQUESTS, max_model_len_option, model_len_or_default, once_each, parallel_options
 from sloweave.studies.outputs import check_writable, command_settings, write_result_json
-from sloweave.studies.parallel import local_cores
+from sloweave.studies.parallel import SERIAL, Runner, local_cores
 from sloweave.studies.result_folders import result_folder, result_folder_options
 from sloweave.studies.sources import DEFAULT_WINDOW_S, LoadSource, SpecSource, trace_source
 from sloweave.core.cost import AnalyticCost, CostModel
 from sloweave.core.costs import KIND_STEP_PROFILE, ResolvedCost, cost_option
 from sloweave.core.policy import DEFAULT_MAX_CHUNK_TOKENS
-from sloweave.studies.replay import DEFAULT_TRACE_TTFT_MS, _pyplot
+from sloweave.studies.pictures import pyplot
+from sloweave.studies.replay import DEFAULT_TRACE_TTFT_MS
 from sloweave.sim.traces import FORMATS, TraceError, load_trace
 from sloweave.sim.workloads import ALL_WORKLOADS, WorkloadError
 
@@ -179,27 +180,28 @@ def tune(
     tpot_ms: float = 25.0,
     ttft_ms: float = 2000.0,
     cost: CostModel | None = None,
-    attainment_target: float = DEFAULT_ATTAINMENT,
     load_scale: float | None = None,
-    steps_per_doubling: int = 16,
-    min_scale: float = 1.0 / 16.0,
-    max_scale: float = 256.0,
-    max_chunk_tokens: int = DEFAULT_MAX_CHUNK_TOKENS,
     refine: bool = True,
-    progress: bool = False,
+    lattice: SearchLattice = DEFAULT_LATTICE,
+    max_chunk_tokens: int = DEFAULT_MAX_CHUNK_TOKENS,
     options: EngineOptions = DEFAULT_OPTIONS,
-    jobs: int = 1,
-    ray: str | None = None,
+    runner: Runner = SERIAL,
+    progress: bool = False,
     store=None,
+    **changes,
 ) -> TuneResult:
     """Sweep the engine's fixed budget on ``source``; see the module docstring.
 
     ``load_scale`` is the load (arrival-rate scale, rounded to the capacity lattice) at
     which goodput and latencies are compared; None picks the best budget's capacity (the
     median over seeds), the highest load that budget sustains. ``refine`` adds one round
-    of budgets between the best one and its neighbours. ``store`` keeps the finished tasks
-    (``sloweave.studies.parallel.TaskStore``: --resume).
+    of budgets between the best one and its neighbours. ``lattice`` (the attainment target
+    and load lattice), ``max_chunk_tokens``, ``options``, ``runner``, ``progress`` and
+    ``store`` (``sloweave.studies.parallel.TaskStore``: --resume) go to every
+    ``CapacityStudy``; ``changes``: a field of the lattice or the runner given on its own
+    (``steps_per_doubling=8``, ``jobs=2``).
     """
+    lattice, runner = with_changes(lattice, runner, changes, "tune")
     if not budgets_tokens or any(int(b) != b or b < 1 for b in budgets_tokens):
         raise ValueError(f"budgets must be whole numbers of tokens >= 1, got {budgets_tokens!r}")
     thumb = RuleOfThumb.of(mean_prompt_tokens(source))
@@ -213,16 +215,12 @@ def tune(
             names,
             [tpot_ms],
             ttft_ms,
-            attainment_target=attainment_target,
-            steps_per_doubling=steps_per_doubling,
-            min_scale=min_scale,
-            max_scale=max_scale,
+            lattice,
             cost=cost or AnalyticCost(),
             max_chunk_tokens=max_chunk_tokens,
-            progress=progress,
             options=options,
-            jobs=jobs,
-            ray=ray,
+            runner=runner,
+            progress=progress,
             store=store,
         )
 
@@ -278,7 +276,7 @@ def tune(
         rule=rule,
         tpot_ms=float(tpot_ms),
         ttft_ms=float(ttft_ms),
-        attainment_target=float(attainment_target),
+        attainment_target=lattice.attainment_target,
         load_scale=study.scale(k),
         load_source=how,
         table=table,
@@ -384,7 +382,7 @@ def _ratio(value: float | None) -> str:
 
 def plot(result: TuneResult, path: Path) -> None:
     """P99 TTFT, P99 TPOT (at the load) and capacity against the budget, SLOWeave as a line."""
-    plt = _pyplot()
+    plt = pyplot()
     t = result.table
     fig, axes = plt.subplots(1, 3, figsize=(14, 3.9))
     panels = [
@@ -537,16 +535,13 @@ def tune_command(workload, trace_path, fmt, engine, rule, tpot_ms, ttft_ms, atta
                 tpot_ms,
                 ttft_ms,
                 cost.model,
-                attainment,
                 load_scale,
-                steps_per_doubling=8 if quick else 16,
-                min_scale=min_scale,
+                refine,
+                SearchLattice(attainment, 8 if quick else 16, min_scale),
                 max_chunk_tokens=max_chunk,
-                refine=refine,
-                progress=True,
                 options=engine_opts,
-                jobs=jobs or local_cores(),
-                ray=ray_address,
+                runner=Runner(jobs or local_cores(), ray_address),
+                progress=True,
                 store=folder.store,
             )
         except (TraceError, WorkloadError, ValueError) as err:
