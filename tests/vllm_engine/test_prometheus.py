@@ -30,7 +30,7 @@ WRONG_MODEL = {name: value / 100 for name, value in CPU_ANALYTIC.items()}
 SCRAPE_S = 1
 SCRAPE_TIMEOUT_S = 60
 ALERT_TIMEOUT_S = 90
-# Set to a folder to keep the pictures of this run (the README's were made so).
+# Set to a folder to keep the pictures of this run (docs/operator-tools.md's were made so).
 KEEP = os.environ.get("KEEP_SERVED_PICTURES")
 
 

@@ -3,7 +3,7 @@
 Tensor parallelism is one scheduler for the engine and one worker process per rank; the CPU
 build binds each rank's threads to its own cores, which on a one-NUMA-node machine must be
 given by hand (VLLM_CPU_OMP_THREADS_BIND, one core per rank here). Pipeline and data
-parallelism do not run on this build (see the README); their scheduler-side behaviour is
+parallelism do not run on this build (see docs/scale-out.md); their scheduler-side behaviour is
 tested offline in tests/vllm_plugin/test_parallel_vllm.py.
 """
 
