@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from sloweave.core.fit import fit_profile_file
+from sloweave.core.costs.fitted import fit_profile_file
 from sloweave.studies.outputs import write_result_json
 from sloweave.runtime.engine import Engine, blocks_needed
 from sloweave.runtime.experiment import add_ratios, run_policy, scaled_workload

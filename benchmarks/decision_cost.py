@@ -2,9 +2,9 @@
 
 For 16, 64 and 256 active requests: one request emits a token (heap update), then the
 policy reads the budget and searches the chunk, with each cost model kind: the analytic
-model, and the lookup table and regression fitted (``sloweave.core.fit``) from a profile of
+model, and the lookup table and regression fitted (``sloweave.core.costs.fitted``) from a profile of
 that analytic model with KV-context terms, and the operator-profile models of the two A100
-presets (``sloweave.core.profile_cost``; each decodes at a budget 50 ms above its
+presets (``sloweave.core.costs.profile``; each decodes at a budget 50 ms above its
 decode-only step, so the search runs). Baselines measured in the same run: the same
 step with a linear scan over every chunk size (what the binary search replaces) and a
 fixed-chunk decision (what engines do today). Prints medians and P99 over several
@@ -21,11 +21,11 @@ import time
 import numpy as np
 import pandas as pd
 
-from sloweave.core.cost import AnalyticCost
+from sloweave.core.costs.analytic import AnalyticCost
 from sloweave.core.deadlines import DeadlineTracker
-from sloweave.core.fit import fit_profile
+from sloweave.core.costs.fitted import fit_profile
 from sloweave.core.policy import FixedChunk, SLOWeave
-from sloweave.core.profile_cost import profile_cost
+from sloweave.core.costs.profile import profile_cost
 
 DECISIONS = 2000
 REPEATS = 5

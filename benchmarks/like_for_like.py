@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from sloweave.core.costs import resolve_cost
+from sloweave.core.costs.resolve import resolve_cost
 from sloweave.sim.options import EngineOptions
 from sloweave.sim.traces import load_trace
 from sloweave.sim.workloads import ALL_WORKLOADS

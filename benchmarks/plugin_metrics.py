@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 from prometheus_client import REGISTRY, CollectorRegistry, generate_latest
 
-from sloweave.core.cost import AnalyticCost
+from sloweave.core.costs.analytic import AnalyticCost
 from sloweave.core.budget import StepPlan
 from sloweave.core.decision_metrics import Recorders
 from sloweave.core.step_log import StepLogWriter

@@ -1,4 +1,4 @@
-"""Leave-out validation of the operator-profile cost model (``sloweave.core.profile_cost``).
+"""Leave-out validation of the operator-profile cost model (``sloweave.core.costs.profile``).
 
 For each operator table of each preset, a seeded 20 % of the profiled points is held out (the
 smallest and largest grid values always stay in the fit set, so this measures interpolation,
@@ -58,8 +58,8 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from sloweave.core.operator_profiles import PRESETS, OperatorProfiles, load_profiles
-from sloweave.core.profile_cost import NCCL_LAUNCH_MS, ProfileCost
+from sloweave.core.costs.operator_profiles import PRESETS, OperatorProfiles, load_profiles
+from sloweave.core.costs.profile import NCCL_LAUNCH_MS, ProfileCost
 
 REPO = Path(__file__).resolve().parent.parent
 OPERATORS = ("token_ops", "all_reduce", "decode", "prefill", "cpu")
@@ -452,7 +452,7 @@ def main() -> None:
     iterations.to_csv(out / "iterations.csv", index=False)
     pd.DataFrame(point_rows + it_points).to_csv(out / "points.csv", index=False)
     summary = {
-        "what": "leave-out validation of sloweave.core.profile_cost.ProfileCost",
+        "what": "leave-out validation of sloweave.core.costs.profile.ProfileCost",
         "sloweave_version": importlib.metadata.version("sloweave"),
         "sloweave_source": source_state(),
         "settings": {"presets": args.presets, "holdout_fraction": args.holdout, "seeds": args.seeds,

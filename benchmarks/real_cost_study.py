@@ -38,7 +38,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from sloweave.core.profile_cost import profile_cost
+from sloweave.core.costs.profile import profile_cost
 from sloweave.sim.traces import load_trace
 from sloweave.sim.workloads import WORKLOADS
 from sloweave.studies.capacity import CapacityStudy, SpecSource, capacity_frame, trace_source

@@ -65,9 +65,9 @@ from vidur_side_by_side import (  # noqa: E402
     write_vidur_trace,
 )
 
-from sloweave.core.operator_profiles import load_profiles  # noqa: E402
+from sloweave.core.costs.operator_profiles import load_profiles  # noqa: E402
 from sloweave.core.policy import make_policy  # noqa: E402
-from sloweave.core.profile_cost import ProfileCost  # noqa: E402
+from sloweave.core.costs.profile import ProfileCost  # noqa: E402
 from sloweave.sim.engine import SimResult, simulate  # noqa: E402
 from sloweave.sim.metrics import per_request_frame  # noqa: E402
 from sloweave.sim.workloads import Workload  # noqa: E402

@@ -50,7 +50,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from sloweave.core.cost import AnalyticCost
+from sloweave.core.costs.analytic import AnalyticCost
 from sloweave.sim.metrics import per_request_frame
 from sloweave.core.policy import make_policy
 from sloweave.sim.engine import SimResult, simulate

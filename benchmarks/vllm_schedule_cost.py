@@ -16,7 +16,7 @@ import time
 import numpy as np
 from vllm.v1.core.sched.scheduler import Scheduler
 
-from sloweave.core.cost import AnalyticCost
+from sloweave.core.costs.analytic import AnalyticCost
 from sloweave.vllm_plugin import SLOWeaveScheduler
 from sloweave.vllm_plugin.offline import OfflineEngine, build_scheduler, make_request
 

@@ -61,8 +61,8 @@ def analytic_step_profile(tmp_path):
     """A small step-time profile (the format `sloweave profile` writes) timed by the analytic model."""
     import pandas as pd
 
-    from sloweave.core.cost import AnalyticCost
-    from sloweave.core.fit import write_profile
+    from sloweave.core.costs.analytic import AnalyticCost
+    from sloweave.core.costs.fitted import write_profile
 
     analytic = AnalyticCost()
     rows = [

@@ -20,7 +20,8 @@ import pytest
 from click.testing import CliRunner
 
 from sloweave.cli import main
-from sloweave.core.cost import AnalyticCost, CostModelError
+from sloweave.core.costs.analytic import AnalyticCost
+from sloweave.core.costs.protocols import CostModelError
 from sloweave.core.deadlines import DeadlineTracker
 from sloweave.core.policy import SLOWeave
 from sloweave.core.validate import DEFAULT_MAX_MODEL_LEN_TOKENS
@@ -237,7 +238,7 @@ def test_repair_non_monotone_refuses_negative_and_nan_costs():
 
 
 def test_repair_refuses_a_negative_time_off_the_checked_grid():
-    from sloweave.core.cost import MonotoneRepair
+    from sloweave.core.costs.protocols import MonotoneRepair
 
     def cost(n, c):  # negative only at a decode count the construction check does not sample
         return -1.0 if n == 3 and c == 7 else 1.0 + c * 0.01
@@ -284,7 +285,7 @@ def test_simulate_result_files_carry_settings_and_version(tmp_path):
 def test_fit_output_is_strict_json_with_settings(tmp_path):
     from test_fit import synthetic_profile
 
-    from sloweave.core.fit import write_profile
+    from sloweave.core.costs.fitted import write_profile
 
     profile = write_profile(synthetic_profile(repeats=1), tmp_path / "good.csv")
     out = tmp_path / "fit.json"
@@ -360,7 +361,7 @@ def test_replay_of_several_traces_writes_a_folder_each_and_refuses_clashing_name
 
 
 def _repeated_key_and_negative_time_cases():
-    from sloweave.core.fit import ProfileError, read_profile
+    from sloweave.core.costs.fitted import ProfileError, read_profile
     from sloweave.core.step_log import StepLogError, read_step_log
     from sloweave.sim.traces import TraceError, load_trace
 
@@ -377,8 +378,8 @@ def test_one_rule_for_repeated_keys_and_negative_times_in_every_reader(tmp_path)
     reader, naming the file (they used to keep the last value, and to shift the times)."""
     import shutil
 
-    from sloweave.core.fit import ProfileError
-    from sloweave.core.operator_profiles import load_profiles
+    from sloweave.core.costs.fitted import ProfileError
+    from sloweave.core.costs.operator_profiles import load_profiles
 
     for name, text, reader, error, message in _repeated_key_and_negative_time_cases():
         (tmp_path / name).write_text(text)
@@ -428,7 +429,8 @@ def test_a_value_given_twice_is_refused_by_every_command(args, option, tmp_path)
 @pytest.mark.parametrize("value", [True, False, "1.0", None, [1.0]])
 def test_a_cost_coefficient_that_is_no_number_is_refused_by_name(value):
     """Issue 25, class 3: True was read as 1 ms; a string failed with numpy's "ufunc 'isfinite' not supported"."""
-    from sloweave.core.cost import AnalyticCost, CostModelError
+    from sloweave.core.costs.analytic import AnalyticCost
+    from sloweave.core.costs.protocols import CostModelError
 
     with pytest.raises(CostModelError, match=f"AnalyticCost.prefill_base_ms must be a finite number >= 0 and <= 1e\\+10, got {re.escape(repr(value))}"):
         AnalyticCost(prefill_base_ms=value)

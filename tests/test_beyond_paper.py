@@ -15,11 +15,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sloweave.core.admission import AdmissionControl
-from sloweave.core.context_cost import ContextAnalyticCost
+from sloweave.core.costs.context_analytic import ContextAnalyticCost
 from sloweave.sim.metrics import cumulative_slo_met, evaluate_run
 from sloweave.sim.tiers import Tier, assign_tiers, default_tiers, tier_report
 from sloweave.cli import main
-from sloweave.core.cost import AnalyticCost
+from sloweave.core.costs.analytic import AnalyticCost
 from sloweave.sim.metrics import evaluate, per_request_frame
 from sloweave.core.policy import Aging, SLOWeave, make_policy
 from sloweave.sim.engine import simulate

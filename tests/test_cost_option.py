@@ -1,4 +1,4 @@
-"""One `--cost` choice everywhere: `sloweave.core.costs.resolve_cost` and the commands' `--cost`."""
+"""One `--cost` choice everywhere: `sloweave.core.costs.resolve.resolve_cost` and the commands' `--cost`."""
 
 import json
 import warnings
@@ -7,11 +7,11 @@ import pytest
 from click.testing import CliRunner
 
 from sloweave.cli import main
-from sloweave.core.cost import AnalyticCost
-from sloweave.core.costs import ContextBlindCost, ResolvedCost, context_models, resolve_cost
-from sloweave.core.fit import FixedContextCost, ProfileError, RegressionCost
-from sloweave.core.operator_profiles import PRESETS, preset_folder
-from sloweave.core.profile_cost import ProfileCost, profile_cost
+from sloweave.core.costs.analytic import AnalyticCost
+from sloweave.core.costs.resolve import ContextBlindCost, ResolvedCost, context_models, resolve_cost
+from sloweave.core.costs.fitted import FixedContextCost, ProfileError, RegressionCost
+from sloweave.core.costs.operator_profiles import PRESETS, preset_folder
+from sloweave.core.costs.profile import ProfileCost, profile_cost
 
 DERIVED = "llama3-8b-tp1-a100"  # attention derived from the 70B profile, not measured
 MEASURED = "llama2-70b-tp2-a100"

@@ -4,7 +4,8 @@ import math
 
 import pytest
 
-from sloweave.core.cost import AnalyticCost, ConstantMargin
+from sloweave.core.costs.analytic import AnalyticCost
+from sloweave.core.costs.margins import ConstantMargin
 from sloweave.core.budget import BudgetController, StepState, make_policy_for_engine
 from sloweave.vllm_plugin.config import PluginConfig, PluginConfigError
 
@@ -174,7 +175,7 @@ def test_the_controller_and_the_simulator_decide_a_starving_step_the_same_way():
 
 
 def test_the_controller_corrects_its_cost_from_measured_step_times():
-    from sloweave.core.calibration import CalibratedCost, ContextFreeCost, OnlineCalibrator
+    from sloweave.core.costs.calibrated import CalibratedCost, ContextFreeCost, OnlineCalibrator
 
     calibrator = OnlineCalibrator(alpha=1.0)
     policy = make_policy_for_engine(CalibratedCost(ContextFreeCost(AnalyticCost()), calibrator), None, 4096)
@@ -191,7 +192,7 @@ def test_the_controller_corrects_its_cost_from_measured_step_times():
 
 
 def test_plugin_online_correction_builds_a_corrected_cost_and_rejects_a_non_boolean():
-    from sloweave.core.calibration import CalibratedCost
+    from sloweave.core.costs.calibrated import CalibratedCost
 
     cost, _ = PluginConfig.from_sources({"sloweave": {"online_correction": True}}, environ={}).build_cost_and_margin()
     assert isinstance(cost, CalibratedCost) and cost(4, 100) == AnalyticCost()(4, 100)
@@ -200,14 +201,14 @@ def test_plugin_online_correction_builds_a_corrected_cost_and_rejects_a_non_bool
         PluginConfig.from_sources({"sloweave": {"online_correction": "false"}}, environ={})
 
 
-# ---- the plug-in's cost: the same specs as the commands' --cost (sloweave.core.costs) ----------
+# ---- the plug-in's cost: the same specs as the commands' --cost (sloweave.core.costs.resolve) ----------
 
 
 def test_plugin_cost_takes_a_preset_or_an_operator_profile_folder(tmp_path):
     import warnings
 
-    from sloweave.core.operator_profiles import preset_folder
-    from sloweave.core.profile_cost import ProfileCost, profile_cost
+    from sloweave.core.costs.operator_profiles import preset_folder
+    from sloweave.core.costs.profile import ProfileCost, profile_cost
 
     reference = profile_cost("llama2-70b-tp2-a100")
     for spec in ("llama2-70b-tp2-a100", str(preset_folder("llama2-70b-tp2-a100"))):
@@ -230,8 +231,8 @@ def test_plugin_cost_takes_a_preset_or_an_operator_profile_folder(tmp_path):
 
 
 def test_plugin_online_correction_wraps_a_profile_cost_as_its_prior():
-    from sloweave.core.calibration import CalibratedCost
-    from sloweave.core.profile_cost import ProfileCost
+    from sloweave.core.costs.calibrated import CalibratedCost
+    from sloweave.core.costs.profile import ProfileCost
 
     cost, _ = PluginConfig(cost="llama3-8b-tp1-a100", online_correction=True).build_cost_and_margin()
     assert isinstance(cost, CalibratedCost) and isinstance(cost.base, ProfileCost)  # as_contextual keeps it as is
@@ -257,7 +258,7 @@ def test_the_controller_hands_a_piece_aware_cost_the_prompts_on_offer():
     import warnings
     from pathlib import Path
 
-    from sloweave.core.profile_cost import profile_cost
+    from sloweave.core.costs.profile import profile_cost
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -287,7 +288,7 @@ def _self_correcting_run(correct: bool, steps: int = 80, bias: float = 1.25):
     (plan, margin at planning, measured ms)."""
     import numpy as np
 
-    from sloweave.core.calibration import self_correcting
+    from sloweave.core.costs.calibrated import self_correcting
 
     cost = AnalyticCost()
     correction = self_correcting(cost) if correct else None
@@ -315,7 +316,7 @@ def test_the_controller_self_corrects_a_biased_model_and_its_margin_turns_positi
     bias (from the BASE model's predictions), its adaptive margin is zero until 50 steps were
     measured (no profile, no fallback) and positive after, and its chunks shrink until the real
     step fits the deadline again; the uncorrected controller overruns every step."""
-    from sloweave.core.calibration import DEFAULT_MARGIN_QUANTILE, AdaptiveMargin
+    from sloweave.core.costs.calibrated import DEFAULT_MARGIN_QUANTILE, AdaptiveMargin
 
     c, correction, record = _self_correcting_run(correct=True)
     assert isinstance(correction.margin, AdaptiveMargin) and correction.margin.quantile == DEFAULT_MARGIN_QUANTILE
@@ -339,7 +340,7 @@ def test_the_controller_self_corrects_a_biased_model_and_its_margin_turns_positi
 def test_the_controller_learns_from_the_step_the_engine_ran_not_the_plan():
     """An engine may schedule less than the budget (a cap on running requests, KV blocks): the
     correction must compare the step that ran with its own prediction."""
-    from sloweave.core.calibration import self_correcting
+    from sloweave.core.costs.calibrated import self_correcting
 
     correction = self_correcting(AnalyticCost())
     c = BudgetController(make_policy_for_engine(correction.cost, correction.margin, 4096), 10.0, 8192, correction=correction.calibrator)
@@ -374,8 +375,8 @@ def _step_time_profile(tmp_path):
 def test_plugin_online_correction_decides_with_the_cores_self_correction(tmp_path):
     import numpy as np
 
-    from sloweave.core.calibration import DEFAULT_MARGIN_QUANTILE, AdaptiveMargin, SelfCorrection
-    from sloweave.core.fit import ResidualMargin, fit_profile_file
+    from sloweave.core.costs.calibrated import DEFAULT_MARGIN_QUANTILE, AdaptiveMargin, SelfCorrection
+    from sloweave.core.costs.fitted import ResidualMargin, fit_profile_file
 
     # analytic prior: no fallback until the window fills; margin_ms / margin_fraction add on top
     decision = PluginConfig(online_correction=True).build_decision()

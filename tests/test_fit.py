@@ -1,4 +1,4 @@
-"""Profile format and cost-model fitting (sloweave.core.fit): no torch needed."""
+"""Profile format and cost-model fitting (sloweave.core.costs.fitted): no torch needed."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from sloweave.core.cost import check_monotone_in_chunk
-from sloweave.core.fit import (
+from sloweave.core.costs.protocols import check_monotone_in_chunk
+from sloweave.core.costs.fitted import (
     REGRESSION_TERMS,
     FixedContextCost,
     LookupTableCost,
@@ -190,7 +190,7 @@ def test_simulator_runs_on_a_profiled_cost():
 
 
 def test_fit_and_policy_import_without_torch():
-    code = "import sys, sloweave, sloweave.core.fit, sloweave.core.policy, sloweave.cli; print('torch' in sys.modules, 'transformers' in sys.modules)"
+    code = "import sys, sloweave, sloweave.core.costs.fitted, sloweave.core.policy, sloweave.cli; print('torch' in sys.modules, 'transformers' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["False", "False"]
 
@@ -235,7 +235,7 @@ def test_the_shipped_cpu_profile_fits_and_drives_the_policy():
 
 def test_regression_predict_matches_its_design_matrix():
     """The scalar fast path computes exactly the model's features . coefficients."""
-    from sloweave.core.fit import RegressionCost, regression_features
+    from sloweave.core.costs.fitted import RegressionCost, regression_features
 
     rng = np.random.default_rng(5)
     cost = RegressionCost(rng.uniform(0.0, 2.0, 7))

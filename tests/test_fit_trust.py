@@ -1,4 +1,4 @@
-"""A fit is used only when it is a fit of the data it claims (``sloweave.core.fit.accept_fit``).
+"""A fit is used only when it is a fit of the data it claims (``sloweave.core.costs.fitted.accept_fit``).
 
 The rule: enough distinct steps (a repeated row is one step) and two values or more of n_decodes
 and chunk_tokens; a fit that grows along both; monotone on the whole range a policy queries, past
@@ -30,8 +30,9 @@ from hypothesis import HealthCheck, assume, event, example, given, settings
 from hypothesis import strategies as st
 
 from sloweave.cli import main
-from sloweave.core.cost import AnalyticCost, check_monotone_in_chunk
-from sloweave.core.fit import (
+from sloweave.core.costs.analytic import AnalyticCost
+from sloweave.core.costs.protocols import check_monotone_in_chunk
+from sloweave.core.costs.fitted import (
     ContextualCost,
     LookupTableCost,
     ProfileError,
@@ -41,7 +42,7 @@ from sloweave.core.fit import (
     fit_profile_file,
     write_profile,
 )
-from sloweave.core.operator_profiles import load_profiles, preset_folder
+from sloweave.core.costs.operator_profiles import load_profiles, preset_folder
 
 FUZZ = dict(deadline=None, derandomize=True, database=None, suppress_health_check=[HealthCheck.too_slow])
 ANALYTIC = AnalyticCost()

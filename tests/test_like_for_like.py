@@ -12,8 +12,8 @@ import pandas as pd
 import pytest
 from click.testing import CliRunner
 
-from sloweave.core.calibration import DEFAULT_MARGIN_QUANTILE, AdaptiveMargin, self_correcting
-from sloweave.core.cost import AnalyticCost
+from sloweave.core.costs.calibrated import DEFAULT_MARGIN_QUANTILE, AdaptiveMargin, self_correcting
+from sloweave.core.costs.analytic import AnalyticCost
 from sloweave.core.policy import FixedChunk, SLOWeave
 from sloweave.sim.metrics import evaluate
 from sloweave.sim.options import EngineOptions

@@ -8,8 +8,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sloweave.core.budget import BudgetController, StepState, make_policy_for_engine
-from sloweave.core.calibration import CalibratedCost, ContextFreeCost, OnlineCalibrator, self_correcting
-from sloweave.core.cost import AnalyticCost
+from sloweave.core.costs.calibrated import CalibratedCost, ContextFreeCost, OnlineCalibrator, self_correcting
+from sloweave.core.costs.analytic import AnalyticCost
 
 COUNTS = st.one_of(st.integers(-(2**70), 2**70), st.floats(allow_nan=True, allow_infinity=True))
 TIMES = st.one_of(st.floats(allow_nan=True, allow_infinity=True), st.integers(-(2**70), 2**70))

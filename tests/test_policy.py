@@ -7,15 +7,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sloweave.core.cost import (
-    AnalyticCost,
-    ConstantMargin,
-    CostModelError,
-    MonotoneRepair,
-    RelativeMargin,
-    ZeroMargin,
-    check_monotone_in_chunk,
-)
+from sloweave.core.costs.analytic import AnalyticCost
+from sloweave.core.costs.margins import ConstantMargin, RelativeMargin, ZeroMargin
+from sloweave.core.costs.protocols import CostModelError, MonotoneRepair, check_monotone_in_chunk
 from sloweave.core.policy import Decision, FixedChunk, FullPrefill, SLOWeave, TokenBudget, make_policy
 
 
@@ -310,7 +304,7 @@ def test_decide_refuses_what_it_cannot_answer(args):
 def test_every_policy_made_with_a_cost_is_timed_with_it():
     """The defect: a static rule silently dropped the cost and ran on the analytic model, so
     simulate(w, make_policy("sarathi-1024", cost=slow)) against sloweave-multi was unfair."""
-    from sloweave.core.cost import AnalyticCost
+    from sloweave.core.costs.analytic import AnalyticCost
     from sloweave.sim.engine import simulate
     from sloweave.sim.workloads import get_workload_spec
 
@@ -324,7 +318,7 @@ def test_every_policy_made_with_a_cost_is_timed_with_it():
 
 
 def test_a_margin_for_a_static_rule_is_refused_not_dropped():
-    from sloweave.core.cost import ConstantMargin, ZeroMargin
+    from sloweave.core.costs.margins import ConstantMargin, ZeroMargin
 
     with pytest.raises(ValueError, match="sarathi-512 is a static rule: it predicts nothing, so it has no margin"):
         make_policy("sarathi-512", margin=ConstantMargin(1.0))

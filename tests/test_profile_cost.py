@@ -17,10 +17,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from sloweave.core.fit import ProfileError
-from sloweave.core.operator_profiles import PRESETS, load_profiles
+from sloweave.core.costs.fitted import ProfileError
+from sloweave.core.costs.operator_profiles import PRESETS, load_profiles
 from sloweave.core.policy import SLOWeave
-from sloweave.core.profile_cost import ProfileCost, isotonic, profile_cost
+from sloweave.core.costs.profile import ProfileCost, isotonic, profile_cost
 
 TINY = Path(__file__).parent / "fixtures" / "profiles" / "tiny"
 

@@ -244,8 +244,8 @@ def test_a_step_log_at_the_edges_of_its_ranges_reads(tmp_path):
 def test_an_operator_profile_row_of_1e13_tokens_is_refused_at_its_line(tmp_path):
     import shutil
 
-    from sloweave.core.fit import ProfileError
-    from sloweave.core.operator_profiles import load_profiles, preset_folder
+    from sloweave.core.costs.fitted import ProfileError
+    from sloweave.core.costs.operator_profiles import load_profiles, preset_folder
 
     folder = tmp_path / "profile"
     shutil.copytree(preset_folder("llama3-8b-tp1-a100"), folder)
@@ -261,8 +261,8 @@ def test_an_operator_profile_row_of_1e13_tokens_is_refused_at_its_line(tmp_path)
 def test_a_model_json_count_past_its_range_is_refused_naming_the_key(tmp_path, key, value):
     import shutil
 
-    from sloweave.core.fit import ProfileError
-    from sloweave.core.operator_profiles import load_profiles, preset_folder
+    from sloweave.core.costs.fitted import ProfileError
+    from sloweave.core.costs.operator_profiles import load_profiles, preset_folder
 
     folder = tmp_path / "profile"
     shutil.copytree(preset_folder("llama3-8b-tp1-a100"), folder)
@@ -273,7 +273,7 @@ def test_a_model_json_count_past_its_range_is_refused_naming_the_key(tmp_path, k
 
 
 def test_a_step_time_profile_cell_past_its_range_is_refused_at_its_line(tmp_path):
-    from sloweave.core.fit import ProfileError, read_profile
+    from sloweave.core.costs.fitted import ProfileError, read_profile
 
     path = tmp_path / "profile.csv"
     path.write_text(
@@ -288,8 +288,9 @@ def test_a_step_time_profile_cell_past_its_range_is_refused_at_its_line(tmp_path
 
 def _api_arguments():
     """(the name its message must carry, a call taking the value, whether None means "off")."""
-    from sloweave.core.calibration import OnlineCalibrator
-    from sloweave.core.cost import AnalyticCost, ConstantMargin, RelativeMargin
+    from sloweave.core.costs.calibrated import OnlineCalibrator
+    from sloweave.core.costs.analytic import AnalyticCost
+    from sloweave.core.costs.margins import ConstantMargin, RelativeMargin
     from sloweave.core.deadlines import DeadlineTracker
     from sloweave.core.policy import Aging, FixedChunk, TokenBudget
     from sloweave.sim.traces import ReplayOptions

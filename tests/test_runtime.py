@@ -13,10 +13,10 @@ from click.testing import CliRunner
 from transformers.generation.continuous_batching.scheduler import SCHEDULER_MAPPING
 
 from sloweave.cli import main
-from sloweave.core.fit import RegressionCost, fit_profile, read_profile, write_profile
+from sloweave.core.costs.fitted import RegressionCost, fit_profile, read_profile, write_profile
 from sloweave.core.policy import make_policy
-from sloweave.core.calibration import DEFAULT_MARGIN_QUANTILE, AdaptiveMargin, CalibratedCost, OnlineCalibrator, ScaledCost, SelfCorrection
-from sloweave.core.fit import ResidualMargin
+from sloweave.core.costs.calibrated import DEFAULT_MARGIN_QUANTILE, AdaptiveMargin, CalibratedCost, OnlineCalibrator, ScaledCost, SelfCorrection
+from sloweave.core.costs.fitted import ResidualMargin
 from sloweave.runtime.engine import Engine
 from sloweave.runtime.experiment import build_policy, run_policy, scaled_workload
 from sloweave.runtime.model import load_model

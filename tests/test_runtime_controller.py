@@ -20,9 +20,9 @@ from click.testing import CliRunner
 
 from sloweave.cli import main
 from sloweave.core.budget import BudgetController, StepPlan, make_policy_for_engine
-from sloweave.core.calibration import self_correcting
-from sloweave.core.cost import AnalyticCost
-from sloweave.core.fit import RegressionCost, write_profile
+from sloweave.core.costs.calibrated import self_correcting
+from sloweave.core.costs.analytic import AnalyticCost
+from sloweave.core.costs.fitted import RegressionCost, write_profile
 from sloweave.core.policy import make_policy
 from sloweave.runtime.engine import Engine
 from sloweave.runtime.model import load_model

@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 
 from sloweave.core.admission import DECODE_SATURATED, EXCEEDS_KV_CAPACITY, TTFT_EXPIRED, TTFT_UNREACHABLE, AdmissionControl
-from sloweave.core.calibration import CalibratedCost, ContextFreeCost, OnlineCalibrator
-from sloweave.core.context_cost import ContextAnalyticCost
-from sloweave.core.cost import AnalyticCost
+from sloweave.core.costs.calibrated import CalibratedCost, ContextFreeCost, OnlineCalibrator
+from sloweave.core.costs.context_analytic import ContextAnalyticCost
+from sloweave.core.costs.analytic import AnalyticCost
 from sloweave.core.policy import Aging, SLOWeave, make_policy
 from sloweave.core.slo import SLOException
 from sloweave.sim.arrivals import AdmissionGate, AdmitAll, Arrivals
@@ -416,7 +416,7 @@ def test_a_chunk_spread_over_prompts_is_priced_piece_by_piece_for_the_decision_a
     actual cost too, SLOWeave-multi's iterations never overrun the budget it planned."""
     import warnings
 
-    from sloweave.core.profile_cost import profile_cost
+    from sloweave.core.costs.profile import profile_cost
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

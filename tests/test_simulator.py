@@ -3,7 +3,9 @@
 import numpy as np
 import pytest
 
-from sloweave.core.cost import AnalyticCost, ConstantMargin, NoisyCost, RelativeMargin
+from sloweave.core.costs.analytic import AnalyticCost
+from sloweave.core.costs.margins import ConstantMargin, RelativeMargin
+from sloweave.core.costs.noisy import NoisyCost
 from sloweave.sim.metrics import evaluate, per_request_frame
 from sloweave.core.policy import FixedChunk, SLOWeave, make_policy
 from sloweave.sim.engine import simulate

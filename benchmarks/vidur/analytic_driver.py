@@ -23,7 +23,7 @@ c = prefill tokens in the batch (summed over prompts):
 
     T(n, c) = base + 1[n>0] (decode_base + decode_per_req n) + 1[c>0] (prefill_base + prefill_per_token c)
 
-evaluated term by term in the same order as ``sloweave.core.cost.AnalyticCost`` so that both
+evaluated term by term in the same order as ``sloweave.core.costs.analytic.AnalyticCost`` so that both
 simulators see bit-identical iteration times. Vidur's ``ExecutionTime`` is a per-layer
 breakdown multiplied by the layers per pipeline stage and converted to seconds; the
 predictor reports the whole iteration as one component of a one-layer stage, which makes

@@ -12,8 +12,9 @@ from pathlib import Path
 
 import click
 
-from sloweave.core.cost import ConstantMargin, RelativeMargin, ZeroMargin
-from sloweave.core.costs import cost_option
+from sloweave.core.costs.margins import ConstantMargin, RelativeMargin, ZeroMargin
+from sloweave.core.costs.protocols import ContextAware
+from sloweave.core.costs.resolve import cost_option
 from sloweave.core.policy import DEFAULT_MAX_CHUNK_TOKENS, SLOWeave, make_policy
 from sloweave.sim.options import engine_options
 from sloweave.sim.workloads import ALL_WORKLOADS, WorkloadError, get_workload_spec
@@ -142,7 +143,7 @@ def simulate(workload, policy_name, tpot_ms, ttft_ms, num_requests, seed, rate_s
             write_single_run(result, per_request_frame(result), metrics, folder.path, run_info)
             # the scheduler's decisions under the names the vLLM plug-in exports (issue 8); a cost
             # that reads the KV context cannot be re-asked afterwards (the run records no context)
-            reads_context = getattr(cost, "set_context", None) is not None
+            reads_context = isinstance(cost, ContextAware)
             predicted_ms_of = None if reads_context else getattr(policy, "predicted_ms", cost)
             margin_ms_of = None if reads_context else getattr(policy, "margin", None)
             write_result_json(folder.path / "decision_metrics.json", summarize_simulation(result, predicted_ms_of, margin_ms_of))

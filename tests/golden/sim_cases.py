@@ -33,8 +33,10 @@ with warnings.catch_warnings():
     warnings.simplefilter("ignore", DeprecationWarning)  # the old paths, for the code before the split
     try:
         from sloweave.core.admission import AdmissionControl
-        from sloweave.core.context_cost import ContextAnalyticCost
-        from sloweave.core.cost import AnalyticCost, NoisyCost, RelativeMargin
+        from sloweave.core.costs.context_analytic import ContextAnalyticCost
+        from sloweave.core.costs.analytic import AnalyticCost
+        from sloweave.core.costs.margins import RelativeMargin
+        from sloweave.core.costs.noisy import NoisyCost
         from sloweave.core.policy import Aging, make_policy
         from sloweave.sim.engine import simulate
         from sloweave.sim.tiers import assign_tiers, default_tiers

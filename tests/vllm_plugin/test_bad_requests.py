@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from prometheus_client import REGISTRY
 
-from sloweave.core.cost import AnalyticCost
+from sloweave.core.costs.analytic import AnalyticCost
 from sloweave.core.decision_metrics import PLUGIN_ERROR_PLACES
 from sloweave.vllm_plugin import SLOWeaveAsyncScheduler, SLOWeaveScheduler
 from sloweave.vllm_plugin.config import MAX_TPOT_MS, PluginConfigError, request_tpot_ms

@@ -9,7 +9,7 @@ import textwrap
 import pytest
 from prometheus_client import REGISTRY, CollectorRegistry, generate_latest
 
-from sloweave.core.cost import AnalyticCost
+from sloweave.core.costs.analytic import AnalyticCost
 from sloweave.vllm_plugin import SLOWeaveAsyncScheduler, SLOWeaveScheduler
 from sloweave.vllm_plugin.metrics import PrometheusRecorder, default_recorder
 from sloweave.vllm_plugin.offline import OfflineEngine, build_scheduler, make_request
@@ -108,7 +108,7 @@ def test_production_path_registers_once_on_the_default_registry():
 ENGINE_CORE = textwrap.dedent(
     """
     import json
-    from sloweave.core.cost import AnalyticCost
+    from sloweave.core.costs.analytic import AnalyticCost
     from sloweave.vllm_plugin import SLOWeaveScheduler
     from sloweave.vllm_plugin.offline import OfflineEngine, build_scheduler, make_request
     eng = OfflineEngine(build_scheduler(SLOWeaveScheduler), step_ms=lambda d, p: AnalyticCost()(d, p))

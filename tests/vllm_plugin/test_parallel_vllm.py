@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from vllm.v1.core.sched.scheduler import Scheduler
 
-from sloweave.core.cost import AnalyticCost
+from sloweave.core.costs.analytic import AnalyticCost
 from sloweave.vllm_plugin import SLOWeaveAsyncScheduler, SLOWeaveScheduler
 from sloweave.vllm_plugin.offline import OfflineEngine, build_scheduler, make_request
 
@@ -94,7 +94,7 @@ def test_data_parallel_replicas_keep_their_own_deadlines():
 REPLICA = textwrap.dedent(
     """
     import sys
-    from sloweave.core.cost import AnalyticCost
+    from sloweave.core.costs.analytic import AnalyticCost
     from sloweave.vllm_plugin import SLOWeaveScheduler
     from sloweave.vllm_plugin.offline import OfflineEngine, build_scheduler, make_request
     rank, requests = int(sys.argv[1]), int(sys.argv[2])

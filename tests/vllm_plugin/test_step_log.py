@@ -5,8 +5,8 @@ import math
 import pytest
 from prometheus_client import CollectorRegistry
 
-from sloweave.core.calibration import DEFAULT_MARGIN_QUANTILE
-from sloweave.core.cost import AnalyticCost
+from sloweave.core.costs.calibrated import DEFAULT_MARGIN_QUANTILE
+from sloweave.core.costs.analytic import AnalyticCost
 from sloweave.core.decision_metrics import PLUGIN_ERROR_PLACES, Recorders
 from sloweave.core.step_log import STEP_FIELDS, read_step_log
 from sloweave.vllm_plugin import SLOWeaveAsyncScheduler, SLOWeaveScheduler

@@ -6,7 +6,7 @@ from vllm.config import SchedulerConfig
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import RequestStatus
 
-from sloweave.core.cost import AnalyticCost
+from sloweave.core.costs.analytic import AnalyticCost
 from sloweave.core.policy import SLOWeave
 from sloweave.sim.engine import simulate
 from sloweave.vllm_plugin import SLOWeaveAsyncScheduler, SLOWeaveScheduler
@@ -203,7 +203,7 @@ def test_profile_file_as_the_cost_model(tmp_path):
 
     import pandas as pd
 
-    from sloweave.core.fit import fit_profile_file
+    from sloweave.core.costs.fitted import fit_profile_file
 
     rows = []
     rng = np.random.default_rng(1)
@@ -290,7 +290,7 @@ def test_online_correction_self_corrects_with_the_adaptive_margin_inside_vllms_s
     measured step times, the adaptive margin is zero until 50 steps were measured (analytic
     prior: no fallback) and positive after, and the chunks shrink below the uncorrected
     plug-in's until the real step fits the deadline again."""
-    from sloweave.core.calibration import DEFAULT_MARGIN_QUANTILE, AdaptiveMargin, SelfCorrection
+    from sloweave.core.costs.calibrated import DEFAULT_MARGIN_QUANTILE, AdaptiveMargin, SelfCorrection
 
     scheduler, steps, planned = _biased_run(cls, overlap, online_correction=True)
     correction = scheduler.sloweave_correction

@@ -11,7 +11,7 @@ import numpy as np
 from vllm.config import KVTransferConfig
 from vllm.v1.request import RequestStatus
 
-from sloweave.core.cost import AnalyticCost
+from sloweave.core.costs.analytic import AnalyticCost
 from sloweave.vllm_plugin import SLOWeaveAsyncScheduler, SLOWeaveScheduler
 from sloweave.vllm_plugin.offline import OfflineEngine, build_scheduler, make_request
 

@@ -31,8 +31,9 @@ from collections import deque
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 
-from sloweave.core.calibration import CalibratedCost, OnlineCalibrator
-from sloweave.core.cost import CostModel, Margin, ZeroMargin
+from sloweave.core.costs.calibrated import OnlineCalibrator
+from sloweave.core.costs.margins import ZeroMargin
+from sloweave.core.costs.protocols import Calibrated, ContextFeed, CostModel, Margin
 from sloweave.core.deadlines import DeadlineTracker, budget_until
 from sloweave.core.policy import Aging, SLOWeave, decide_step
 from sloweave.core.slo import SLOException
@@ -110,7 +111,7 @@ class BudgetController:
         correction: OnlineCalibrator | None = None,
     ) -> None:
         whole_number(max_budget_tokens, "max_budget_tokens")
-        if correction is not None and not (isinstance(policy.cost, CalibratedCost) and policy.cost.calibrator is correction):
+        if correction is not None and not (isinstance(policy.cost, Calibrated) and policy.cost.calibrator is correction):
             raise ValueError("online correction needs the policy's cost to be a CalibratedCost built on that calibrator")
         # Measured step times correct the cost model online (core calibration, as in the
         # CPU runtime and the simulator's clock).
@@ -131,7 +132,11 @@ class BudgetController:
         # (delta, T + delta) of a step: SLOWeave's own; a static rule (the CPU runtime runs the
         # baselines through here too) has no margin and predicts with the machine's model it
         # carries, or not at all (NaN)
-        self._price = getattr(policy, "margin_and_predicted_ms", None) or _static_price(getattr(policy, "cost", None))
+        cost = getattr(policy, "cost", None)
+        self._price = getattr(policy, "margin_and_predicted_ms", None) or _static_price(cost)
+        # A cost that reads the KV context (or the prompts on offer) is told them before each
+        # decision; which costs do is asked here, once, not per step.
+        self._feed = ContextFeed(cost)
 
     # ---- deadlines, fed with real token times -------------------------------------------
 
@@ -161,12 +166,11 @@ class BudgetController:
         start_ms = max(state.now_ms, self._in_flight[-1].end_ms) if self._in_flight else state.now_ms
         deadline_ms = self.tracker.earliest_deadline_ms() if state.decode_tokens else math.inf
         budget_ms = budget_until(deadline_ms, start_ms)  # +inf with no deadline
-        set_context = getattr(getattr(self.policy, "cost", None), "set_context", None)
-        if set_context is not None:
-            set_context(state.decode_kv_tokens, state.prefill_prefix_tokens)
-        set_offer = getattr(getattr(self.policy, "cost", None), "set_offer", None)
-        if set_offer is not None:
-            set_offer(list(state.prompts_on_offer) or None)
+        feed = self._feed
+        if feed.reads_context:
+            feed.set_context(state.decode_kv_tokens, state.prefill_prefix_tokens)
+            if feed.reads_offer:
+                feed.set_offer(list(state.prompts_on_offer) or None)
         # The simulator's decision path: the policy, then the aging rule.
         chunk, infeasible, aged = decide_step(
             self.policy, state.decode_tokens, state.pending_prompt_tokens, budget_ms, self.aging, state.oldest_prompt_waiting_ms

@@ -13,12 +13,13 @@ from __future__ import annotations
 import bisect
 import math
 import re
-from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import NamedTuple, Protocol
 
 from sloweave.core.validate import positive_ms, positive_tokens
-from sloweave.core.cost import AnalyticCost, ConstantMargin, CostModel, Margin, MonotoneRepair, ZeroMargin, check_monotone_in_chunk
+from sloweave.core.costs.analytic import AnalyticCost
+from sloweave.core.costs.margins import ConstantMargin, ZeroMargin
+from sloweave.core.costs.protocols import CostModel, HasTileEdges, Invertible, Margin, MonotoneRepair, check_monotone_in_chunk, uncounted
 
 DEFAULT_MAX_CHUNK_TOKENS = 4096
 
@@ -81,22 +82,23 @@ class SLOWeave:
         _check_max_prefills(self.max_prefills)
         if self.repair_non_monotone:
             # negative or non-finite times are refused, not repaired (the running maximum would hide them)
-            with getattr(self.cost, "uncounted", nullcontext)():
+            with uncounted(self.cost):
                 check_monotone_in_chunk(self.cost, self.max_chunk_tokens, allow_drops=True)
             object.__setattr__(self, "cost", MonotoneRepair(self.cost, self.max_chunk_tokens))
         # A cost that counts queries past its data (ProfileCost) does not count the check's.
-        with getattr(self.cost, "uncounted", nullcontext)():
+        with uncounted(self.cost):
             check_monotone_in_chunk(self.cost, self.max_chunk_tokens)
             # delta is added to T, so T + delta must be monotone too or the search is wrong.
             check_monotone_in_chunk(lambda n, c: self.cost(n, c) + self.margin(n, c), self.max_chunk_tokens)
-        # Hot-path helpers, fixed at construction: the decision is called every iteration.
+        # Hot-path helpers, fixed at construction: the decision is called every iteration, so
+        # the cost's capabilities are asked here, once (isinstance of a Protocol is slow).
         cost, margin = self.cost, self.margin
         predicted = cost if isinstance(margin, ZeroMargin) else (lambda n, c: cost(n, c) + margin(n, c))
         object.__setattr__(self, "_predicted", predicted)
         constant = isinstance(margin, (ZeroMargin, ConstantMargin))
         object.__setattr__(self, "_constant_margin_ms", margin(0, 0) if constant else 0.0)
-        object.__setattr__(self, "_estimate", getattr(cost, "chunk_estimate", None) if constant else None)
-        edges = getattr(cost, "tile_edges", None)
+        object.__setattr__(self, "_estimate", cost.chunk_estimate if constant and isinstance(cost, Invertible) else None)
+        edges = cost.tile_edges if isinstance(cost, HasTileEdges) else None
         object.__setattr__(self, "_tile_edges", list(edges) if edges else None)
 
     def predicted_ms(self, n_decodes: int, chunk_tokens: int) -> float:

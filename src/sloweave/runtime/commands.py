@@ -11,7 +11,7 @@ from pathlib import Path
 
 import click
 
-from sloweave.core.fit import HOLDOUT_ERROR, MAX_HOLDOUT_ERROR
+from sloweave.core.costs.fitted import HOLDOUT_ERROR, MAX_HOLDOUT_ERROR
 from sloweave.sim.workloads import WORKLOADS
 from sloweave.core.validate import DURATION_MS, DURATION_S, MARGIN_MS, MAX_REPEATS, REPEATS, REQUEST_COUNT, SCALE, TOKEN_COUNT, TOKENS, Range
 from sloweave.core.validate import SEED
@@ -51,7 +51,7 @@ def _need_runtime(command: str) -> None:
 
 
 def _fit_or_fail(profile: Path, monotone_tolerance_ms: float = 5.0, max_holdout_error: float = MAX_HOLDOUT_ERROR):
-    from sloweave.core.fit import ProfileError, fit_profile_file
+    from sloweave.core.costs.fitted import ProfileError, fit_profile_file
 
     try:
         result = fit_profile_file(profile, monotone_tolerance_ms=monotone_tolerance_ms, max_holdout_error=max_holdout_error)
@@ -79,7 +79,7 @@ def profile(model, out_path, decodes, chunks, contexts, repeats, holdout_per_sta
     import torch
     import transformers
 
-    from sloweave.core.fit import ProfileError, fit_profile, write_profile
+    from sloweave.core.costs.fitted import ProfileError, fit_profile, write_profile
     from sloweave.runtime.engine import DEFAULT_PAGE_TOKENS, Engine
     from sloweave.runtime.model import load_model, model_label
     from sloweave.runtime.profiler import profile_blocks, run_profile

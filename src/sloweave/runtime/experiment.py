@@ -14,10 +14,10 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 
-from sloweave.core.fit import ContextualCost, FitResult, FixedContextCost, ResidualMargin
+from sloweave.core.costs.fitted import ContextualCost, FitResult, FixedContextCost, ResidualMargin
 from sloweave.sim.metrics import evaluate
 from sloweave.core.policy import Aging, SLOWeave, make_policy
-from sloweave.core.calibration import OnlineCalibrator, ScaledCost, SelfCorrection, self_correcting
+from sloweave.core.costs.calibrated import OnlineCalibrator, ScaledCost, SelfCorrection, self_correcting
 from sloweave.runtime.engine import Engine
 from sloweave.runtime.runner import MeasuredRun, RequestSpec, run_requests
 from sloweave.sim.engine import simulate

@@ -33,9 +33,9 @@ import pandas as pd
 from tqdm import tqdm
 
 from sloweave.core.budget import BudgetController, StepPlan, StepState
-from sloweave.core.calibration import OnlineCalibrator
+from sloweave.core.costs.calibrated import OnlineCalibrator
 from sloweave.core.decision_metrics import DecisionRecorder, DecisionSummary, Recorders
-from sloweave.core.fit import ContextualCost
+from sloweave.core.costs.fitted import ContextualCost
 from sloweave.core.slo import SLOException
 from sloweave.core.validate import MAX_MS, positive_ms
 from sloweave.runtime.engine import Engine, StepRecord

@@ -2,12 +2,12 @@
 
 - the duration: ``actual_cost(n, c)`` ms, by default the policy's own cost model (an exact
   prediction); ``NoisyCost`` gives predicted x seeded noise;
-- the context: a cost with ``set_context(decode_kv_tokens, prefill_prefix_tokens)`` (the
-  policy's, the actual one, or the one a noisy cost wraps) gets the KV the decodes read and
-  the head prompt's prefix before every decision; a cost with ``set_offer`` also gets the
-  prompts the chunk would be taken from, FCFS, as (remaining tokens, prefix), so a chunk
-  spread over several prompts is priced piece by piece (each on its own prefix, each a
-  request of the batch), the same way for the decision and for the iteration's time;
+- the context: a ``ContextAware`` cost (the policy's, the actual one, or the one a noisy
+  cost wraps) gets the KV the decodes read and the head prompt's prefix before every
+  decision, through one ``ContextFeed``; an ``OfferAware`` one also gets the prompts the chunk
+  would be taken from, FCFS, as (remaining tokens, prefix), so a chunk spread over several
+  prompts is priced piece by piece (each on its own prefix, each a request of the batch), the
+  same way for the decision and for the iteration's time;
 - online correction (optional): with an ``OnlineCalibrator`` and a policy whose cost is a
   ``CalibratedCost``, every iteration's actual time is folded into the calibrator against
   the base model's prediction, as the CPU runtime does with measured step times.
@@ -15,7 +15,8 @@
 
 from __future__ import annotations
 
-from sloweave.core.calibration import CalibratedCost, OnlineCalibrator
+from sloweave.core.costs.calibrated import OnlineCalibrator
+from sloweave.core.costs.protocols import Calibrated, ContextFeed, Wrapper
 
 
 class IterationClock:
@@ -23,29 +24,24 @@ class IterationClock:
         self.duration = duration
         self.correction = correction
         self._corrected = policy_cost
-        if correction is not None and not (isinstance(policy_cost, CalibratedCost) and policy_cost.calibrator is correction):
+        if correction is not None and not (isinstance(policy_cost, Calibrated) and policy_cost.calibrator is correction):
             raise ValueError("online correction needs the policy's cost to be a CalibratedCost built on that calibrator")
-        # Costs that read the KV context get it before every decision (each model once).
-        self._context_models = []
-        for model in (policy_cost, duration, getattr(duration, "cost", None)):
-            if getattr(model, "set_context", None) is not None and not any(model is seen for seen in self._context_models):
-                self._context_models.append(model)
-        self.reads_context = bool(self._context_models)
-        # Costs that price the prefill piece by piece get the prompts on offer (``set_offer``).
-        self._offer_models = [m for m in self._context_models if getattr(m, "set_offer", None) is not None]
-        self.reads_offer = bool(self._offer_models)
+        # Costs that read the KV context get it before every decision (each model once); costs
+        # that price the prefill piece by piece also get the prompts on offer. Sorted once, here.
+        inner = duration.cost if isinstance(duration, Wrapper) else None
+        self._feed = feed = ContextFeed(policy_cost, duration, inner)
+        self.reads_context = feed.reads_context
+        self.reads_offer = feed.reads_offer
+        self.set_offer = feed.set_offer
         self._decode_kv = self._prefix = 0
         if correction is None:
             self.iteration_ms = duration  # nothing to learn: the cost itself (one call less per iteration)
+            self.set_context = feed.set_context  # nor a context to keep for it (one call less per decision)
 
     def set_context(self, decode_kv_tokens: int, prefill_prefix_tokens: int) -> None:
+        """The step's context, to the models that read it and, with correction, kept for its base prediction."""
         self._decode_kv, self._prefix = decode_kv_tokens, prefill_prefix_tokens
-        for model in self._context_models:
-            model.set_context(decode_kv_tokens, prefill_prefix_tokens)
-
-    def set_offer(self, offered: list[tuple[int, int]]) -> None:
-        for model in self._offer_models:
-            model.set_offer(offered)
+        self._feed.set_context(decode_kv_tokens, prefill_prefix_tokens)
 
     def iteration_ms(self, n_decodes: int, chunk_tokens: int) -> float:
         """The time the iteration really takes (and, with correction, what it teaches)."""

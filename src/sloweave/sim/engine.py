@@ -39,8 +39,10 @@ import math
 import numpy as np
 
 from sloweave.core.admission import AdmissionControl
-from sloweave.core.calibration import OnlineCalibrator
-from sloweave.core.cost import AnalyticCost, CostModel, NoisyCost
+from sloweave.core.costs.calibrated import OnlineCalibrator
+from sloweave.core.costs.analytic import AnalyticCost
+from sloweave.core.costs.noisy import NoisyCost
+from sloweave.core.costs.protocols import CostModel
 from sloweave.core.policy import Aging, Policy
 from sloweave.core.slo import SLOException
 from sloweave.core.validate import positive_ms, whole_number

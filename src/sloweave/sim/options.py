@@ -18,8 +18,9 @@ from dataclasses import asdict, dataclass, fields, replace
 import numpy as np
 
 from sloweave.core.admission import ADMISSION_ACTIONS, AdmissionControl
-from sloweave.core.calibration import self_correcting
-from sloweave.core.cost import CostModel, NoisyCost
+from sloweave.core.costs.calibrated import self_correcting
+from sloweave.core.costs.noisy import NoisyCost
+from sloweave.core.costs.protocols import CostModel
 from sloweave.core.policy import Aging, Policy
 from sloweave.core.validate import BATCH_SIZE, DURATION_MS, NOISE_SIGMA, SCALE, TOKENS, positive_ms, positive_tokens
 from sloweave.sim.engine import DEADLINE_FORMS, simulate

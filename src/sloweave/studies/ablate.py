@@ -24,9 +24,9 @@ import numpy as np
 import pandas as pd
 
 from sloweave.core.admission import AdmissionControl
-from sloweave.core.cost import AnalyticCost
-from sloweave.core.context_cost import ContextAnalyticCost
-from sloweave.core.costs import ResolvedCost, analytic_description, context_models, cost_option
+from sloweave.core.costs.analytic import AnalyticCost
+from sloweave.core.costs.context_analytic import ContextAnalyticCost
+from sloweave.core.costs.resolve import ResolvedCost, analytic_description, context_models, cost_option
 from sloweave.sim.metrics import evaluate_run
 from sloweave.sim.tiers import assign_tiers, default_tiers, tier_report
 from sloweave.studies.markdown import markdown_table

@@ -19,8 +19,7 @@ import click
 import numpy as np
 import pandas as pd
 
-from sloweave.core.cost import AnalyticCost, CostModel
-from sloweave.core.costs import ResolvedCost, analytic_description, cost_option
+from sloweave.core.costs.resolve import ResolvedCost, cost_option, describe_cost
 from sloweave.core.policy import DEFAULT_MAX_CHUNK_TOKENS
 from sloweave.core.validate import ATTAINMENT, DURATION_MS, DURATION_S, RATE_RPS, REPEATS, SCALE, TOKENS
 from sloweave.sim.options import EngineOptions, engine_options
@@ -189,7 +188,7 @@ def run_capacity(study: CapacityStudy, out_dir: Path, meta: dict, cost: Resolved
         "lattice": study.lattice.describe(),
         "simulations": study.simulations,
         "parallel": study.runner.describe(),
-        "cost": cost.description if cost is not None else _describe(study.cost),
+        "cost": cost.description if cost is not None else describe_cost(study.cost),
         "cdf_rate_scale": {f"{t:g}": s for t, s in cdf_loads.items()},
         "capacity": table.to_dict(orient="records"),
         "pairwise": relative.to_dict(orient="records"),
@@ -235,13 +234,6 @@ def _write_curves(study: CapacityStudy, capacities: list[Capacity], out_dir: Pat
         )
     pd.concat(cdf_frames, ignore_index=True).to_csv(out_dir / "cdf_requests.csv", index=False)
     return cdf_loads
-
-
-def _describe(cost: CostModel) -> dict:
-    if isinstance(cost, AnalyticCost):
-        return analytic_description(cost)
-    describe = getattr(cost, "describe", None)
-    return describe() if describe is not None else {"cost_model": type(cost).__name__}
 
 
 @click.command()

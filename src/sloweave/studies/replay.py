@@ -12,8 +12,9 @@ import click
 import numpy as np
 import pandas as pd
 
-from sloweave.core.cost import AnalyticCost, CostModel
-from sloweave.core.costs import ResolvedCost, cost_option
+from sloweave.core.costs.analytic import AnalyticCost
+from sloweave.core.costs.protocols import CostModel
+from sloweave.core.costs.resolve import ResolvedCost, cost_option
 from sloweave.sim.metrics import RunMetrics, per_request_frame, run_duration_ms, slo_met, summarize
 from sloweave.core.policy import DEFAULT_MAX_CHUNK_TOKENS, Policy, make_policy
 from sloweave.sim.options import DEFAULT_OPTIONS, EngineOptions, engine_options

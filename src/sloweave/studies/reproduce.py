@@ -16,8 +16,9 @@ import click
 import numpy as np
 import pandas as pd
 
-from sloweave.core.cost import AnalyticCost, CostModel
-from sloweave.core.costs import ResolvedCost, analytic_description, cost_option
+from sloweave.core.costs.analytic import AnalyticCost
+from sloweave.core.costs.protocols import CostModel
+from sloweave.core.costs.resolve import ResolvedCost, cost_option, describe_cost
 from sloweave.sim.metrics import RunMetrics, per_request_frame, run_duration_ms, summarize
 from sloweave.core.policy import DEFAULT_MAX_CHUNK_TOKENS, SLOWeave, make_policy
 from sloweave.sim.engine import SimResult, simulate
@@ -274,7 +275,7 @@ def write_study(
                 "workloads": {w: {"rate_rps": get_workload_spec(w).rate_rps, "ttft_ms": get_workload_spec(w).ttft_ms} for w in config.workloads},
                 "tpot_targets_ms": list(config.tpot_targets_ms),
                 "elapsed_s": elapsed_s,
-                "cost": cost.description if cost is not None else _describe(config.cost),
+                "cost": cost.description if cost is not None else describe_cost(config.cost),
                 "table4": t4.to_dict(orient="records"),
                 "table4_extended": t4x.to_dict(orient="records"),
         },
@@ -283,13 +284,6 @@ def write_study(
     sample = samples.get("mixed") or next(iter(samples.values()))
     plot_chunk_timeline(sample, out_dir / "chunk_timeline.png")
     return {"table3": t3_paper, "table4": t4_paper, "table4_extended": t4x_paper}
-
-
-def _describe(cost: CostModel) -> dict:
-    if isinstance(cost, AnalyticCost):
-        return analytic_description(cost)
-    describe = getattr(cost, "describe", None)
-    return describe() if describe is not None else {"cost_model": type(cost).__name__}
 
 
 def write_single_run(result: SimResult, requests: pd.DataFrame, metrics: RunMetrics, out_dir: Path, extra: dict | None = None) -> None:

@@ -23,7 +23,8 @@ from dataclasses import dataclass, fields, replace
 import numpy as np
 import pandas as pd
 
-from sloweave.core.cost import AnalyticCost, CostModel
+from sloweave.core.costs.analytic import AnalyticCost
+from sloweave.core.costs.protocols import CostModel
 from sloweave.core.policy import DEFAULT_MAX_CHUNK_TOKENS
 from sloweave.sim.metrics import RunMetrics, summarize
 from sloweave.sim.options import DEFAULT_OPTIONS, EngineOptions

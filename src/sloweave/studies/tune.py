@@ -44,8 +44,9 @@ from sloweave.studies.outputs import check_writable, command_settings, write_res
 from sloweave.studies.parallel import SERIAL, Runner, local_cores
 from sloweave.studies.result_folders import result_folder, result_folder_options
 from sloweave.studies.sources import DEFAULT_WINDOW_S, LoadSource, SpecSource, trace_source
-from sloweave.core.cost import AnalyticCost, CostModel
-from sloweave.core.costs import KIND_STEP_PROFILE, ResolvedCost, cost_option
+from sloweave.core.costs.analytic import AnalyticCost
+from sloweave.core.costs.protocols import CostModel
+from sloweave.core.costs.resolve import KIND_STEP_PROFILE, ResolvedCost, cost_option
 from sloweave.core.policy import DEFAULT_MAX_CHUNK_TOKENS
 from sloweave.studies.pictures import pyplot
 from sloweave.studies.replay import DEFAULT_TRACE_TTFT_MS
@@ -461,12 +462,12 @@ def mean_context_tokens(source: LoadSource) -> float:
 
 def step_profile_cost(resolved: ResolvedCost, kind: str, context_tokens: float | None, source: LoadSource) -> ResolvedCost:
     """A step-time profile as tune has always used it: the fitted ``kind`` at a fixed KV context
-    per decode (by default the workload's mean context, the advice in sloweave.core.fit)."""
+    per decode (by default the workload's mean context, the advice in sloweave.core.costs.fitted)."""
     return resolved.step_profile(kind, mean_context_tokens(source) if context_tokens is None else context_tokens)
 
 
 def _cost_from_profile(path: Path, kind: str, context_tokens: float | None, source: LoadSource) -> tuple[CostModel, dict]:
-    from sloweave.core.costs import resolve_cost
+    from sloweave.core.costs.resolve import resolve_cost
 
     resolved = step_profile_cost(resolve_cost(str(path)), kind, context_tokens, source)
     return resolved.model, resolved.description

@@ -7,7 +7,7 @@ Sources, later ones win: defaults, environment variables ``SLOWEAVE_*``, and vLL
 |---|---|---|---|
 | tpot_ms | SLOWEAVE_TPOT_MS | 25 | default TPOT target (ms, at most one hour); a request overrides it with `extra_args={"sloweave_tpot_ms": D}` (the same rule; see `request_check` for what happens to a bad one) |
 | max_chunk_tokens | SLOWEAVE_MAX_CHUNK_TOKENS | 4096 | C_max (also capped by `--max-num-batched-tokens`) |
-| cost | SLOWEAVE_COST | analytic | `analytic`, an operator-profile preset (`llama2-70b-tp2-a100`, `llama3-8b-tp1-a100`) or folder (Vidur's CSVs + `model.json`), or a step-time profile file (CSV/JSON) from `sloweave profile` / the GPU profiler, or a served run's step log (`.jsonl`); the same specs as the commands' `--cost` (`sloweave.core.costs.resolve_cost`); with `online_correction` it is the prior that measured step times correct |
+| cost | SLOWEAVE_COST | analytic | `analytic`, an operator-profile preset (`llama2-70b-tp2-a100`, `llama3-8b-tp1-a100`) or folder (Vidur's CSVs + `model.json`), or a step-time profile file (CSV/JSON) from `sloweave profile` / the GPU profiler, or a served run's step log (`.jsonl`); the same specs as the commands' `--cost` (`sloweave.core.costs.resolve.resolve_cost`); with `online_correction` it is the prior that measured step times correct |
 | cost_kind | SLOWEAVE_COST_KIND | regression | model fitted from a step-time profile file: `regression` or `table` |
 | analytic | - | paper's | coefficients of the analytic model (`base_ms`, `decode_base_ms`, ...) |
 | margin_ms | SLOWEAVE_MARGIN_MS | 0 | constant safety margin, at most one hour (with `online_correction`: added on top of the adaptive margin) |
@@ -17,7 +17,7 @@ Sources, later ones win: defaults, environment variables ``SLOWEAVE_*``, and vLL
 | aging_chunk_tokens | SLOWEAVE_AGING_CHUNK_TOKENS | 256 | size of that forced chunk |
 | step_log | SLOWEAVE_STEP_LOG | (off) | a file to write every step planned and ran into, one JSON line each (`sloweave.core.step_log`; read by `sloweave served-run`); replaced at start-up; data-parallel rank N > 0 writes `<file>.N` |
 | step_log_max_steps | SLOWEAVE_STEP_LOG_MAX_STEPS | 1000000 | the log stops (and says so in its last line) after this many steps, about 400 bytes each |
-| online_correction | SLOWEAVE_ONLINE_CORRECTION | false | self-correction from the measured step times (`sloweave.core.calibration.self_correcting`, as the CPU runtime and the simulator): the cost is recalibrated online and the margin is the adaptive P99.7 of the corrected model's recent residuals |
+| online_correction | SLOWEAVE_ONLINE_CORRECTION | false | self-correction from the measured step times (`sloweave.core.costs.calibrated.self_correcting`, as the CPU runtime and the simulator): the cost is recalibrated online and the margin is the adaptive P99.7 of the corrected model's recent residuals |
 
 With ``online_correction`` the controller decides with ``SelfCorrection.cost`` (the ``cost``
 prior times the factors learned per decode-count bucket and step kind) and
@@ -38,12 +38,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING
 
-from sloweave.core.cost import AnalyticCost, ConstantMargin, CostModel, Margin, RelativeMargin, ZeroMargin
+from sloweave.core.costs.analytic import AnalyticCost
+from sloweave.core.costs.margins import ConstantMargin, RelativeMargin, ZeroMargin
+from sloweave.core.costs.protocols import CostModel, Margin
 from sloweave.core.step_log import DEFAULT_MAX_STEPS
 from sloweave.core.validate import MARGIN_MS, TOKENS, Range, whole_number
 
 if TYPE_CHECKING:
-    from sloweave.core.calibration import SelfCorrection
+    from sloweave.core.costs.calibrated import SelfCorrection
 
 CONFIG_KEY = "sloweave"
 REQUEST_TPOT_KEY = "sloweave_tpot_ms"
@@ -193,7 +195,7 @@ class PluginConfig:
         """
         resolved = self.resolved_cost()
         if self.online_correction:
-            from sloweave.core.calibration import self_correcting
+            from sloweave.core.costs.calibrated import self_correcting
 
             fallback = resolved.fit.margin(None) if resolved.fit is not None else None
             correction = self_correcting(resolved.model, fallback=fallback)
@@ -209,9 +211,9 @@ class PluginConfig:
         return DecisionParts(cost, self._plain_margin(cost))
 
     def resolved_cost(self):
-        """The ``cost`` spec resolved by the core (``sloweave.core.costs.ResolvedCost``): its model,
+        """The ``cost`` spec resolved by the core (``sloweave.core.costs.resolve.ResolvedCost``): its model,
         label and the description a result records (which profiles; whether attention is derived)."""
-        from sloweave.core.costs import ANALYTIC, KIND_ANALYTIC, ResolvedCost, analytic_description, resolve_cost
+        from sloweave.core.costs.resolve import ANALYTIC, KIND_ANALYTIC, ResolvedCost, analytic_description, resolve_cost
 
         if self.cost == ANALYTIC:
             try:
@@ -248,7 +250,7 @@ class DecisionParts:
 
 
 def _presets() -> tuple[str, ...]:
-    from sloweave.core.operator_profiles import PRESETS
+    from sloweave.core.costs.operator_profiles import PRESETS
 
     return PRESETS
 

@@ -154,7 +154,7 @@ def profile_steps(engine, vocab_size: int, decode_counts, chunk_sizes, contexts,
     For each grid point: start ``n`` requests with ``context``-token prompts and let them
     reach decode, then add one prompt of ``c`` tokens; with ``max_num_batched_tokens``
     large enough the next step holds exactly n decodes and the c-token chunk. Writes the
-    profile format of ``sloweave.core.fit`` (``n_decodes, chunk_tokens, decode_kv_tokens,
+    profile format of ``sloweave.core.costs.fitted`` (``n_decodes, chunk_tokens, decode_kv_tokens,
     prefill_prefix_tokens, step_ms``).
     """
     from vllm.inputs import TokensPrompt

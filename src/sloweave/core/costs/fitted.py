@@ -34,7 +34,7 @@ Three things are fitted from a profile:
     residuals per (n, c) bucket, non-decreasing along c so T + delta stays monotone.
 
 A fitted cost predicts ``predict(n, c, decode_kv_tokens, prefill_prefix_tokens)``; the policy
-interface T(n, c) reads the context from ``set_context`` (the runtime sets it before each
+interface T(n, c) reads the context from ``set_context`` (a ``ContextFeed`` sets it before each
 decision), see ``ContextualCost``.
 
 Every kind is used only after ``accept_fit``: enough distinct steps along n and c, a fit that
@@ -58,7 +58,7 @@ from sloweave.core.atomic import atomic_path, write_text_atomic
 from sloweave.core.cells import numbers, show
 from sloweave.core.csv_shape import check_csv_shape, located
 from sloweave.core.step_log import StepLogError, profile_rows, read_step_log
-from sloweave.core.cost import CostModelError, check_monotone_in_chunk
+from sloweave.core.costs.protocols import CostModelError, check_monotone_in_chunk
 from sloweave.core.validate import DURATION_MS, MAX_MS, MAX_TOKENS, TOKEN_COUNT, RepeatedKeyError, Range, finite_number, non_negative_number, one_value_per_key
 
 PROFILE_FORMAT = "sloweave-profile"
@@ -202,8 +202,10 @@ def validate_profile(frame: pd.DataFrame, where: str = "profile", lines: list[in
 class ContextualCost:
     """Base of fitted costs: ``predict`` with explicit context, ``__call__(n, c)`` with the set one.
 
-    The policy only speaks T(n, c); the runtime calls ``set_context`` before each decision
-    with the KV context of the step being decided, so the same policy object stays valid.
+    The policy only speaks T(n, c); the body deciding (the simulator's clock, the
+    ``BudgetController``) sets the KV context of the step being decided before each decision,
+    through its ``sloweave.core.costs.protocols.ContextFeed``, so the same policy object stays
+    valid. Every subclass is ``ContextAware``.
     """
 
     decode_kv_tokens: int = 0

@@ -23,10 +23,11 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from sloweave.core.cost import AnalyticCost, CostModel
-from sloweave.core.fit import ContextualCost, FitResult, FixedContextCost, ProfileError, fit_profile_file
-from sloweave.core.operator_profiles import PRESETS
-from sloweave.core.profile_cost import ProfileCost, profile_cost
+from sloweave.core.costs.analytic import AnalyticCost
+from sloweave.core.costs.protocols import ContextAware, CostModel, Described
+from sloweave.core.costs.fitted import ContextualCost, FitResult, FixedContextCost, ProfileError, fit_profile_file
+from sloweave.core.costs.operator_profiles import PRESETS
+from sloweave.core.costs.profile import ProfileCost, profile_cost
 from sloweave.core.validate import finite_number
 
 ANALYTIC = "analytic"
@@ -231,12 +232,19 @@ class ContextBlindCost:
 
     def __init__(self, cost: CostModel) -> None:
         self.cost = cost
-        self._predict = getattr(cost, "predict", None)
+        self._predict = cost.predict if isinstance(cost, ContextAware) else None
 
     def __call__(self, n_decodes: int, chunk_tokens: int) -> float:
         if self._predict is None:
             return self.cost(n_decodes, chunk_tokens)
         return self._predict(n_decodes, chunk_tokens, 0, 0)
+
+
+def describe_cost(cost: CostModel) -> dict:
+    """What a result file records about a cost model that may not come from a ``--cost`` spec."""
+    if isinstance(cost, AnalyticCost):
+        return analytic_description(cost)
+    return cost.describe() if isinstance(cost, Described) else {"cost_model": type(cost).__name__}
 
 
 def context_models(resolved: ResolvedCost) -> tuple[CostModel, CostModel]:
@@ -246,7 +254,7 @@ def context_models(resolved: ResolvedCost) -> tuple[CostModel, CostModel]:
     a fitted step-time profile reads the context itself.
     """
     if resolved.is_analytic:
-        from sloweave.core.context_cost import ContextAnalyticCost
+        from sloweave.core.costs.context_analytic import ContextAnalyticCost
 
         return ContextAnalyticCost(), AnalyticCost()
     model = resolved.model
@@ -294,5 +302,6 @@ __all__ = [
     "click_cost",
     "context_models",
     "cost_option",
+    "describe_cost",
     "resolve_cost",
 ]

@@ -21,8 +21,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from sloweave.core.cost import CostModel
-from sloweave.core.fit import N_BUCKET_EDGES, ContextualCost, ResidualMargin
+from sloweave.core.costs.protocols import CostModel, OfferAware
+from sloweave.core.costs.fitted import N_BUCKET_EDGES, ContextualCost, ResidualMargin
 from sloweave.core.validate import finite_number, whole_number
 
 
@@ -140,7 +140,7 @@ class CalibratedCost(ContextualCost):
         self.calibrator = calibrator
         # A cost that prices a chunk piece by piece over the prompts on offer (ProfileCost)
         # gets the offer through its wrapper too; a cost without it stays without.
-        if getattr(base, "set_offer", None) is not None:
+        if isinstance(base, OfferAware):
             self.set_offer = base.set_offer
 
     def predict(self, n_decodes: int, chunk_tokens: int, decode_kv_tokens: int, prefill_prefix_tokens: int) -> float:

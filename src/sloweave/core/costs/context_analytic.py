@@ -1,8 +1,8 @@
 """The paper's analytic cost plus what the KV context adds (an option beyond the paper).
 
-``ContextAnalyticCost`` reads the KV context through the ``set_context`` interface of
-``sloweave.core.fit.ContextualCost``: the simulator sets the decodes' KV total and the
-chunked prompt's prefix before each decision.
+``ContextAnalyticCost`` is ``ContextAware`` (``sloweave.core.costs.fitted.ContextualCost``): the
+simulator's ``ContextFeed`` sets the decodes' KV total and the chunked prompt's prefix before
+each decision; ``predict`` takes them as arguments.
 """
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from sloweave.core.cost import AnalyticCost
-from sloweave.core.fit import ContextualCost
+from sloweave.core.costs.analytic import AnalyticCost
+from sloweave.core.costs.fitted import ContextualCost
 
 
 @dataclass

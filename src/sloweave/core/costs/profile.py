@@ -28,9 +28,9 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from sloweave.core.cost import check_monotone_in_chunk
-from sloweave.core.fit import ContextualCost, ProfileError, nnls
-from sloweave.core.operator_profiles import PRESETS, OperatorProfiles, load_profiles
+from sloweave.core.costs.protocols import check_monotone_in_chunk
+from sloweave.core.costs.fitted import ContextualCost, ProfileError, nnls
+from sloweave.core.costs.operator_profiles import PRESETS, OperatorProfiles, load_profiles
 
 # Vidur's modelling constant for each all-reduce's launch (not measured).
 NCCL_LAUNCH_MS = 0.02
@@ -100,12 +100,11 @@ class ProfileCost(ContextualCost):
         """Monotone in the chunk by construction; checked anyway, in and beyond the profiled range."""
         with self.uncounted():
             for kv, prefix in ((0, 0), (200_000, 1000), (2_000_000, 10_000), (0, 100_000)):
-                self.set_context(kv, prefix)
-                try:
-                    check_monotone_in_chunk(self, 8192, decode_counts=(0, 1, 8, 64, 256))
+                try:  # the context as arguments (``predict``), not set on the model before each query
+                    check_monotone_in_chunk(lambda n, c: self.predict(n, c, kv, prefix), 8192, decode_counts=(0, 1, 8, 64, 256))
                 except ValueError as err:
                     raise ProfileError(f"{self.profiles.where}: {err}") from None
-        self.set_context(0, 0)
+        self.set_context(0, 0)  # the first context: places the head prompt's prefix rows
         self._decode_key = None
 
     # ---- tables ---------------------------------------------------------------------------
