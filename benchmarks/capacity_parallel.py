@@ -36,7 +36,9 @@ POLICIES = ["sloweave", "sloweave-multi", "fixed-tuned", "sarathi-tuned"]
 
 def study_of(requests: int, jobs: int, ray: str | None) -> CapacityStudy:
     source = SpecSource(WORKLOADS["mixed"], requests, (0, 1, 2))
-    return CapacityStudy(source, POLICIES, [10.0, 25.0], 2000.0, SearchLattice(steps_per_doubling=8), runner=parallel.Runner(jobs, ray))
+    return CapacityStudy(
+        source, POLICIES, [10.0, 25.0], 2000.0, SearchLattice(steps_per_doubling=8), runner=parallel.Runner(jobs, ray)
+    )
 
 
 def one(requests: int, jobs: int, ray: str | None) -> tuple[float, pd.DataFrame, int]:
@@ -65,8 +67,17 @@ def task_split(requests: int) -> list[dict]:
             times.append(time.perf_counter() - started)
             sizes.append(len(pickle.dumps(result)))
             results.append(result)
-        batches.append({"phase": desc, "tasks": len(tasks), "context_bytes": shipped, "task_s_min": min(times),
-                        "task_s_median": statistics.median(times), "task_s_max": max(times), "result_bytes_median": statistics.median(sizes)})
+        batches.append(
+            {
+                "phase": desc,
+                "tasks": len(tasks),
+                "context_bytes": shipped,
+                "task_s_min": min(times),
+                "task_s_median": statistics.median(times),
+                "task_s_max": max(times),
+                "result_bytes_median": statistics.median(sizes),
+            }
+        )
         return results
 
     # the study calls its module's run_tasks: record through it for one serial study
@@ -107,19 +118,32 @@ def main() -> None:
     for mode in modes:
         pd.testing.assert_frame_equal(frames["serial"], frames[mode], check_exact=True)
     serial = statistics.median(times["serial"])
-    rows = [{"mode": m, "median_s": statistics.median(t), "runs_s": t, "vs_serial": serial / statistics.median(t)} for m, t in times.items()]
+    rows = [
+        {"mode": m, "median_s": statistics.median(t), "runs_s": t, "vs_serial": serial / statistics.median(t)}
+        for m, t in times.items()
+    ]
     for row in rows:
         print(f"{row['mode']:>10}: median {row['median_s']:.1f} s, {row['vs_serial']:.2f}x serial")
-    print(f"Ray start-up {statistics.median(ray_start_s):.1f} s (median; not in the times above); results identical; "
-          f"{os.cpu_count()} cores, 1-min load during the runs {min(loads):.1f}-{max(loads):.1f}")
+    print(
+        f"Ray start-up {statistics.median(ray_start_s):.1f} s (median; not in the times above); results identical; "
+        f"{os.cpu_count()} cores, 1-min load during the runs {min(loads):.1f}-{max(loads):.1f}"
+    )
     split = task_split(args.requests)
     print(pd.DataFrame(split).to_string(index=False, float_format=lambda v: f"{v:.3f}"))
     args.out.mkdir(parents=True, exist_ok=True)
     pd.DataFrame(rows).to_csv(args.out / "capacity_parallel.csv", index=False)
-    write_result_json(args.out / "capacity_parallel.json", {
-        "command": "benchmarks/capacity_parallel.py", "settings": {**vars(args), "out": str(args.out), "policies": POLICIES},
-        "cores": os.cpu_count(), "load_1min": [min(loads), max(loads)], "ray_start_s": ray_start_s, "modes": rows, "task_split": split,
-    })
+    write_result_json(
+        args.out / "capacity_parallel.json",
+        {
+            "command": "benchmarks/capacity_parallel.py",
+            "settings": {**vars(args), "out": str(args.out), "policies": POLICIES},
+            "cores": os.cpu_count(),
+            "load_1min": [min(loads), max(loads)],
+            "ray_start_s": ray_start_s,
+            "modes": rows,
+            "task_split": split,
+        },
+    )
     print(f"wrote {args.out}/capacity_parallel.csv, capacity_parallel.json")
 
 

@@ -58,7 +58,9 @@ def main() -> None:
     parser.add_argument("--fixed", default="32,64,128,256,512")
     parser.add_argument("--max-chunk", type=int, default=1024)
     parser.add_argument("--seeds", default="0,1,2,3,4")
-    parser.add_argument("--stale-factor", type=float, default=0.5, help="drift part: cost model scaled by this (0 = skip)")
+    parser.add_argument(
+        "--stale-factor", type=float, default=0.5, help="drift part: cost model scaled by this (0 = skip)"
+    )
     parser.add_argument("--out", type=Path, default=Path("results/cpu"))
     args = parser.parse_args()
 
@@ -67,7 +69,12 @@ def main() -> None:
     seeds = [int(s) for s in args.seeds.split(",")]
     # (policy name, margin, calibrate, stale factor)
     variants = [(f"fixed-{c}", True, False, 1.0) for c in args.fixed.split(",")]
-    variants += [("full", True, False, 1.0), ("sloweave", True, True, 1.0), ("sloweave", False, True, 1.0), ("sloweave", True, False, 1.0)]
+    variants += [
+        ("full", True, False, 1.0),
+        ("sloweave", True, True, 1.0),
+        ("sloweave", False, True, 1.0),
+        ("sloweave", True, False, 1.0),
+    ]
     if args.stale_factor:
         # Drift: a cost model that predicts stale_factor x the real time; first without the
         # margin, so that only online recalibration stands between it and the deadlines.
@@ -80,11 +87,36 @@ def main() -> None:
     rows = []
     started = time.time()
     for seed in seeds:
-        wl = scaled_workload(args.workload, args.requests, seed, args.rate_scale, args.prompt_scale, args.output_scale, args.max_prompt, args.max_output)
-        engine = Engine(model, max_batch_tokens=int(wl.prompt_tokens.max()) + 128, num_blocks=blocks_needed(int((wl.prompt_tokens + wl.output_tokens).sum()), len(wl)))
+        wl = scaled_workload(
+            args.workload,
+            args.requests,
+            seed,
+            args.rate_scale,
+            args.prompt_scale,
+            args.output_scale,
+            args.max_prompt,
+            args.max_output,
+        )
+        engine = Engine(
+            model,
+            max_batch_tokens=int(wl.prompt_tokens.max()) + 128,
+            num_blocks=blocks_needed(int((wl.prompt_tokens + wl.output_tokens).sum()), len(wl)),
+        )
         seed_rows = []
         for name, margin, calibrate, stale in variants:
-            row, _ = run_policy(engine, wl, name, fit, args.tpot_ms, args.ttft_ms, use_margin=margin, calibrate=calibrate, max_chunk_tokens=args.max_chunk, stale_factor=stale, seed=seed)
+            row, _ = run_policy(
+                engine,
+                wl,
+                name,
+                fit,
+                args.tpot_ms,
+                args.ttft_ms,
+                use_margin=margin,
+                calibrate=calibrate,
+                max_chunk_tokens=args.max_chunk,
+                stale_factor=stale,
+                seed=seed,
+            )
             row["seed"] = seed
             seed_rows.append(row)
             print(
@@ -100,7 +132,14 @@ def main() -> None:
     medians = runs.groupby("policy", sort=False)[COLUMNS].median()
     medians.to_csv(args.out / "medians.csv")
     (args.out / "medians.md").write_text(markdown_table(medians))
-    write_result_json(args.out / "config.json", {"settings": {k: v if isinstance(v, (int, float, bool)) or v is None else str(v) for k, v in vars(args).items()}})
+    write_result_json(
+        args.out / "config.json",
+        {
+            "settings": {
+                k: v if isinstance(v, (int, float, bool)) or v is None else str(v) for k, v in vars(args).items()
+            }
+        },
+    )
     print(f"\nmedians over seeds {seeds} (TPOT target {args.tpot_ms} ms, TTFT target {args.ttft_ms} ms):")
     print(medians.round(3).to_string())
 

@@ -60,13 +60,35 @@ def fitted_costs():
     """Table and regression fitted from a synthetic profile: analytic cost + KV-context read."""
     analytic = AnalyticCost()
     rows = []
-    for n, c, context in itertools.product([1, 4, 16, 64, 128, 256, 512], [0, 64, 256, 1024, 2048, 4096], [128, 1024, 4096]):
+    for n, c, context in itertools.product(
+        [1, 4, 16, 64, 128, 256, 512], [0, 64, 256, 1024, 2048, 4096], [128, 1024, 4096]
+    ):
         if n == c == 0:
             continue
         kv = n * (context + 1)
-        rows.append({"n_decodes": n, "chunk_tokens": c, "decode_kv_tokens": kv, "prefill_prefix_tokens": 0, "step_ms": analytic(n, c) + 2e-5 * kv, "context_tokens": context, "split": "fit"})
+        rows.append(
+            {
+                "n_decodes": n,
+                "chunk_tokens": c,
+                "decode_kv_tokens": kv,
+                "prefill_prefix_tokens": 0,
+                "step_ms": analytic(n, c) + 2e-5 * kv,
+                "context_tokens": context,
+                "split": "fit",
+            }
+        )
     for n, c in ((8, 500), (100, 3000)):  # a few off-grid steps to score the fit on
-        rows.append({"n_decodes": n, "chunk_tokens": c, "decode_kv_tokens": n * 2000, "prefill_prefix_tokens": 0, "step_ms": analytic(n, c) + 2e-5 * n * 2000, "context_tokens": 2000, "split": "holdout"})
+        rows.append(
+            {
+                "n_decodes": n,
+                "chunk_tokens": c,
+                "decode_kv_tokens": n * 2000,
+                "prefill_prefix_tokens": 0,
+                "step_ms": analytic(n, c) + 2e-5 * n * 2000,
+                "context_tokens": 2000,
+                "split": "holdout",
+            }
+        )
     fitted = fit_profile(pd.DataFrame(rows))
     costs = {}
     for kind in ("table", "regression"):

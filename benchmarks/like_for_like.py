@@ -54,19 +54,57 @@ class Condition:
 
 def conditions() -> list[Condition]:
     """In priority order (the long workload's error modes last: its runs are the slowest)."""
-    errors = (("sigma0.1", dict(noise_sigma=0.1)), ("bias1.25", dict(bias=1.25)), ("sigma0.2", dict(noise_sigma=0.2)), ("bias0.8", dict(bias=0.8)))
+    errors = (
+        ("sigma0.1", dict(noise_sigma=0.1)),
+        ("bias1.25", dict(bias=1.25)),
+        ("sigma0.2", dict(noise_sigma=0.2)),
+        ("bias0.8", dict(bias=0.8)),
+    )
 
     def corrected(label, opts, s):
-        return Condition(f"{label}-corrected-{s}", s, EngineOptions(correction=True, **opts), what=f"{label}, SLOWeave with online correction, no hand-set margin")
+        return Condition(
+            f"{label}-corrected-{s}",
+            s,
+            EngineOptions(correction=True, **opts),
+            what=f"{label}, SLOWeave with online correction, no hand-set margin",
+        )
 
     out = [Condition(f"exact-{s}", s, what="exact prediction") for s in ("mixed", "long", "azure")]
     out += [corrected(label, opts, s) for label, opts in errors for s in ("mixed", "azure")]
     out += [Condition("drift", "drift", what="scenario: chat, then long documents, then bursts")]
-    out += [Condition("target-change", "mixed", tpots=(25.0,), tpot_change_ms=10.0, what="TPOT target 25 ms, then 10 ms for the second half")]
-    out += [Condition("long-llama3-8b", "long", tpots=(25.0, 50.0), cost="llama3-8b-tp1-a100", what="long workload on measured A100 operator profiles (context-aware)")]
+    out += [
+        Condition(
+            "target-change",
+            "mixed",
+            tpots=(25.0,),
+            tpot_change_ms=10.0,
+            what="TPOT target 25 ms, then 10 ms for the second half",
+        )
+    ]
+    out += [
+        Condition(
+            "long-llama3-8b",
+            "long",
+            tpots=(25.0, 50.0),
+            cost="llama3-8b-tp1-a100",
+            what="long workload on measured A100 operator profiles (context-aware)",
+        )
+    ]
     out += [Condition("azure+mooncake", "azure+mooncake", what="two traces back to back")]
-    out += [Condition("sigma0.1-uncorrected-mixed", "mixed", EngineOptions(noise_sigma=0.1), what="sigma 0.1, no correction, no margin")]
-    out += [Condition(f"admission-{s}", s, EngineOptions(admission="reject"), what="admission control (reject) for every policy") for s in ("mixed", "azure")]
+    out += [
+        Condition(
+            "sigma0.1-uncorrected-mixed",
+            "mixed",
+            EngineOptions(noise_sigma=0.1),
+            what="sigma 0.1, no correction, no margin",
+        )
+    ]
+    out += [
+        Condition(
+            f"admission-{s}", s, EngineOptions(admission="reject"), what="admission control (reject) for every policy"
+        )
+        for s in ("mixed", "azure")
+    ]
     out += [corrected(label, opts, "long") for label, opts in errors]
     return out
 
@@ -90,12 +128,28 @@ def run(condition: Condition, args) -> dict:
     source, ttft_ms = source_of(condition.source, args.seeds, args.requests)
     cost = resolve_cost(condition.cost)
     study = CapacityStudy(
-        source, POLICIES, condition.tpots, ttft_ms, steps_per_doubling=args.steps, min_scale=1 / 64, max_scale=64.0,
-        cost=cost.model, options=condition.options, jobs=args.jobs, tpot_change_ms=condition.tpot_change_ms, progress=True,
+        source,
+        POLICIES,
+        condition.tpots,
+        ttft_ms,
+        steps_per_doubling=args.steps,
+        min_scale=1 / 64,
+        max_scale=64.0,
+        cost=cost.model,
+        options=condition.options,
+        jobs=args.jobs,
+        tpot_change_ms=condition.tpot_change_ms,
+        progress=True,
     )
     started = time.perf_counter()
-    meta = {"command": "benchmarks/like_for_like.py", "condition": condition.name, "what": condition.what,
-            "requests_per_seed": args.requests, "seeds": args.seeds, "tpot_change_ms": condition.tpot_change_ms}
+    meta = {
+        "command": "benchmarks/like_for_like.py",
+        "condition": condition.name,
+        "what": condition.what,
+        "requests_per_seed": args.requests,
+        "seeds": args.seeds,
+        "tpot_change_ms": condition.tpot_change_ms,
+    }
     payload = run_capacity(study, out_dir, meta, cost, curves=False)
     payload["seconds"] = round(time.perf_counter() - started, 1)
     payload["load_average_1min"] = os.getloadavg()[0]
@@ -124,8 +178,18 @@ def phase_breakdown(condition: Condition, args, payload: dict) -> list[dict]:
     per_seed = pd.read_csv(args.out / condition.name / "capacity_seeds.csv")
     names = {name for r in payload["pairwise"] for name in (r["policy"], r["best_baseline"])}
     cost = resolve_cost(condition.cost)
-    study = CapacityStudy(source, sorted(names), condition.tpots, ttft_ms, steps_per_doubling=args.steps, min_scale=1 / 64,
-                          max_scale=64.0, cost=cost.model, options=condition.options, tpot_change_ms=condition.tpot_change_ms)
+    study = CapacityStudy(
+        source,
+        sorted(names),
+        condition.tpots,
+        ttft_ms,
+        steps_per_doubling=args.steps,
+        min_scale=1 / 64,
+        max_scale=64.0,
+        cost=cost.model,
+        options=condition.options,
+        tpot_change_ms=condition.tpot_change_ms,
+    )
     rows = []
     for r in payload["pairwise"]:
         ours = per_seed[(per_seed["policy"] == r["policy"]) & (per_seed["tpot_ms"] == r["tpot_ms"])]
@@ -135,16 +199,32 @@ def phase_breakdown(condition: Condition, args, payload: dict) -> list[dict]:
             phases = phase_of(condition, source.workload(int(seed), study.scale(int(k))))
             for name in (r["policy"], r["best_baseline"]):
                 run = study.run(name, int(seed), int(k), r["tpot_ms"]).requests
-                targets = r["tpot_ms"] if condition.tpot_change_ms is None else study._targets(len(run), r["tpot_ms"])[run["request"]]
+                targets = (
+                    r["tpot_ms"]
+                    if condition.tpot_change_ms is None
+                    else study._targets(len(run), r["tpot_ms"])[run["request"]]
+                )
                 late_first = ~(run["ttft_ms"].to_numpy() <= ttft_ms + 1e-9)
                 gaps = run["p99_tpot_ms"].to_numpy()
                 slow_tokens = ~(gaps <= np.asarray(targets) + 1e-9)
                 for phase in np.unique(phases):
                     sel = phases[run["request"].to_numpy()] == phase
-                    rows.append({"gaps": gaps[sel],"condition": condition.name, "pair": r["policy"], "tpot_ms": r["tpot_ms"], "seed": int(seed),
-                                 "load_scale": study.scale(int(k)), "policy": name, "phase": int(phase), "requests": int(sel.sum()),
-                                 "missed_ttft": float(late_first[sel].mean()), "missed_tpot": float(slow_tokens[sel].mean()),
-                                 "attainment": float((~late_first & ~slow_tokens)[sel].mean())})
+                    rows.append(
+                        {
+                            "gaps": gaps[sel],
+                            "condition": condition.name,
+                            "pair": r["policy"],
+                            "tpot_ms": r["tpot_ms"],
+                            "seed": int(seed),
+                            "load_scale": study.scale(int(k)),
+                            "policy": name,
+                            "phase": int(phase),
+                            "requests": int(sel.sum()),
+                            "missed_ttft": float(late_first[sel].mean()),
+                            "missed_tpot": float(slow_tokens[sel].mean()),
+                            "attainment": float((~late_first & ~slow_tokens)[sel].mean()),
+                        }
+                    )
     return rows
 
 
@@ -155,10 +235,19 @@ def at_capacity_table(rows: list[dict]) -> pd.DataFrame:
     for key, group in frame.groupby(["condition", "pair", "tpot_ms", "policy", "phase"], sort=False):
         gaps = np.concatenate(group["gaps"].to_list())
         gaps = gaps[np.isfinite(gaps)]
-        out.append(dict(zip(["condition", "pair", "tpot_ms", "policy", "phase"], key), load_scale=group["load_scale"].mean(),
-                        requests=int(group["requests"].sum()), missed_ttft=group["missed_ttft"].mean(), missed_tpot=group["missed_tpot"].mean(),
-                        attainment=group["attainment"].mean(), p50_gap_ms=float(np.percentile(gaps, 50)) if gaps.size else np.nan,
-                        p90_gap_ms=float(np.percentile(gaps, 90)) if gaps.size else np.nan, p99_gap_ms=float(np.percentile(gaps, 99)) if gaps.size else np.nan))
+        out.append(
+            dict(
+                zip(["condition", "pair", "tpot_ms", "policy", "phase"], key),
+                load_scale=group["load_scale"].mean(),
+                requests=int(group["requests"].sum()),
+                missed_ttft=group["missed_ttft"].mean(),
+                missed_tpot=group["missed_tpot"].mean(),
+                attainment=group["attainment"].mean(),
+                p50_gap_ms=float(np.percentile(gaps, 50)) if gaps.size else np.nan,
+                p90_gap_ms=float(np.percentile(gaps, 90)) if gaps.size else np.nan,
+                p99_gap_ms=float(np.percentile(gaps, 99)) if gaps.size else np.nan,
+            )
+        )
     return pd.DataFrame(out)
 
 
@@ -166,11 +255,34 @@ def summary_rows(condition: Condition, payload: dict) -> list[dict]:
     p99 = {(r["policy"], r["tpot_ms"]): r for r in payload["capacity"]}
     rows = []
     for r in payload["pairwise"]:
-        rows.append({"condition": condition.name, "what": condition.what, "input": condition.source, "cost": condition.cost,
-                     "options": condition.options.label(), **{k: r[k] for k in (
-                         "tpot_ms", "policy", "capacity_rps", "capacity_rps_std", "best_baseline", "best_baseline_capacity_rps",
-                         "best_baseline_capacity_rps_std", "ratio", "ratio_seed_min", "ratio_seed_max", "edge_of_sweep", "note")},
-                     "censored": p99[(r["policy"], r["tpot_ms"])]["censored"], "seconds": payload.get("seconds")})
+        rows.append(
+            {
+                "condition": condition.name,
+                "what": condition.what,
+                "input": condition.source,
+                "cost": condition.cost,
+                "options": condition.options.label(),
+                **{
+                    k: r[k]
+                    for k in (
+                        "tpot_ms",
+                        "policy",
+                        "capacity_rps",
+                        "capacity_rps_std",
+                        "best_baseline",
+                        "best_baseline_capacity_rps",
+                        "best_baseline_capacity_rps_std",
+                        "ratio",
+                        "ratio_seed_min",
+                        "ratio_seed_max",
+                        "edge_of_sweep",
+                        "note",
+                    )
+                },
+                "censored": p99[(r["policy"], r["tpot_ms"])]["censored"],
+                "seconds": payload.get("seconds"),
+            }
+        )
     return rows
 
 
@@ -179,12 +291,21 @@ def fmt(v, digits=3):
 
 
 def markdown(rows: list[dict]) -> str:
-    lines = ["| condition | input | TPOT ms | policy | capacity req/s | best tuned baseline | its capacity | ratio (seeds min-max) |", "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| condition | input | TPOT ms | policy | capacity req/s | best tuned baseline | its capacity | ratio (seeds min-max) |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
         edge = " (edge of sweep)" if r["edge_of_sweep"] else ""
-        ratio = f"**{r['ratio']:.2f}x** ({r['ratio_seed_min']:.2f}-{r['ratio_seed_max']:.2f})" if r["ratio"] == r["ratio"] and r["ratio"] is not None else r["note"] or "-"
-        lines.append(f"| {r['condition']} | {r['input']} | {r['tpot_ms']:g} | {r['policy']} | {fmt(r['capacity_rps'])} ± {fmt(r['capacity_rps_std'], 2)} | "
-                     f"{r['best_baseline']}{edge} | {fmt(r['best_baseline_capacity_rps'])} ± {fmt(r['best_baseline_capacity_rps_std'], 2)} | {ratio} |")
+        ratio = (
+            f"**{r['ratio']:.2f}x** ({r['ratio_seed_min']:.2f}-{r['ratio_seed_max']:.2f})"
+            if r["ratio"] == r["ratio"] and r["ratio"] is not None
+            else r["note"] or "-"
+        )
+        lines.append(
+            f"| {r['condition']} | {r['input']} | {r['tpot_ms']:g} | {r['policy']} | {fmt(r['capacity_rps'])} ± {fmt(r['capacity_rps_std'], 2)} | "
+            f"{r['best_baseline']}{edge} | {fmt(r['best_baseline_capacity_rps'])} ± {fmt(r['best_baseline_capacity_rps_std'], 2)} | {ratio} |"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -213,7 +334,10 @@ def main() -> None:
         at_capacity.to_csv(args.out / "at_capacity.csv", index=False)
         print(at_capacity.round(3).to_string(index=False))
     frame.to_csv(args.out / "summary.csv", index=False)
-    write_result_json(args.out / "summary.json", {"command": "benchmarks/like_for_like.py", "settings": vars(args) | {"out": str(args.out)}, "rows": rows})
+    write_result_json(
+        args.out / "summary.json",
+        {"command": "benchmarks/like_for_like.py", "settings": vars(args) | {"out": str(args.out)}, "rows": rows},
+    )
     (args.out / "summary.md").write_text(markdown(rows))
     print(markdown(rows))
 

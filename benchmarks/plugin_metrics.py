@@ -35,7 +35,10 @@ REPEATS = 7
 
 
 def recorder_cost_us(recorder, steps: int = 5000) -> list[float]:
-    plans = [StepPlan(64 + i % 512, i % 512, 0.0, 0.0, 25.0, 12.0, i % 50 == 0, i % 200 == 0, 64, margin_ms=1.5) for i in range(steps)]
+    plans = [
+        StepPlan(64 + i % 512, i % 512, 0.0, 0.0, 25.0, 12.0, i % 50 == 0, i % 200 == 0, 64, margin_ms=1.5)
+        for i in range(steps)
+    ]
     per_step = []
     for _ in range(REPEATS):
         start = time.perf_counter()
@@ -49,7 +52,9 @@ def recorder_cost_us(recorder, steps: int = 5000) -> list[float]:
 def scripted_run(with_recorder: bool, registry=None) -> tuple[float, int]:
     """A mixed scripted run on the offline engine; returns (seconds, steps)."""
     rng = np.random.default_rng(0)
-    scheduler = build_scheduler(SLOWeaveScheduler, max_num_batched_tokens=8192, additional_config={"sloweave": {"tpot_ms": 25}})
+    scheduler = build_scheduler(
+        SLOWeaveScheduler, max_num_batched_tokens=8192, additional_config={"sloweave": {"tpot_ms": 25}}
+    )
     if not with_recorder:
         scheduler.sloweave.recorder = None
     elif registry is not None:
@@ -74,10 +79,16 @@ def main() -> None:
     metrics = PrometheusRecorder(CollectorRegistry()) if mode == "single process" else default_recorder()
     with tempfile.TemporaryDirectory() as folder:
         log = StepLogWriter(Path(folder) / "steps.jsonl", {}, max_steps=10**9)
-        for what, recorder in (("metrics", metrics), ("step log", log), ("metrics + step log", Recorders(metrics, log))):
+        for what, recorder in (
+            ("metrics", metrics),
+            ("step log", log),
+            ("metrics + step log", Recorders(metrics, log)),
+        ):
             costs = recorder_cost_us(recorder)
             runs = ", ".join(f"{c:.1f}" for c in costs)
-            print(f"recorder calls per step ({what}): median {statistics.median(costs):.1f} us over {REPEATS} runs of 5000 steps (runs: {runs})")
+            print(
+                f"recorder calls per step ({what}): median {statistics.median(costs):.1f} us over {REPEATS} runs of 5000 steps (runs: {runs})"
+            )
         log.close()
     scripted_run(True, CollectorRegistry())  # warm-up
     with_rec, without = [], []
@@ -101,7 +112,9 @@ def sample_run() -> None:
     """A tight 5 ms target with aging on, so every metric moves: 80 decodes (decode-only is
     predicted at 5.65 ms, infeasible), then long prompts that only aging lets in."""
     scheduler = build_scheduler(
-        SLOWeaveScheduler, max_num_batched_tokens=8192, additional_config={"sloweave": {"tpot_ms": 5, "aging_ms": 100, "aging_chunk_tokens": 128}}
+        SLOWeaveScheduler,
+        max_num_batched_tokens=8192,
+        additional_config={"sloweave": {"tpot_ms": 5, "aging_ms": 100, "aging_chunk_tokens": 128}},
     )
     # measured step time: the model's prediction plus 5 % (a model that underestimates a little)
     eng = OfflineEngine(scheduler, step_ms=lambda d, p: 1.05 * COST(d, p))

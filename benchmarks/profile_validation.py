@@ -63,9 +63,20 @@ from sloweave.core.costs.profile import NCCL_LAUNCH_MS, ProfileCost
 
 REPO = Path(__file__).resolve().parent.parent
 OPERATORS = ("token_ops", "all_reduce", "decode", "prefill", "cpu")
-VALUE = {"token_ops": "token_ops_ms", "all_reduce": "all_reduce_ms", "decode": "attn_ms", "prefill": "attn_ms", "cpu": "cpu_ms"}
-KEYS = {"token_ops": ["num_tokens"], "all_reduce": ["num_tokens"], "decode": ["batch_size", "kv_cache_size"],
-        "prefill": ["prefill_chunk_size", "kv_cache_size"], "cpu": ["batch_size"]}
+VALUE = {
+    "token_ops": "token_ops_ms",
+    "all_reduce": "all_reduce_ms",
+    "decode": "attn_ms",
+    "prefill": "attn_ms",
+    "cpu": "cpu_ms",
+}
+KEYS = {
+    "token_ops": ["num_tokens"],
+    "all_reduce": ["num_tokens"],
+    "decode": ["batch_size", "kv_cache_size"],
+    "prefill": ["prefill_chunk_size", "kv_cache_size"],
+    "cpu": ["batch_size"],
+}
 TABLE = {"token_ops": "mlp", "all_reduce": "all_reduce", "decode": "decode", "prefill": "prefill", "cpu": "cpu"}
 
 
@@ -195,27 +206,55 @@ def validate_operator(profiles: OperatorProfiles, preset: str, operator: str, fr
         err = rel_err(pred, meas)
         with np.errstate(divide="ignore", invalid="ignore"):
             signed = np.where(meas > 0, (pred - meas) / meas, np.nan)
-        per_seed.append({"seed": seed, "held_out": int(mask.sum()), "fit": int((~mask).sum()), "errors": err,
-                         "signed": signed, "abs_err_ms": np.abs(pred - meas), "fit_errors": fit_err,
-                         "beyond": (held["num_tokens"].to_numpy() > cost.tokens_max) if operator == "all_reduce" else None,
-                         "fit_beyond": (fit["num_tokens"].to_numpy()[whole] > cost.tokens_max) if operator == "all_reduce" else None,
-                         "zero_measurements": int(np.sum(meas <= 0))})
+        per_seed.append(
+            {
+                "seed": seed,
+                "held_out": int(mask.sum()),
+                "fit": int((~mask).sum()),
+                "errors": err,
+                "signed": signed,
+                "abs_err_ms": np.abs(pred - meas),
+                "fit_errors": fit_err,
+                "beyond": (held["num_tokens"].to_numpy() > cost.tokens_max) if operator == "all_reduce" else None,
+                "fit_beyond": (fit["num_tokens"].to_numpy()[whole] > cost.tokens_max)
+                if operator == "all_reduce"
+                else None,
+                "zero_measurements": int(np.sum(meas <= 0)),
+            }
+        )
         labels = [operator] * len(held)
         if operator == "all_reduce":
-            labels = [f"all_reduce (N > {cost.tokens_max})" if b else f"all_reduce (N <= {cost.tokens_max})" for b in per_seed[-1]["beyond"]]
+            labels = [
+                f"all_reduce (N > {cost.tokens_max})" if b else f"all_reduce (N <= {cost.tokens_max})"
+                for b in per_seed[-1]["beyond"]
+            ]
         for row, p, m, e, label in zip(held[keys].itertuples(index=False), pred, meas, err, labels):
-            points_rows.append({"preset": preset, "operator": label, "seed": seed, "point": "/".join(f"{v:g}" for v in row),
-                                "measured_ms": m, "predicted_ms": p, "rel_err": e})
+            points_rows.append(
+                {
+                    "preset": preset,
+                    "operator": label,
+                    "seed": seed,
+                    "point": "/".join(f"{v:g}" for v in row),
+                    "measured_ms": m,
+                    "predicted_ms": p,
+                    "rel_err": e,
+                }
+            )
     return per_seed, points_rows
 
 
-def operator_rows(preset: str, operator: str, per_seed: list[dict], profiles: OperatorProfiles, points: int) -> list[dict]:
+def operator_rows(
+    preset: str, operator: str, per_seed: list[dict], profiles: OperatorProfiles, points: int
+) -> list[dict]:
     if not per_seed:
         return []
     groups = [("", None)]
     if operator == "all_reduce":
         limit = int(profiles.mlp["num_tokens"].max())
-        groups = [(f" (N <= {limit}: interpolated)", False), (f" (N > {limit}: past mlp.csv, extrapolated by design)", True)]
+        groups = [
+            (f" (N <= {limit}: interpolated)", False),
+            (f" (N > {limit}: past mlp.csv, extrapolated by design)", True),
+        ]
     rows = []
     for suffix, beyond in groups:
         errs, signed, abs_errs, fit_errs, seed_medians = [], [], [], [], []
@@ -236,18 +275,27 @@ def operator_rows(preset: str, operator: str, per_seed: list[dict], profiles: Op
             note = "derived attention (scaled 70B TP2 data), not measured for this model"
         if operator == "cpu" and profiles.notes:
             note = "; ".join(profiles.notes)
-        rows.append({
-            "preset": preset, "operator": operator + suffix, "profiled_points": points,
-            "held_out_per_seed": int(per_seed[0]["held_out"]), "seeds": len(per_seed), "evaluated": st["n"],
-            "median_rel_err": st["median"], "p90_rel_err": st["p90"], "max_rel_err": st["max"],
-            "median_signed_rel_err": float(np.nanmedian(np.concatenate(signed))) if st["n"] else None,
-            "median_abs_err_ms": float(np.median(np.concatenate(abs_errs))) if st["n"] else None,
-            "per_seed_median_min": min(seed_medians) if seed_medians else None,
-            "per_seed_median_max": max(seed_medians) if seed_medians else None,
-            "fit_points_median_rel_err": fit_st["median"], "fit_points_p90_rel_err": fit_st["p90"],
-            "zero_measurements_skipped": int(sum(s["zero_measurements"] for s in per_seed)),
-            "note": note,
-        })
+        rows.append(
+            {
+                "preset": preset,
+                "operator": operator + suffix,
+                "profiled_points": points,
+                "held_out_per_seed": int(per_seed[0]["held_out"]),
+                "seeds": len(per_seed),
+                "evaluated": st["n"],
+                "median_rel_err": st["median"],
+                "p90_rel_err": st["p90"],
+                "max_rel_err": st["max"],
+                "median_signed_rel_err": float(np.nanmedian(np.concatenate(signed))) if st["n"] else None,
+                "median_abs_err_ms": float(np.median(np.concatenate(abs_errs))) if st["n"] else None,
+                "per_seed_median_min": min(seed_medians) if seed_medians else None,
+                "per_seed_median_max": max(seed_medians) if seed_medians else None,
+                "fit_points_median_rel_err": fit_st["median"],
+                "fit_points_p90_rel_err": fit_st["p90"],
+                "zero_measurements_skipped": int(sum(s["zero_measurements"] for s in per_seed)),
+                "note": note,
+            }
+        )
     return rows
 
 
@@ -262,8 +310,16 @@ def error_bands(points: pd.DataFrame) -> pd.DataFrame:
             sub = group[(group.measured_ms >= lo) & (group.measured_ms < hi)]
             st = stats(sub["rel_err"].to_numpy(float))
             if st["n"]:
-                rows.append({"preset": preset, "operator": operator, "measured_ms": label, "points": st["n"],
-                             "median_rel_err": st["median"], "p90_rel_err": st["p90"]})
+                rows.append(
+                    {
+                        "preset": preset,
+                        "operator": operator,
+                        "measured_ms": label,
+                        "points": st["n"],
+                        "median_rel_err": st["median"],
+                        "p90_rel_err": st["p90"],
+                    }
+                )
     return pd.DataFrame(rows)
 
 
@@ -274,6 +330,7 @@ def error_bands(points: pd.DataFrame) -> pd.DataFrame:
 
 def iteration_candidates(profiles: OperatorProfiles):
     """Interior profiled points of each table, as lookups (key -> measured median)."""
+
     def lookup(operator):
         frame = table(profiles, operator)
         if frame is None:
@@ -281,7 +338,10 @@ def iteration_candidates(profiles: OperatorProfiles):
         ok = eligible(frame, operator)
         keys = KEYS[operator]
         sub = frame[ok]
-        return sub, {tuple(int(v) for v in row[:-1]): float(row[-1]) for row in sub[keys + [VALUE[operator]]].itertuples(index=False)}
+        return sub, {
+            tuple(int(v) for v in row[:-1]): float(row[-1])
+            for row in sub[keys + [VALUE[operator]]].itertuples(index=False)
+        }
 
     mlp_sub, mlp = lookup("token_ops")
     _, ar = lookup("all_reduce")
@@ -325,7 +385,9 @@ def draw_iterations(profiles: OperatorProfiles, kind: str, count: int, seed: int
     return out
 
 
-def validate_iterations(profiles: OperatorProfiles, preset: str, kinds: list[str], groups: int, group_size: int, seed: int):
+def validate_iterations(
+    profiles: OperatorProfiles, preset: str, kinds: list[str], groups: int, group_size: int, seed: int
+):
     mlp, ar, dec, pre, _, _ = iteration_candidates(profiles)
     layers, tp = profiles.shape.num_layers, profiles.all_reduce is not None
     rows, points = [], []
@@ -333,7 +395,7 @@ def validate_iterations(profiles: OperatorProfiles, preset: str, kinds: list[str
         drawn = draw_iterations(profiles, kind, groups * group_size, seed)
         errors, signed = [], []
         for g in range(groups):
-            group = drawn[g * group_size:(g + 1) * group_size]
+            group = drawn[g * group_size : (g + 1) * group_size]
             if not group:
                 continue
             tokens = {b + c for b, _, c, _ in group}
@@ -341,11 +403,30 @@ def validate_iterations(profiles: OperatorProfiles, preset: str, kinds: list[str
             pre_out = {(c, p) for _, _, c, p in group if c}
             frames = {
                 "mlp": profiles.mlp[~profiles.mlp["num_tokens"].isin(tokens)].reset_index(drop=True),
-                "decode": profiles.decode[~pd.Series(list(zip(profiles.decode.batch_size.astype(int), profiles.decode.kv_cache_size.astype(int)))).isin(dec_out).to_numpy()].reset_index(drop=True),
-                "prefill": profiles.prefill[~pd.Series(list(zip(profiles.prefill.prefill_chunk_size.astype(int), profiles.prefill.kv_cache_size.astype(int)))).isin(pre_out).to_numpy()].reset_index(drop=True),
+                "decode": profiles.decode[
+                    ~pd.Series(
+                        list(zip(profiles.decode.batch_size.astype(int), profiles.decode.kv_cache_size.astype(int)))
+                    )
+                    .isin(dec_out)
+                    .to_numpy()
+                ].reset_index(drop=True),
+                "prefill": profiles.prefill[
+                    ~pd.Series(
+                        list(
+                            zip(
+                                profiles.prefill.prefill_chunk_size.astype(int),
+                                profiles.prefill.kv_cache_size.astype(int),
+                            )
+                        )
+                    )
+                    .isin(pre_out)
+                    .to_numpy()
+                ].reset_index(drop=True),
             }
             if tp:
-                frames["all_reduce"] = profiles.all_reduce[~profiles.all_reduce["num_tokens"].isin(tokens)].reset_index(drop=True)
+                frames["all_reduce"] = profiles.all_reduce[~profiles.all_reduce["num_tokens"].isin(tokens)].reset_index(
+                    drop=True
+                )
             cost = ProfileCost(replace(profiles, **frames), cpu_overhead=False)
             for b, kv, c, p in group:
                 n_tok = b + c
@@ -355,14 +436,37 @@ def validate_iterations(profiles: OperatorProfiles, preset: str, kinds: list[str
                 predicted = cost.predict(b, c, b * kv, p)
                 errors.append(abs(predicted - measured) / measured)
                 signed.append((predicted - measured) / measured)
-                points.append({"preset": preset, "kind": kind, "group": g, "decodes": b, "kv_per_decode": kv, "chunk": c,
-                               "prefix": p, "measured_ms": measured, "predicted_ms": predicted,
-                               "rel_err": errors[-1]})
+                points.append(
+                    {
+                        "preset": preset,
+                        "kind": kind,
+                        "group": g,
+                        "decodes": b,
+                        "kv_per_decode": kv,
+                        "chunk": c,
+                        "prefix": p,
+                        "measured_ms": measured,
+                        "predicted_ms": predicted,
+                        "rel_err": errors[-1],
+                    }
+                )
         st = stats(np.array(errors))
-        rows.append({"preset": preset, "kind": kind, "iterations": st["n"], "groups": groups, "group_size": group_size,
-                     "median_rel_err": st["median"], "p90_rel_err": st["p90"], "max_rel_err": st["max"],
-                     "median_signed_rel_err": float(np.median(signed)) if signed else None,
-                     "note": "attention derived from 70B TP2 (not measured)" if profiles.attention_note != "measured" else ""})
+        rows.append(
+            {
+                "preset": preset,
+                "kind": kind,
+                "iterations": st["n"],
+                "groups": groups,
+                "group_size": group_size,
+                "median_rel_err": st["median"],
+                "p90_rel_err": st["p90"],
+                "max_rel_err": st["max"],
+                "median_signed_rel_err": float(np.median(signed)) if signed else None,
+                "note": "attention derived from 70B TP2 (not measured)"
+                if profiles.attention_note != "measured"
+                else "",
+            }
+        )
     return rows, points
 
 
@@ -380,7 +484,10 @@ def source_state() -> dict:
         return proc.stdout.strip() if proc.returncode == 0 else None
 
     changed = git("status", "--porcelain", "--", "src")
-    return {"commit": git("rev-parse", "HEAD"), "src_files_changed_since_commit": None if changed is None else len(changed.splitlines())}
+    return {
+        "commit": git("rev-parse", "HEAD"),
+        "src_files_changed_since_commit": None if changed is None else len(changed.splitlines()),
+    }
 
 
 def strict(value):
@@ -420,9 +527,13 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=REPO / "results" / "profile_validation")
     parser.add_argument("--presets", nargs="+", default=list(PRESETS), help="presets or profile folders")
     parser.add_argument("--holdout", type=float, default=0.2, help="fraction of each table's points held out")
-    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4], help="one hold-out draw per seed (results pooled)")
+    parser.add_argument(
+        "--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4], help="one hold-out draw per seed (results pooled)"
+    )
     parser.add_argument("--iteration-groups", type=int, default=10, help="joint leave-out groups per iteration kind")
-    parser.add_argument("--group-size", type=int, default=10, help="iterations per group (their points are removed together)")
+    parser.add_argument(
+        "--group-size", type=int, default=10, help="iterations per group (their points are removed together)"
+    )
     args = parser.parse_args()
     if not 0 < args.holdout < 1:
         parser.error("--holdout must be between 0 and 1")
@@ -441,7 +552,9 @@ def main() -> None:
                 per_seed, points = validate_operator(profiles, preset, operator, args.holdout, args.seeds)
                 op_rows += operator_rows(preset, operator, per_seed, profiles, 0 if frame is None else len(frame))
                 point_rows += points
-            rows, points = validate_iterations(profiles, preset, kinds, args.iteration_groups, args.group_size, args.seeds[0])
+            rows, points = validate_iterations(
+                profiles, preset, kinds, args.iteration_groups, args.group_size, args.seeds[0]
+            )
             it_rows += rows
             it_points += points
     operators = pd.DataFrame(op_rows)
@@ -455,12 +568,18 @@ def main() -> None:
         "what": "leave-out validation of sloweave.core.costs.profile.ProfileCost",
         "sloweave_version": importlib.metadata.version("sloweave"),
         "sloweave_source": source_state(),
-        "settings": {"presets": args.presets, "holdout_fraction": args.holdout, "seeds": args.seeds,
-                     "iteration_groups": args.iteration_groups, "group_size": args.group_size,
-                     "iteration_seed": args.seeds[0], "nccl_launch_ms": NCCL_LAUNCH_MS,
-                     "error": "|predicted - measured| / measured (measured = the profile's median)",
-                     "kept_in_fit": "each grid's smallest and largest values (prefill: also each prefix row's smallest and "
-                                    "largest chunk); all-reduce: sizes that are not a whole number of tokens"},
+        "settings": {
+            "presets": args.presets,
+            "holdout_fraction": args.holdout,
+            "seeds": args.seeds,
+            "iteration_groups": args.iteration_groups,
+            "group_size": args.group_size,
+            "iteration_seed": args.seeds[0],
+            "nccl_launch_ms": NCCL_LAUNCH_MS,
+            "error": "|predicted - measured| / measured (measured = the profile's median)",
+            "kept_in_fit": "each grid's smallest and largest values (prefill: also each prefix row's smallest and "
+            "largest chunk); all-reduce: sizes that are not a whole number of tokens",
+        },
         "models": described,
         "operators": op_rows,
         "error_by_measured_time": bands.to_dict(orient="records"),
@@ -471,17 +590,50 @@ def main() -> None:
     (out / "summary.json").write_text(json.dumps(strict(summary), indent=1, allow_nan=False))
 
     print(f"Leave-out validation: {args.holdout:.0%} of each table held out, seeds {args.seeds} (pooled)\n")
-    print_table(operators, ["preset", "operator", "profiled_points", "held_out_per_seed", "evaluated", "median_rel_err",
-                            "p90_rel_err", "max_rel_err", "median_signed_rel_err", "median_abs_err_ms", "fit_points_median_rel_err"],
-                {"median_rel_err", "p90_rel_err", "max_rel_err", "median_signed_rel_err", "fit_points_median_rel_err"})
-    print("(signed: (predicted - measured) / measured; > 0 is an over-prediction. fit points: the error where the model was fitted)")
+    print_table(
+        operators,
+        [
+            "preset",
+            "operator",
+            "profiled_points",
+            "held_out_per_seed",
+            "evaluated",
+            "median_rel_err",
+            "p90_rel_err",
+            "max_rel_err",
+            "median_signed_rel_err",
+            "median_abs_err_ms",
+            "fit_points_median_rel_err",
+        ],
+        {"median_rel_err", "p90_rel_err", "max_rel_err", "median_signed_rel_err", "fit_points_median_rel_err"},
+    )
+    print(
+        "(signed: (predicted - measured) / measured; > 0 is an over-prediction. fit points: the error where the model was fitted)"
+    )
     print("\nHeld-out error by the measured time (the profile's resolution is 1 us; small kernels are noisy):\n")
-    print_table(bands, ["preset", "operator", "measured_ms", "points", "median_rel_err", "p90_rel_err"], {"median_rel_err", "p90_rel_err"})
-    print(f"\nWhole iterations (every term a profiled point, all of them left out together; CPU term off; "
-          f"{args.iteration_groups} groups x {args.group_size}):\n")
-    print_table(iterations, ["preset", "kind", "iterations", "median_rel_err", "p90_rel_err", "max_rel_err",
-                             "median_signed_rel_err", "note"],
-                {"median_rel_err", "p90_rel_err", "max_rel_err", "median_signed_rel_err"})
+    print_table(
+        bands,
+        ["preset", "operator", "measured_ms", "points", "median_rel_err", "p90_rel_err"],
+        {"median_rel_err", "p90_rel_err"},
+    )
+    print(
+        f"\nWhole iterations (every term a profiled point, all of them left out together; CPU term off; "
+        f"{args.iteration_groups} groups x {args.group_size}):\n"
+    )
+    print_table(
+        iterations,
+        [
+            "preset",
+            "kind",
+            "iterations",
+            "median_rel_err",
+            "p90_rel_err",
+            "max_rel_err",
+            "median_signed_rel_err",
+            "note",
+        ],
+        {"median_rel_err", "p90_rel_err", "max_rel_err", "median_signed_rel_err"},
+    )
     print(f"\n{time.perf_counter() - start:.1f} s; results in {out}")
 
 

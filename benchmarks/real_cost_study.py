@@ -73,42 +73,70 @@ def pairwise(frame: pd.DataFrame, per_seed: dict) -> list[dict]:
     rows = []
     for tpot, at in frame.groupby("tpot_ms"):
         for ours, family in PAIRS:
-            baselines = at[at["policy"].str.startswith(family) | at["policy"].isin(["full" if family == "fixed-" else "orca"])]
+            baselines = at[
+                at["policy"].str.startswith(family) | at["policy"].isin(["full" if family == "fixed-" else "orca"])
+            ]
             best = baselines.loc[baselines["capacity_rps"].idxmax()]
             mine = at[at["policy"] == ours].iloc[0]
             seed_ratios = [a / b for a, b in zip(per_seed[(ours, tpot)], per_seed[(best["policy"], tpot)]) if b > 0]
-            rows.append({
-                "tpot_ms": tpot, "policy": ours, "capacity_rps": mine["capacity_rps"], "std": mine["capacity_rps_std"],
-                "best_baseline": best["policy"], "baseline_capacity_rps": best["capacity_rps"], "baseline_std": best["capacity_rps_std"],
-                "ratio": mine["capacity_rps"] / best["capacity_rps"] if best["capacity_rps"] > 0 else None,
-                "ratio_seed_min": min(seed_ratios, default=None), "ratio_seed_max": max(seed_ratios, default=None),
-                "censored": mine["censored"] or best["censored"],
-                "edge_of_sweep": best["policy"] in (f"{family}{FIXED[0] if family == 'fixed-' else SARATHI[0]}", f"{family}4096"),
-            })
+            rows.append(
+                {
+                    "tpot_ms": tpot,
+                    "policy": ours,
+                    "capacity_rps": mine["capacity_rps"],
+                    "std": mine["capacity_rps_std"],
+                    "best_baseline": best["policy"],
+                    "baseline_capacity_rps": best["capacity_rps"],
+                    "baseline_std": best["capacity_rps_std"],
+                    "ratio": mine["capacity_rps"] / best["capacity_rps"] if best["capacity_rps"] > 0 else None,
+                    "ratio_seed_min": min(seed_ratios, default=None),
+                    "ratio_seed_max": max(seed_ratios, default=None),
+                    "censored": mine["censored"] or best["censored"],
+                    "edge_of_sweep": best["policy"]
+                    in (f"{family}{FIXED[0] if family == 'fixed-' else SARATHI[0]}", f"{family}4096"),
+                }
+            )
     return rows
 
 
 def run_one(preset: str, name: str, args, cost) -> tuple[pd.DataFrame, list[dict], dict]:
     tpots = PRESETS[preset]
-    policies = ["sloweave", "sloweave-multi", "full", "orca"] + [f"fixed-{c}" for c in FIXED] + [f"sarathi-{b}" for b in SARATHI]
+    policies = (
+        ["sloweave", "sloweave-multi", "full", "orca"]
+        + [f"fixed-{c}" for c in FIXED]
+        + [f"sarathi-{b}" for b in SARATHI]
+    )
     source = source_for(name, args.seeds, args.requests)
     ttft_ms = TTFT_BY_PRESET.get((preset, name), INPUTS[name][1])
-    study = CapacityStudy(source, policies, tpots, ttft_ms, cost=cost, min_scale=1 / 1024, max_scale=64.0, steps_per_doubling=8)
+    study = CapacityStudy(
+        source, policies, tpots, ttft_ms, cost=cost, min_scale=1 / 1024, max_scale=64.0, steps_per_doubling=8
+    )
     started = time.perf_counter()
     capacities = study.capacities()
     frame = capacity_frame(capacities)
     per_seed = {(c.policy, c.tpot_ms): [s.rps for s in c.seeds] for c in capacities}
     rows = pairwise(frame, per_seed)
-    info = {"simulations": study.simulations, "seconds": round(time.perf_counter() - started, 1), "ttft_ms": ttft_ms, "source": source.describe()}
+    info = {
+        "simulations": study.simulations,
+        "seconds": round(time.perf_counter() - started, 1),
+        "ttft_ms": ttft_ms,
+        "source": source.describe(),
+    }
     return frame, rows, info
 
 
 def markdown(summary: list[dict]) -> str:
-    lines = ["| cost | input | TPOT ms | policy | capacity req/s | best baseline | its capacity | ratio (seeds min-max) |", "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| cost | input | TPOT ms | policy | capacity req/s | best baseline | its capacity | ratio (seeds min-max) |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for r in summary:
         edge = " (edge of sweep)" if r["edge_of_sweep"] else ""
-        ratio = "no policy reaches the target at any load searched" if r["ratio"] is None else (
-            f"**{r['ratio']:.2f}x** ({r['ratio_seed_min']:.2f}-{r['ratio_seed_max']:.2f})")
+        ratio = (
+            "no policy reaches the target at any load searched"
+            if r["ratio"] is None
+            else (f"**{r['ratio']:.2f}x** ({r['ratio_seed_min']:.2f}-{r['ratio_seed_max']:.2f})")
+        )
         lines.append(
             f"| {r['preset']} | {r['input']} | {r['tpot_ms']:g} | {r['policy']} | {r['capacity_rps']:.3g} ± {r['std']:.2g} | {r['best_baseline']}{edge} | "
             f"{r['baseline_capacity_rps']:.3g} ± {r['baseline_std']:.2g} | {ratio} |"
@@ -124,7 +152,9 @@ def main() -> None:
     parser.add_argument("--preset", action="append", choices=sorted(PRESETS), help="default: both")
     parser.add_argument("--input", action="append", choices=sorted(INPUTS), help="default: all")
     parser.add_argument("--quick", action="store_true", help="2 seeds x 150 requests, chat and mixed only")
-    parser.add_argument("--fresh", action="store_true", help="recompute every (preset, input), ignoring earlier results in --out")
+    parser.add_argument(
+        "--fresh", action="store_true", help="recompute every (preset, input), ignoring earlier results in --out"
+    )
     args = parser.parse_args()
     if args.quick:
         args.seeds, args.requests, args.input = 2, 150, args.input or ["chat", "mixed"]
@@ -144,16 +174,33 @@ def main() -> None:
                 warnings.simplefilter("ignore")  # extrapolation is counted in the cost's description
                 frame, rows, info = run_one(preset, name, args, cost)
             frame.to_csv(args.out / f"capacity_{preset}_{name}.csv", index=False)
-            mine = [{"preset": preset, "input": name, **row, **{k: v for k, v in info.items() if k != "source"}} for row in rows]
-            done.write_text(json.dumps({"settings": settings, "rows": mine, "source": info["source"], "cost": cost.describe()}, indent=1, allow_nan=False))
+            mine = [
+                {"preset": preset, "input": name, **row, **{k: v for k, v in info.items() if k != "source"}}
+                for row in rows
+            ]
+            done.write_text(
+                json.dumps(
+                    {"settings": settings, "rows": mine, "source": info["source"], "cost": cost.describe()},
+                    indent=1,
+                    allow_nan=False,
+                )
+            )
             summary.extend(mine)
             print(markdown(mine), flush=True)
         costs[preset] = cost.describe()
     pd.DataFrame(summary).to_csv(args.out / "pairwise.csv", index=False)
     doc = {
         "sloweave_version": version("sloweave"),
-        "settings": {"seeds": args.seeds, "requests_per_seed": args.requests, "tpot_ms": PRESETS, "inputs": INPUTS,
-                     "fixed_sweep": FIXED, "sarathi_sweep": SARATHI, "attainment_target": 0.9, "lattice_steps_per_doubling": 8},
+        "settings": {
+            "seeds": args.seeds,
+            "requests_per_seed": args.requests,
+            "tpot_ms": PRESETS,
+            "inputs": INPUTS,
+            "fixed_sweep": FIXED,
+            "sarathi_sweep": SARATHI,
+            "attainment_target": 0.9,
+            "lattice_steps_per_doubling": 8,
+        },
         "costs": costs,
         "pairwise": summary,
     }

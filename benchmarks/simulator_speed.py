@@ -63,19 +63,29 @@ def extract(rev: str, into: Path) -> Path:
 
 def time_once(src: Path, workload: str, policy: str, check: bool = False) -> dict:
     env = dict(os.environ, PYTHONPATH=str(src))
-    out = subprocess.run([sys.executable, "-c", TIMER, workload, policy, "1" if check else "0"], env=env, capture_output=True, text=True, check=True)
+    out = subprocess.run(
+        [sys.executable, "-c", TIMER, workload, policy, "1" if check else "0"],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     return json.loads(out.stdout)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--before", default=BEFORE_SPLIT, help="git revision to compare with (default: before the split)")
+    parser.add_argument(
+        "--before", default=BEFORE_SPLIT, help="git revision to compare with (default: before the split)"
+    )
     parser.add_argument("--runs", type=int, default=5)
     args = parser.parse_args()
     load_start = os.getloadavg()[0]
     with tempfile.TemporaryDirectory() as tmp:
         before_src, after_src = extract(args.before, Path(tmp)), REPO / "src"
-        print(f"{'workload':<8} {'policy':<10} {'iterations':>10} {'before it/s':>12} {'after it/s':>11} {'after/before':>12} {'tracker it/s':>12}")
+        print(
+            f"{'workload':<8} {'policy':<10} {'iterations':>10} {'before it/s':>12} {'after it/s':>11} {'after/before':>12} {'tracker it/s':>12}"
+        )
         for workload, policy in CASES:
             before, after, tracked = [], [], []
             for _ in range(args.runs):
@@ -85,8 +95,12 @@ def main() -> None:
             iterations = after[0]["iterations"]
             assert before[0]["iterations"] == iterations, "the two revisions simulated different runs"
             b, a, t = (statistics.median(r["seconds"] for r in runs) for runs in (before, after, tracked))
-            print(f"{workload:<8} {policy:<10} {iterations:>10} {iterations / b:>12.0f} {iterations / a:>11.0f} {b / a:>11.2f}x {iterations / t:>12.0f}")
-    print(f"medians of {args.runs} runs each, interleaved; before = {args.before}; load average {load_start:.2f} at start, {os.getloadavg()[0]:.2f} at end")
+            print(
+                f"{workload:<8} {policy:<10} {iterations:>10} {iterations / b:>12.0f} {iterations / a:>11.0f} {b / a:>11.2f}x {iterations / t:>12.0f}"
+            )
+    print(
+        f"medians of {args.runs} runs each, interleaved; before = {args.before}; load average {load_start:.2f} at start, {os.getloadavg()[0]:.2f} at end"
+    )
 
 
 if __name__ == "__main__":

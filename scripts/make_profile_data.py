@@ -18,28 +18,57 @@ from pathlib import Path
 import pandas as pd
 
 OUT = Path(__file__).resolve().parents[1] / "src" / "sloweave" / "data" / "profiles"
-MLP_KEYS = ["n_head", "n_kv_head", "n_embd", "n_expanded_embd", "vocab_size", "use_gated_mlp", "num_tokens", "num_tensor_parallel_workers"]
-ATTENTION_KEYS = ["n_embd", "n_q_head", "n_kv_head", "block_size", "num_tensor_parallel_workers", "batch_size", "prefill_chunk_size", "kv_cache_size", "is_prefill"]
+MLP_KEYS = [
+    "n_head",
+    "n_kv_head",
+    "n_embd",
+    "n_expanded_embd",
+    "vocab_size",
+    "use_gated_mlp",
+    "num_tokens",
+    "num_tensor_parallel_workers",
+]
+ATTENTION_KEYS = [
+    "n_embd",
+    "n_q_head",
+    "n_kv_head",
+    "block_size",
+    "num_tensor_parallel_workers",
+    "batch_size",
+    "prefill_chunk_size",
+    "kv_cache_size",
+    "is_prefill",
+]
 ALL_REDUCE_KEYS = ["rank", "num_workers", "size", "collective", "devices_per_node", "max_devices_per_node"]
 CPU_KEYS = ["model_name", "batch_size", "tensor_parallel_degree"]
 PRESETS = {
     "llama2-70b-tp2-a100": {
         "model": {
-            "name": "meta-llama/Llama-2-70b-hf", "num_layers": 80, "tensor_parallel": 2, "device": "A100-80GB",
+            "name": "meta-llama/Llama-2-70b-hf",
+            "num_layers": 80,
+            "tensor_parallel": 2,
+            "device": "A100-80GB",
             "attention": "measured",
             "cpu_overheads_of": {"model_name": "meta-llama/Llama-2-70b-hf", "tensor_parallel_degree": 4},
             "notes": "CPU overheads were measured for this model at TP4 only; they are used for TP2.",
         },
-        "files": {"mlp.csv": ("mlp_llama2_70b.csv", MLP_KEYS), "attention.csv": ("attention_llama2_70b_tp2.csv", ATTENTION_KEYS),
-                  "all_reduce.csv": ("all_reduce_a100_pairwise_nvlink.csv", ALL_REDUCE_KEYS), "cpu_overheads.csv": ("cpu_overheads.csv", CPU_KEYS)},
+        "files": {
+            "mlp.csv": ("mlp_llama2_70b.csv", MLP_KEYS),
+            "attention.csv": ("attention_llama2_70b_tp2.csv", ATTENTION_KEYS),
+            "all_reduce.csv": ("all_reduce_a100_pairwise_nvlink.csv", ALL_REDUCE_KEYS),
+            "cpu_overheads.csv": ("cpu_overheads.csv", CPU_KEYS),
+        },
     },
     "llama3-8b-tp1-a100": {
         "model": {
-            "name": "meta-llama/Meta-Llama-3-8B", "num_layers": 32, "tensor_parallel": 1, "device": "A100-80GB",
+            "name": "meta-llama/Meta-Llama-3-8B",
+            "num_layers": 32,
+            "tensor_parallel": 1,
+            "device": "A100-80GB",
             "attention": {"derived_from": "llama2-70b-tp2-a100"},
             "cpu_overheads_of": {"model_name": "meta-llama/Llama-2-7b-hf", "tensor_parallel_degree": 1},
             "notes": "No attention profile of Llama-3-8B exists here: attention is derived from the measured Llama-2-70B TP2 one. "
-                     "CPU overheads are Llama-2-7B's at TP1 (the nearest measured model).",
+            "CPU overheads are Llama-2-7B's at TP1 (the nearest measured model).",
         },
         "files": {"mlp.csv": ("mlp_llama3_8b.csv", MLP_KEYS), "cpu_overheads.csv": ("cpu_overheads.csv", CPU_KEYS)},
     },
@@ -60,7 +89,10 @@ def main(source: Path) -> None:
             frame = pd.read_csv(source / file)
             if file == "cpu_overheads.csv":
                 wanted = preset["model"]["cpu_overheads_of"]
-                frame = frame[(frame.model_name == wanted["model_name"]) & (frame.tensor_parallel_degree == wanted["tensor_parallel_degree"])]
+                frame = frame[
+                    (frame.model_name == wanted["model_name"])
+                    & (frame.tensor_parallel_degree == wanted["tensor_parallel_degree"])
+                ]
             reduce(frame, keys).to_csv(folder / target, index=False)
         model = dict(preset["model"], source={t: f for t, (f, _) in preset["files"].items()})
         (folder / "model.json").write_text(json.dumps(model, indent=2) + "\n")

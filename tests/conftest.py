@@ -26,11 +26,15 @@ HERE = Path(__file__).resolve().parent
 CORE_ONLY = "make test-core runs the other tests here with --ignore=tests/vllm_plugin --ignore=tests/vllm_engine"
 # folder -> why this environment cannot run it (None: it can)
 WRONG_ENVIRONMENT = {
-    HERE / "vllm_plugin": None if HAS_VLLM else (
+    HERE / "vllm_plugin": None
+    if HAS_VLLM
+    else (
         "tests/vllm_plugin needs vLLM, which this environment lacks: it runs in .venv-vllm (make test-vllm) "
         f"and .venv-vllm-cpu (make test-vllm-cpu); {CORE_ONLY}"
     ),
-    HERE / "vllm_engine": None if HAS_VLLM_CPU_ENGINE else (
+    HERE / "vllm_engine": None
+    if HAS_VLLM_CPU_ENGINE
+    else (
         "tests/vllm_engine needs vLLM's CPU build (vllm-cpu: real forward passes on this CPU), which this environment "
         f"lacks: it runs in .venv-vllm-cpu (make test-vllm-cpu); {CORE_ONLY}"
     ),
@@ -52,8 +56,14 @@ def pytest_collect_directory(path, parent):
 
 def pytest_report_header(config):
     if not HAS_VLLM:
-        return "vLLM not installed here: tests/vllm_plugin and tests/vllm_engine run in the vLLM environments (make test)"
-    return None if HAS_VLLM_CPU_ENGINE else "vLLM's CUDA release: tests/vllm_engine (real CPU engine) run in .venv-vllm-cpu"
+        return (
+            "vLLM not installed here: tests/vllm_plugin and tests/vllm_engine run in the vLLM environments (make test)"
+        )
+    return (
+        None
+        if HAS_VLLM_CPU_ENGINE
+        else "vLLM's CUDA release: tests/vllm_engine (real CPU engine) run in .venv-vllm-cpu"
+    )
 
 
 @pytest.fixture
@@ -66,7 +76,14 @@ def analytic_step_profile(tmp_path):
 
     analytic = AnalyticCost()
     rows = [
-        dict(n_decodes=n, chunk_tokens=c, decode_kv_tokens=n * 300, prefill_prefix_tokens=0, step_ms=analytic(n, c), split="fit")
+        dict(
+            n_decodes=n,
+            chunk_tokens=c,
+            decode_kv_tokens=n * 300,
+            prefill_prefix_tokens=0,
+            step_ms=analytic(n, c),
+            split="fit",
+        )
         for n in (0, 1, 4, 16, 64)
         for c in (0, 64, 256, 1024, 4096)
         if n or c

@@ -24,7 +24,9 @@ def test_an_unknown_name_is_an_attribute_error_naming_it():
 
 def test_importing_sloweave_loads_no_simulator_and_no_engine():
     code = "import sys, sloweave; print(sorted(m for m in ('sloweave.sim', 'pandas', 'torch', 'vllm') if m in sys.modules))"
-    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip() == "[]"
+    assert (
+        subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip() == "[]"
+    )
 
 
 def test_the_readme_example_runs_on_the_top_level_names():

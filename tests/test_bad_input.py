@@ -47,14 +47,19 @@ def _invoke(*args: str):
 @pytest.mark.parametrize("prompt", ["1000000000000", "100000000000000000000", "1e20"])
 def test_a_trace_request_beyond_the_models_context_is_refused_with_its_line(tmp_path, prompt):
     path = _trace(tmp_path, ["0.0,100,20", f"0.5,{prompt},20"])
-    with pytest.raises(TraceError, match=rf"t\.csv, line 3: prompt \S+ \+ output 20 tokens exceed the model's context of {DEFAULT_MAX_MODEL_LEN_TOKENS}"):
+    with pytest.raises(
+        TraceError,
+        match=rf"t\.csv, line 3: prompt \S+ \+ output 20 tokens exceed the model's context of {DEFAULT_MAX_MODEL_LEN_TOKENS}",
+    ):
         load_trace(path)
 
 
 def test_the_limit_counts_prompt_plus_output_and_is_configurable(tmp_path):
     path = _trace(tmp_path, ["0.0,3000,1200", "0.5,100,20"])
     assert len(load_trace(path)) == 2
-    with pytest.raises(TraceError, match=r"line 2: prompt 3000 \+ output 1200 tokens exceed the model's context of 4096"):
+    with pytest.raises(
+        TraceError, match=r"line 2: prompt 3000 \+ output 1200 tokens exceed the model's context of 4096"
+    ):
         load_trace(path, max_model_len_tokens=4096)
     # at the limit exactly is allowed
     assert load_trace(path, max_model_len_tokens=4200).max_model_len_tokens == 4200
@@ -64,7 +69,9 @@ def test_the_limit_counts_prompt_plus_output_and_is_configurable(tmp_path):
 
 def test_the_mooncake_lines_are_checked_too(tmp_path):
     path = tmp_path / "m.jsonl"
-    path.write_text('{"timestamp": 0, "input_length": 10, "output_length": 5}\n{"timestamp": 5, "input_length": 2000000, "output_length": 5}\n')
+    path.write_text(
+        '{"timestamp": 0, "input_length": 10, "output_length": 5}\n{"timestamp": 5, "input_length": 2000000, "output_length": 5}\n'
+    )
     with pytest.raises(TraceError, match=r"m\.jsonl, line 2: prompt 2000000 \+ output 5"):
         load_trace(path)
 
@@ -92,7 +99,18 @@ def test_replay_and_capacity_take_max_model_len(tmp_path):
     result = _invoke("replay", str(path), "--max-model-len", "4096", "--out", str(tmp_path / "r"))
     assert result.exit_code == 2 and "line 2: prompt 3000 + output 1200 tokens exceed" in result.output
     assert not (tmp_path / "r").exists()
-    result = _invoke("capacity", "--trace", str(path), "--whole-trace", "--seeds", "1", "--max-model-len", "4096", "--out", str(tmp_path / "c"))
+    result = _invoke(
+        "capacity",
+        "--trace",
+        str(path),
+        "--whole-trace",
+        "--seeds",
+        "1",
+        "--max-model-len",
+        "4096",
+        "--out",
+        str(tmp_path / "c"),
+    )
     assert result.exit_code == 2 and "exceed the model's context of 4096" in result.output
     result = _invoke("capacity", "--workload", "mixed", "--max-model-len", "4096", "--out", str(tmp_path / "c"))
     assert result.exit_code == 2 and "apply to --trace only" in result.output
@@ -104,7 +122,9 @@ def test_replay_and_capacity_take_max_model_len(tmp_path):
 @pytest.mark.parametrize("rows", [["0.0,100,20"], ["0.0,100,20", "0.0,200,20", "0.0,50,5"]])
 def test_capacity_on_one_instant_is_refused_with_the_reason(tmp_path, rows):
     path = _trace(tmp_path, rows)
-    result = _invoke("capacity", "--trace", str(path), "--whole-trace", "--seeds", "1", "--no-curves", "--out", str(tmp_path / "c"))
+    result = _invoke(
+        "capacity", "--trace", str(path), "--whole-trace", "--seeds", "1", "--no-curves", "--out", str(tmp_path / "c")
+    )
     assert result.exit_code == 2, result.output
     assert "arrive at the same instant" in result.output and "capacity is undefined" in result.output
     assert not isinstance(result.exception, (ValueError, ZeroDivisionError))
@@ -187,12 +207,20 @@ def test_profile_and_run_without_the_runtime_say_how_to_install_it(tmp_path, com
     # torch made unimportable, as on an install without the runtime extra
     profile = tmp_path / "p.csv"
     profile.write_text("x\n")  # never read: the runtime check comes first
-    args = ["profile", "--out", str(tmp_path / "new.csv")] if command == "profile" else ["run", "--profile", str(profile), "--out", str(tmp_path / "run")]
+    args = (
+        ["profile", "--out", str(tmp_path / "new.csv")]
+        if command == "profile"
+        else ["run", "--profile", str(profile), "--out", str(tmp_path / "run")]
+    )
     code = "import sys; sys.modules['torch'] = None; from sloweave.cli import main; main(%r)" % (args,)
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env={**os.environ, "NO_COLOR": "1"})
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env={**os.environ, "NO_COLOR": "1"}
+    )
     assert done.returncode == 1, done.stderr
     assert "Traceback" not in done.stderr
-    assert f"`sloweave {command}` drives a real model and needs the CPU runtime (torch cannot be imported" in done.stderr
+    assert (
+        f"`sloweave {command}` drives a real model and needs the CPU runtime (torch cannot be imported" in done.stderr
+    )
     assert "pip install 'sloweave[runtime]'" in done.stderr
 
 
@@ -245,7 +273,10 @@ def test_repair_refuses_a_negative_time_off_the_checked_grid():
 
     repaired = SLOWeave(cost=cost, repair_non_monotone=True, max_chunk_tokens=64).cost
     assert isinstance(repaired, MonotoneRepair)
-    with pytest.raises(CostModelError, match=r"negative or non-finite time \(-1 ms\) at n=3, c=7; repair_non_monotone only repairs drops"):
+    with pytest.raises(
+        CostModelError,
+        match=r"negative or non-finite time \(-1 ms\) at n=3, c=7; repair_non_monotone only repairs drops",
+    ):
         repaired(3, 20)
     assert repaired(2, 20) == pytest.approx(1.2)
 
@@ -269,14 +300,21 @@ def _strict(path: Path) -> dict:
 
 def test_simulate_result_files_carry_settings_and_version(tmp_path):
     out = tmp_path / "sim"
-    result = _invoke("simulate", "--requests", "60", "--seed", "3", "--tpot-ms", "20", "--policy", "fixed-512", "--out", str(out))
+    result = _invoke(
+        "simulate", "--requests", "60", "--seed", "3", "--tpot-ms", "20", "--policy", "fixed-512", "--out", str(out)
+    )
     assert result.exit_code == 0, result.output
     stdout = result.stdout if hasattr(result, "stdout") else result.output
     json.loads(stdout)  # stdout is the JSON alone (the "wrote ..." line goes to stderr)
     metrics = _strict(out / "metrics.json")
     assert metrics["sloweave_version"]
     settings = metrics["settings"]
-    assert (settings["workload"], settings["policy_name"], settings["tpot_ms"], settings["seed"]) == ("mixed", "fixed-512", 20.0, 3)
+    assert (settings["workload"], settings["policy_name"], settings["tpot_ms"], settings["seed"]) == (
+        "mixed",
+        "fixed-512",
+        20.0,
+        3,
+    )
     assert metrics["command"] == "simulate"
     decisions = _strict(out / "decision_metrics.json")
     assert decisions["sloweave_version"] and decisions["policy"] == "fixed-512"
@@ -333,14 +371,22 @@ def test_plugin_configuration_refuses_what_it_would_ignore():
         PluginConfig.from_sources({}, {"SLOWEAVE_ANALYTIC": "{}"})
     with pytest.raises(PluginConfigError, match="additional_config must be an object"):
         PluginConfig.from_sources('{"sloweave": {"tpot_ms": 10}}', {})
-    with pytest.raises(PluginConfigError, match="tpot_ms must be a finite number of milliseconds > 0 and <= 3.6e\\+06, got an integer of 401 digits"):
+    with pytest.raises(
+        PluginConfigError,
+        match="tpot_ms must be a finite number of milliseconds > 0 and <= 3.6e\\+06, got an integer of 401 digits",
+    ):
         PluginConfig.from_sources({"sloweave": {"tpot_ms": 10**400}}, {})
-    assert PluginConfig.from_sources({"sloweave": {"tpot_ms": 10}}, {"SLOWEAVE_MARGIN_MS": "1", "OTHER": "x"}).margin_ms == 1.0
+    assert (
+        PluginConfig.from_sources({"sloweave": {"tpot_ms": 10}}, {"SLOWEAVE_MARGIN_MS": "1", "OTHER": "x"}).margin_ms
+        == 1.0
+    )
 
 
 def test_a_mooncake_line_with_a_repeated_key_is_refused(tmp_path):
     path = tmp_path / "m.jsonl"
-    path.write_text('{"timestamp": 0, "input_length": 10, "output_length": 5}\n{"timestamp": 5, "input_length": 10, "input_length": 900, "output_length": 5}\n')
+    path.write_text(
+        '{"timestamp": 0, "input_length": 10, "output_length": 5}\n{"timestamp": 5, "input_length": 10, "input_length": 900, "output_length": 5}\n'
+    )
     with pytest.raises(TraceError, match=r"m\.jsonl, line 2: key 'input_length' is given twice"):
         load_trace(path)
 
@@ -348,11 +394,36 @@ def test_a_mooncake_line_with_a_repeated_key_is_refused(tmp_path):
 def test_replay_of_several_traces_writes_a_folder_each_and_refuses_clashing_names(tmp_path):
     first = _trace(tmp_path, ["0.0,100,20", "0.5,300,20", "1.0,50,5"], "first.csv")
     second = _trace(tmp_path, ["0.0,900,10", "0.2,100,20"], "second.csv")
-    result = _invoke("replay", str(first), str(second), "--policy", "sloweave", "--policy", "full", "--jobs", "1", "--out", str(tmp_path / "r"))
+    result = _invoke(
+        "replay",
+        str(first),
+        str(second),
+        "--policy",
+        "sloweave",
+        "--policy",
+        "full",
+        "--jobs",
+        "1",
+        "--out",
+        str(tmp_path / "r"),
+    )
     assert result.exit_code == 0, result.output
-    alone = _invoke("replay", str(second), "--policy", "sloweave", "--policy", "full", "--jobs", "1", "--out", str(tmp_path / "alone"))
+    alone = _invoke(
+        "replay",
+        str(second),
+        "--policy",
+        "sloweave",
+        "--policy",
+        "full",
+        "--jobs",
+        "1",
+        "--out",
+        str(tmp_path / "alone"),
+    )
     assert alone.exit_code == 0, alone.output
-    assert (tmp_path / "r" / "second" / "requests.csv").read_bytes() == (tmp_path / "alone" / "requests.csv").read_bytes()
+    assert (tmp_path / "r" / "second" / "requests.csv").read_bytes() == (
+        tmp_path / "alone" / "requests.csv"
+    ).read_bytes()
     assert len(json.loads((tmp_path / "r" / "first" / "replay.json").read_text())["metrics"]) == 2
     (tmp_path / "other").mkdir()
     clash = _trace(tmp_path / "other", ["0.0,100,20", "0.5,100,20"], "first.csv")
@@ -366,10 +437,34 @@ def _repeated_key_and_negative_time_cases():
     from sloweave.sim.traces import TraceError, load_trace
 
     return [
-        ("p.json", '{"format": "sloweave-profile", "version": 1, "version": 1, "rows": []}', read_profile, ProfileError, "key 'version' is given twice"),
-        ("s.jsonl", '{"kind": "header", "format": 1, "format": 1}\n', read_step_log, StepLogError, "line 1: key 'format' is given twice"),
-        ("t.csv", "arrival_s,prompt_tokens,output_tokens\n-2.0,10,5\n1.0,20,5\n", load_trace, TraceError, "line 2: arrival_s is -2.0; arrival times must be >= 0"),
-        ("m.jsonl", '{"timestamp": -5, "input_length": 10, "output_length": 3}\n', lambda p: load_trace(p, fmt="mooncake"), TraceError, "line 1: timestamp is -5; arrival times must be >= 0"),
+        (
+            "p.json",
+            '{"format": "sloweave-profile", "version": 1, "version": 1, "rows": []}',
+            read_profile,
+            ProfileError,
+            "key 'version' is given twice",
+        ),
+        (
+            "s.jsonl",
+            '{"kind": "header", "format": 1, "format": 1}\n',
+            read_step_log,
+            StepLogError,
+            "line 1: key 'format' is given twice",
+        ),
+        (
+            "t.csv",
+            "arrival_s,prompt_tokens,output_tokens\n-2.0,10,5\n1.0,20,5\n",
+            load_trace,
+            TraceError,
+            "line 2: arrival_s is -2.0; arrival times must be >= 0",
+        ),
+        (
+            "m.jsonl",
+            '{"timestamp": -5, "input_length": 10, "output_length": 3}\n',
+            lambda p: load_trace(p, fmt="mooncake"),
+            TraceError,
+            "line 1: timestamp is -5; arrival times must be >= 0",
+        ),
     ]
 
 
@@ -432,7 +527,10 @@ def test_a_cost_coefficient_that_is_no_number_is_refused_by_name(value):
     from sloweave.core.costs.analytic import AnalyticCost
     from sloweave.core.costs.protocols import CostModelError
 
-    with pytest.raises(CostModelError, match=f"AnalyticCost.prefill_base_ms must be a finite number >= 0 and <= 1e\\+10, got {re.escape(repr(value))}"):
+    with pytest.raises(
+        CostModelError,
+        match=f"AnalyticCost.prefill_base_ms must be a finite number >= 0 and <= 1e\\+10, got {re.escape(repr(value))}",
+    ):
         AnalyticCost(prefill_base_ms=value)
 
 
@@ -441,7 +539,10 @@ def test_a_cost_coefficient_that_is_no_number_is_refused_by_name(value):
     [
         ({"margin_fraction": 1e308}, "margin_fraction must be a finite number >= 0 and <= 100, got 1e\\+308"),
         ({"margin_ms": 4e6}, "margin_ms must be a finite number of milliseconds >= 0 and <= 3.6e\\+06"),
-        ({"analytic": {"base_ms": True}}, "analytic: AnalyticCost.base_ms must be a finite number >= 0 and <= 1e\\+10, got True"),
+        (
+            {"analytic": {"base_ms": True}},
+            "analytic: AnalyticCost.base_ms must be a finite number >= 0 and <= 1e\\+10, got True",
+        ),
     ],
 )
 def test_the_plug_in_refuses_a_margin_or_coefficient_it_cannot_use_at_start_up_naming_the_key(config, message):

@@ -105,7 +105,9 @@ def test_admission_defer_serves_the_refused_requests_later():
 def test_admission_rejects_a_request_whose_ttft_cannot_be_met():
     # Alone, a 4,000-token prompt takes T(0, 4000) = 24.75 ms > the 5 ms TTFT target; 100 tokens take 1.35 ms.
     wl = workload([0.0, 0.0], [100, 4000], [3, 3])
-    result = simulate(wl, SLOWeave(), tpot_ms=25.0, admission=AdmissionControl("reject", decode_headroom=None), ttft_ms=5.0)
+    result = simulate(
+        wl, SLOWeave(), tpot_ms=25.0, admission=AdmissionControl("reject", decode_headroom=None), ttft_ms=5.0
+    )
     assert list(result.rejected_reason) == ["", "ttft_unreachable"]
     assert list(result.status()) == ["finished", "rejected"]
 
@@ -114,13 +116,24 @@ def test_admission_rejects_a_request_whose_ttft_cannot_be_met():
 def test_every_request_is_accounted_for_under_overload(action):
     spec = WORKLOADS["mixed"]
     wl = spec.generate(600, seed=1, rate_scale=1.5)
-    result = simulate(wl, make_policy("sloweave"), tpot_ms=10.0, admission=AdmissionControl(action), ttft_ms=spec.ttft_ms, horizon_s=8.0)
+    result = simulate(
+        wl,
+        make_policy("sloweave"),
+        tpot_ms=10.0,
+        admission=AdmissionControl(action),
+        ttft_ms=spec.ttft_ms,
+        horizon_s=8.0,
+    )
     status = result.status()
     assert set(status) <= {"finished", "rejected", "pending"}
     assert np.all((status == "rejected") == (result.rejected_reason != ""))
     if action == "reject":
         assert (status == "rejected").sum() > 0
-        assert set(result.rejected_reason[status == "rejected"]) <= {"decode_saturated", "ttft_unreachable", "ttft_expired"}
+        assert set(result.rejected_reason[status == "rejected"]) <= {
+            "decode_saturated",
+            "ttft_unreachable",
+            "ttft_expired",
+        }
     else:
         assert (status == "rejected").sum() == 0 and (result.deferred_reason != "").sum() > 0
     # a rejected request never ran
@@ -131,7 +144,9 @@ def test_admission_raises_goodput_under_overload():
     spec = WORKLOADS["mixed"]
     wl = spec.generate(1000, seed=0)
     plain = evaluate(simulate(wl, SLOWeave(), tpot_ms=10.0), spec.ttft_ms, 10.0)
-    admitted = evaluate(simulate(wl, SLOWeave(), tpot_ms=10.0, admission=AdmissionControl(), ttft_ms=spec.ttft_ms), spec.ttft_ms, 10.0)
+    admitted = evaluate(
+        simulate(wl, SLOWeave(), tpot_ms=10.0, admission=AdmissionControl(), ttft_ms=spec.ttft_ms), spec.ttft_ms, 10.0
+    )
     assert admitted.goodput_rps > 1.1 * plain.goodput_rps
 
 
@@ -189,8 +204,18 @@ def test_lookahead_does_not_complete_a_prompt_the_next_iteration_cannot_afford()
     # 11 decodes; T(11, 0) = 1.855 ms exceeds the next iteration's 1.83 ms budget.
     policy = SLOWeave(lookahead=True)
     assert policy.decide(10, 100, 10.0).chunk_tokens == 100
-    assert policy.decide_lookahead(10, 100, 10.0, head_remaining_tokens=100, next_fresh_budget_ms=1.83, banked=False).chunk_tokens == 99
-    assert policy.decide_lookahead(10, 100, 10.0, head_remaining_tokens=100, next_fresh_budget_ms=1.9, banked=False).chunk_tokens == 100
+    assert (
+        policy.decide_lookahead(
+            10, 100, 10.0, head_remaining_tokens=100, next_fresh_budget_ms=1.83, banked=False
+        ).chunk_tokens
+        == 99
+    )
+    assert (
+        policy.decide_lookahead(
+            10, 100, 10.0, head_remaining_tokens=100, next_fresh_budget_ms=1.9, banked=False
+        ).chunk_tokens
+        == 100
+    )
 
 
 def test_lookahead_keeps_banked_slack_for_the_next_iteration():
@@ -199,7 +224,9 @@ def test_lookahead_keeps_banked_slack_for_the_next_iteration():
     # greedy: c <= (10.001 - 1.87) / 0.006 = 1355.2.
     policy = SLOWeave(lookahead=True)
     greedy = policy.decide(4, 3000, 10.001).chunk_tokens
-    ahead = policy.decide_lookahead(4, 3000, 10.001, head_remaining_tokens=3000, next_fresh_budget_ms=1.0, banked=True).chunk_tokens
+    ahead = policy.decide_lookahead(
+        4, 3000, 10.001, head_remaining_tokens=3000, next_fresh_budget_ms=1.0, banked=True
+    ).chunk_tokens
     assert greedy == 1355 and ahead == 1276
 
 
@@ -245,7 +272,11 @@ def test_kv_capacity_forces_preemption_and_counts_the_recompute():
     assert result.finished.all()
     assert len(result.token_times_ms(1)) == 20
     # request 1's recompute prefill: 20 tokens in iteration 20
-    pieces = [(int(i), int(t)) for i, r, t in zip(result.prefill_iter, result.prefill_request, result.prefill_tokens) if r == 1]
+    pieces = [
+        (int(i), int(t))
+        for i, r, t in zip(result.prefill_iter, result.prefill_request, result.prefill_tokens)
+        if r == 1
+    ]
     assert pieces == [(1, 10), (20, 20)]
     frame = per_request_frame(result)
     gaps = np.diff(result.iter_end_ms[[*range(1, 11), *range(20, 30)]])
@@ -290,7 +321,9 @@ def test_simulator_feeds_the_running_kv_total_to_a_contextual_cost():
     assert np.array_equal(np.array([d for d, _ in seen]), expected)
     # and the iteration time is the contextual model's
     d, p = seen[100]
-    assert result.iter_end_ms[100] - result.iter_start_ms[100] == pytest.approx(cost.predict(int(result.iter_decodes[100]), int(result.iter_chunk_tokens[100]), d, p))
+    assert result.iter_end_ms[100] - result.iter_start_ms[100] == pytest.approx(
+        cost.predict(int(result.iter_decodes[100]), int(result.iter_chunk_tokens[100]), d, p)
+    )
 
 
 def test_context_cost_grows_with_context_and_stays_monotone_in_the_chunk():
@@ -398,12 +431,34 @@ def test_ablate_command_writes_every_output(tmp_path):
     result = CliRunner().invoke(
         main,
         [
-            "ablate", "--quick", "--seeds", "1", "--requests", "80", "--workload", "mixed", "--config", "best",
-            "--trace", str(FIXTURES / "azure_conv_first150.csv"), "--trace-window-s", "10", "--out", str(out),
+            "ablate",
+            "--quick",
+            "--seeds",
+            "1",
+            "--requests",
+            "80",
+            "--workload",
+            "mixed",
+            "--config",
+            "best",
+            "--trace",
+            str(FIXTURES / "azure_conv_first150.csv"),
+            "--trace-window-s",
+            "10",
+            "--out",
+            str(out),
         ],
     )
     assert result.exit_code == 0, result.output
-    for name in ("ablation.csv", "ablation.md", "ablation.json", "ablation.png", "ablation_goodput.csv", "tiers.csv", "runs.csv"):
+    for name in (
+        "ablation.csv",
+        "ablation.md",
+        "ablation.json",
+        "ablation.png",
+        "ablation_goodput.csv",
+        "tiers.csv",
+        "runs.csv",
+    ):
         assert (out / name).stat().st_size > 0, name
     summary = json.loads((out / "ablation.json").read_text())
     assert {row["config"] for row in summary["table"]} == {"greedy", "best"}
@@ -412,5 +467,7 @@ def test_ablate_command_writes_every_output(tmp_path):
 
 
 def test_ablate_command_refuses_a_missing_trace(tmp_path):
-    result = CliRunner().invoke(main, ["ablate", "--quick", "--seeds", "1", "--trace", str(tmp_path / "none.csv"), "--out", str(tmp_path)])
+    result = CliRunner().invoke(
+        main, ["ablate", "--quick", "--seeds", "1", "--trace", str(tmp_path / "none.csv"), "--out", str(tmp_path)]
+    )
     assert result.exit_code != 0 and "--no-trace" in result.output

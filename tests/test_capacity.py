@@ -160,8 +160,15 @@ def test_pairwise_ratios_compare_each_sloweave_with_the_best_of_its_own_rule():
         return Capacity("src", policy, 25.0, 1000.0, 0.9, seeds, 2 ** (1 / 16))
 
     table = pairwise_ratios(
-        [cap("sloweave", 2.0, 3.0), cap("fixed-256", 1.0, 1.5), cap("fixed-1024", 1.5, 2.0), cap("full", 2.5, 2.5),
-         cap("sloweave-multi", 3.0, 3.0), cap("sarathi-512", 2.0, 4.0), cap("sarathi-2048", 1.0, 1.0)]
+        [
+            cap("sloweave", 2.0, 3.0),
+            cap("fixed-256", 1.0, 1.5),
+            cap("fixed-1024", 1.5, 2.0),
+            cap("full", 2.5, 2.5),
+            cap("sloweave-multi", 3.0, 3.0),
+            cap("sarathi-512", 2.0, 4.0),
+            cap("sarathi-2048", 1.0, 1.0),
+        ]
     )
     rows = {r["policy"]: r for r in table.to_dict(orient="records")}
     one = rows["sloweave"]
@@ -180,7 +187,10 @@ def test_pairwise_ratios_compare_each_sloweave_with_the_best_of_its_own_rule():
 def test_pairwise_ratio_is_empty_where_the_run_was_too_short():
     short = tuple(SeedCapacity(i, 0, 4.0, 40.0, "too-short") for i in range(2))
     fine = tuple(SeedCapacity(i, 0, 2.0, 20.0, "") for i in range(2))
-    caps = [Capacity("src", "sloweave", 25.0, 1000.0, 0.9, short, 1.05), Capacity("src", "fixed-512", 25.0, 1000.0, 0.9, fine, 1.05)]
+    caps = [
+        Capacity("src", "sloweave", 25.0, 1000.0, 0.9, short, 1.05),
+        Capacity("src", "fixed-512", 25.0, 1000.0, 0.9, fine, 1.05),
+    ]
     (row,) = pairwise_ratios(caps).to_dict(orient="records")
     assert np.isnan(row["ratio"]) and np.isnan(row["capacity_rps"]) and "too short" in row["note"]
     assert caps[0].row()["capacity_rps"] != caps[0].row()["capacity_rps"]  # NaN, not 40 req/s
@@ -255,7 +265,17 @@ def test_capacity_command_rejects_bad_sources(tmp_path):
 
 def test_replay_command_runs_policies_and_writes_outputs(tmp_path):
     out = tmp_path / "replay"
-    args = [str(SMALL_TRACE), "--rate-scale", "4", "--max-prompt-tokens", "2048", "--policy", "sloweave", "--policy", "full"]
+    args = [
+        str(SMALL_TRACE),
+        "--rate-scale",
+        "4",
+        "--max-prompt-tokens",
+        "2048",
+        "--policy",
+        "sloweave",
+        "--policy",
+        "full",
+    ]
     result = CliRunner().invoke(replay, [*args, "--out", str(out)])
     assert result.exit_code == 0, result.output
     requests = pd.read_csv(out / "requests.csv")

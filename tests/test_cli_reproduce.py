@@ -20,7 +20,9 @@ def test_decide_reproduces_the_worked_example():
 
 def test_simulate_writes_its_files(tmp_path):
     out = tmp_path / "run"
-    result = CliRunner().invoke(main, ["simulate", "--workload", "mixed", "--requests", "150", "--policy", "fixed-512", "--out", str(out)])
+    result = CliRunner().invoke(
+        main, ["simulate", "--workload", "mixed", "--requests", "150", "--policy", "fixed-512", "--out", str(out)]
+    )
     assert result.exit_code == 0, result.output
     requests = pd.read_csv(out / "requests.csv")
     assert len(requests) == 150 and set(requests["status"]) == {"finished"}
@@ -37,7 +39,11 @@ def test_simulate_writes_its_files(tmp_path):
         (["simulate", "--tpot-ms", "-10"], "--tpot-ms", r"finite number .*, got -10\.0$"),
         (["simulate", "--requests", "0"], "--requests", r"(got 0|0 is not in the range .*)$"),
         (["simulate", "--workload", "nope"], "--workload", r"'nope' is not one of 'chat'"),
-        (["decide", "--decodes", "4", "--waiting-tokens", "10", "--budget-ms", "-1"], "--budget-ms", r">= 0.*, got -1\.0$"),
+        (
+            ["decide", "--decodes", "4", "--waiting-tokens", "10", "--budget-ms", "-1"],
+            "--budget-ms",
+            r">= 0.*, got -1\.0$",
+        ),
         (["reproduce", "--seeds", "0"], "--seeds", r"(got 0|0 is not in the range .*)$"),
     ],
 )
@@ -53,7 +59,15 @@ def test_reproduce_writes_the_tables(tmp_path):
     result = CliRunner().invoke(main, ["reproduce", "--out", str(out), "--seeds", "1", "--requests", "150"])
     assert result.exit_code == 0, result.output
     t3 = pd.read_csv(out / "table3.csv")
-    assert list(t3.columns) == ["workload", "policy", "tpot_ms", "p99_ttft_ms", "p99_tpot_ms", "goodput_rps", "attainment"]
+    assert list(t3.columns) == [
+        "workload",
+        "policy",
+        "tpot_ms",
+        "p99_ttft_ms",
+        "p99_tpot_ms",
+        "goodput_rps",
+        "attainment",
+    ]
     assert set(t3["policy"]) == {"full", "fixed-64", "fixed-256", "fixed-1024", "sloweave"}
     assert set(t3["workload"]) == {"chat", "mixed", "long", "bursty"}
     # each cell is its run at the 25 ms target (one seed: the mean is the run), and attainment is
@@ -66,7 +80,14 @@ def test_reproduce_writes_the_tables(tmp_path):
     assert cells["attainment"].tolist() == pytest.approx((cells["slo_met"] / cells["num_requests"]).tolist())
     for name in ("table4.csv", "table4_extended.csv"):
         t4 = pd.read_csv(out / name)
-        assert list(t4.columns) == ["workload", "tpot_ms", "best_static_policy", "best_static_goodput_rps", "sloweave_goodput_rps", "ratio"]
+        assert list(t4.columns) == [
+            "workload",
+            "tpot_ms",
+            "best_static_policy",
+            "best_static_goodput_rps",
+            "sloweave_goodput_rps",
+            "ratio",
+        ]
         assert len(t4) == 12
     extended = pd.read_csv(out / "table4_extended.csv")
     paper = pd.read_csv(out / "table4.csv")
@@ -77,7 +98,9 @@ def test_reproduce_writes_the_tables(tmp_path):
 
 
 def test_table4_picks_the_strongest_static_per_cell():
-    config = StudyConfig(workloads=("mixed",), seeds=2, num_requests=200, static_policies=("full", "fixed-256", "fixed-1024"))
+    config = StudyConfig(
+        workloads=("mixed",), seeds=2, num_requests=200, static_policies=("full", "fixed-256", "fixed-1024")
+    )
     runs, _ = run_study(config, progress=False)
     means = mean_over_seeds(runs)
     t4 = table4(means, config.static_policies)

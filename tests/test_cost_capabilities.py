@@ -100,7 +100,9 @@ def test_the_clock_and_the_controller_feed_the_context_they_found_at_constructio
     clock.set_context(2000, 10)
     assert (world.decode_kv_tokens, world.prefill_prefix_tokens) == (2000, 10)
     controller = BudgetController(SLOWeave(cost=world, max_prefills=None), 50.0, 8192)
-    controller.plan_step(StepState(now_ms=0.0, decode_tokens=0, pending_prompt_tokens=0, decode_kv_tokens=7, prefill_prefix_tokens=3))
+    controller.plan_step(
+        StepState(now_ms=0.0, decode_tokens=0, pending_prompt_tokens=0, decode_kv_tokens=7, prefill_prefix_tokens=3)
+    )
     assert (world.decode_kv_tokens, world.prefill_prefix_tokens) == (7, 3)
 
 

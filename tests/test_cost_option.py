@@ -45,9 +45,15 @@ def test_a_preset_is_a_profile_cost_and_a_derived_attention_is_said_everywhere()
     assert isinstance(derived.model, ProfileCost) and derived.kind == "preset" and derived.label == DERIVED
     assert derived.model(8, 512) == pytest.approx(profile_cost(DERIVED)(8, 512))
     assert derived.attention_note and derived.attention_note.startswith("derived from")
-    assert "not measured" in derived.summary_lines()[0] and derived.summary_lines()[0].startswith(f"cost: {DERIVED} (attention derived")
+    assert "not measured" in derived.summary_lines()[0] and derived.summary_lines()[0].startswith(
+        f"cost: {DERIVED} (attention derived"
+    )
     description = derived.description
-    assert description["cost_model"] == "operator-profile" and description["spec"] == DERIVED and description["preset"] is True
+    assert (
+        description["cost_model"] == "operator-profile"
+        and description["spec"] == DERIVED
+        and description["preset"] is True
+    )
     assert "not measured" in description["attention"] and "out_of_range_queries" in description
     json.dumps(description)
     measured = resolve_cost(MEASURED)
@@ -144,7 +150,21 @@ def assert_derived(description, output):
 
 def test_simulate_with_a_preset_and_its_kv_memory(tmp_path):
     out = tmp_path / "sim"
-    result = invoke(["simulate", "--workload", "chat", "--requests", "60", "--cost", DERIVED, "--kv-memory-gib", "0.25", "--out", str(out)])
+    result = invoke(
+        [
+            "simulate",
+            "--workload",
+            "chat",
+            "--requests",
+            "60",
+            "--cost",
+            DERIVED,
+            "--kv-memory-gib",
+            "0.25",
+            "--out",
+            str(out),
+        ]
+    )
     metrics = json.loads((out / "metrics.json").read_text())
     assert_derived(metrics["cost"], result.output)
     shape = profile_cost(DERIVED).shape
@@ -155,7 +175,14 @@ def test_simulate_with_a_preset_and_its_kv_memory(tmp_path):
 def test_kv_memory_needs_a_profile_cost_and_a_bad_cost_is_a_bad_parameter(tmp_path):
     result = CliRunner().invoke(main, ["simulate", "--requests", "10", "--kv-memory-gib", "8"])
     assert result.exit_code == 2 and "--kv-memory-gib" in result.output and "preset" in result.output
-    for command in (["simulate"], ["replay", TRACE], ["capacity", "--workload", "chat"], ["tune", "--workload", "chat"], ["ablate"], ["reproduce"]):
+    for command in (
+        ["simulate"],
+        ["replay", TRACE],
+        ["capacity", "--workload", "chat"],
+        ["tune", "--workload", "chat"],
+        ["ablate"],
+        ["reproduce"],
+    ):
         result = CliRunner().invoke(main, [*command, "--cost", "nope", "--out", str(tmp_path / "x")])
         assert result.exit_code == 2, (command, result.output)
         assert "Invalid value for --cost" in result.output and "unknown cost 'nope'" in result.output
@@ -172,13 +199,41 @@ def test_cost_analytic_is_the_default_bit_for_bit(tmp_path):
 
 def test_replay_with_a_preset(tmp_path):
     out = tmp_path / "replay"
-    result = invoke(["replay", TRACE, "--max-requests", "40", "--policy", "sloweave", "--policy", "fixed-512", "--cost", DERIVED, "--out", str(out)])
+    result = invoke(
+        [
+            "replay",
+            TRACE,
+            "--max-requests",
+            "40",
+            "--policy",
+            "sloweave",
+            "--policy",
+            "fixed-512",
+            "--cost",
+            DERIVED,
+            "--out",
+            str(out),
+        ]
+    )
     assert_derived(json.loads((out / "replay.json").read_text())["cost"], result.output)
 
 
 def test_capacity_with_a_preset(tmp_path):
     out = tmp_path / "capacity"
-    args = ["capacity", "--workload", "chat", "--quick", "--seeds", "1", "--requests", "60", "--policy", "sloweave", "--policy", "fixed-512"]
+    args = [
+        "capacity",
+        "--workload",
+        "chat",
+        "--quick",
+        "--seeds",
+        "1",
+        "--requests",
+        "60",
+        "--policy",
+        "sloweave",
+        "--policy",
+        "fixed-512",
+    ]
     result = invoke([*args, "--tpot-ms", "50", "--cost", DERIVED, "--out", str(out)])
     payload = json.loads((out / "capacity.json").read_text())
     assert_derived(payload["cost"], result.output)
@@ -187,7 +242,21 @@ def test_capacity_with_a_preset(tmp_path):
 
 def test_tune_with_a_preset_and_its_options_for_files_only(tmp_path):
     out = tmp_path / "tune"
-    args = ["tune", "--workload", "chat", "--quick", "--seeds", "1", "--requests", "60", "--no-refine", "--budget", "256", "--budget", "1024"]
+    args = [
+        "tune",
+        "--workload",
+        "chat",
+        "--quick",
+        "--seeds",
+        "1",
+        "--requests",
+        "60",
+        "--no-refine",
+        "--budget",
+        "256",
+        "--budget",
+        "1024",
+    ]
     result = invoke([*args, "--cost", DERIVED, "--out", str(out)])
     assert_derived(json.loads((out / "tune.json").read_text())["cost"], result.output)
     assert "not measured" in (out / "tune.md").read_text()
@@ -198,7 +267,19 @@ def test_tune_with_a_preset_and_its_options_for_files_only(tmp_path):
 def test_tune_keeps_a_step_time_profile_at_a_fixed_context(tmp_path, analytic_step_profile):
     path = analytic_step_profile
     out = tmp_path / "tune"
-    args = ["tune", "--workload", "chat", "--quick", "--seeds", "1", "--requests", "60", "--no-refine", "--budget", "512"]
+    args = [
+        "tune",
+        "--workload",
+        "chat",
+        "--quick",
+        "--seeds",
+        "1",
+        "--requests",
+        "60",
+        "--no-refine",
+        "--budget",
+        "512",
+    ]
     invoke([*args, "--cost", str(path), "--context-tokens", "250", "--out", str(out)])
     cost = json.loads((out / "tune.json").read_text())["cost"]
     assert cost["profile"] == str(path) and cost["kind"] == "regression" and cost["context_per_decode_tokens"] == 250.0
@@ -208,7 +289,19 @@ def test_tune_keeps_a_step_time_profile_at_a_fixed_context(tmp_path, analytic_st
 
 def test_ablate_with_a_preset(tmp_path):
     out = tmp_path / "ablate"
-    args = ["ablate", "--quick", "--seeds", "1", "--requests", "40", "--workload", "chat", "--config", "ctx-aware", "--no-trace"]
+    args = [
+        "ablate",
+        "--quick",
+        "--seeds",
+        "1",
+        "--requests",
+        "40",
+        "--workload",
+        "chat",
+        "--config",
+        "ctx-aware",
+        "--no-trace",
+    ]
     result = invoke([*args, "--cost", DERIVED, "--out", str(out)])
     assert_derived(json.loads((out / "ablation.json").read_text())["cost"], result.output)
     assert "not measured" in (out / "ablation.md").read_text()
@@ -216,7 +309,22 @@ def test_ablate_with_a_preset(tmp_path):
 
 def test_reproduce_with_a_preset(tmp_path):
     out = tmp_path / "reproduce"
-    result = invoke(["reproduce", "--quick", "--seeds", "1", "--requests", "40", "--workload", "chat", "--cost", DERIVED, "--out", str(out)])
+    result = invoke(
+        [
+            "reproduce",
+            "--quick",
+            "--seeds",
+            "1",
+            "--requests",
+            "40",
+            "--workload",
+            "chat",
+            "--cost",
+            DERIVED,
+            "--out",
+            str(out),
+        ]
+    )
     assert_derived(json.loads((out / "summary.json").read_text())["cost"], result.output)
     assert "not measured" in (out / "report.md").read_text()
 
@@ -226,5 +334,9 @@ def test_simulate_with_a_step_time_profile_reads_the_simulators_kv_context(tmp_p
     out = tmp_path / "sim"
     result = invoke(["simulate", "--workload", "chat", "--requests", "60", "--cost", str(path), "--out", str(out)])
     cost = json.loads((out / "metrics.json").read_text())["cost"]
-    assert cost["cost_model"] == "step-time-profile" and cost["profile"] == str(path) and cost["context_per_decode_tokens"] is None
+    assert (
+        cost["cost_model"] == "step-time-profile"
+        and cost["profile"] == str(path)
+        and cost["context_per_decode_tokens"] is None
+    )
     assert "the simulator's KV context" in result.output

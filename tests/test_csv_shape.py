@@ -19,7 +19,10 @@ HEADER = "arrival_s,prompt_tokens,output_tokens\n"
         # a trailing comma on every line, header included: the error used to blame a column
         ("arrival_s,prompt_tokens,output_tokens,\n0.0,100,20,\n", r"line 1: header field 4 is empty"),
         # a duplicated column was silently renamed (prompt_tokens.1)
-        ("arrival_s,prompt_tokens,prompt_tokens\n0.0,100,20\n", r"line 1: column\(s\) named more than once in the header: prompt_tokens"),
+        (
+            "arrival_s,prompt_tokens,prompt_tokens\n0.0,100,20\n",
+            r"line 1: column\(s\) named more than once in the header: prompt_tokens",
+        ),
         # one short row in the middle
         (HEADER + "0.0,100,20\n0.5,200\n1.0,300,10\n", r"line 3: 2 fields where the header has 3"),
     ],

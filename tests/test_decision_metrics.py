@@ -21,7 +21,12 @@ def test_summary_counts_buckets_and_skips_unbounded_budgets():
     )
     chunk = out["sloweave_chunk_tokens"]
     assert chunk["count"] == 4 and chunk["sum"] == 6100
-    assert chunk["buckets"]["0"] == 1 and chunk["buckets"]["1024"] == 3 and chunk["buckets"]["4096"] == 3 and chunk["buckets"]["8192"] == 4
+    assert (
+        chunk["buckets"]["0"] == 1
+        and chunk["buckets"]["1024"] == 3
+        and chunk["buckets"]["4096"] == 3
+        and chunk["buckets"]["8192"] == 4
+    )
     assert out["sloweave_time_budget_ms"]["count"] == 3  # +inf: nothing decoding, no deadline
     assert out["sloweave_time_budget_ms"]["buckets"]["10"] == 1
     assert out["sloweave_steps_total"] == 4 and out["sloweave_infeasible_steps_total"] == 1
@@ -30,7 +35,19 @@ def test_summary_counts_buckets_and_skips_unbounded_budgets():
 
 
 def test_simulate_out_writes_the_summary_under_the_exported_names(tmp_path):
-    args = ["simulate", "--workload", "mixed", "--requests", "150", "--tpot-ms", "10", "--noise-sigma", "0.2", "--out", str(tmp_path)]
+    args = [
+        "simulate",
+        "--workload",
+        "mixed",
+        "--requests",
+        "150",
+        "--tpot-ms",
+        "10",
+        "--noise-sigma",
+        "0.2",
+        "--out",
+        str(tmp_path),
+    ]
     result = CliRunner().invoke(main, args)
     assert result.exit_code == 0, result.output
     summary = json.loads((tmp_path / "decision_metrics.json").read_text())

@@ -12,7 +12,12 @@ from sloweave.vllm_plugin.config import PluginConfig, PluginConfigError
 
 def controller(**kwargs):
     policy = make_policy_for_engine(AnalyticCost(), None, kwargs.pop("max_chunk_tokens", 4096))
-    return BudgetController(policy, default_tpot_ms=kwargs.pop("tpot_ms", 10.0), max_budget_tokens=kwargs.pop("max_budget_tokens", 8192), **kwargs)
+    return BudgetController(
+        policy,
+        default_tpot_ms=kwargs.pop("tpot_ms", 10.0),
+        max_budget_tokens=kwargs.pop("max_budget_tokens", 8192),
+        **kwargs,
+    )
 
 
 def test_budget_is_decodes_plus_the_deadline_safe_chunk():
@@ -93,7 +98,9 @@ def test_bad_controller_arguments():
 
 def test_plugin_config_sources_and_errors(tmp_path):
     assert PluginConfig.from_sources({}, environ={}) == PluginConfig()
-    config = PluginConfig.from_sources({"sloweave": {"tpot_ms": 50, "aging_ms": 0}}, environ={"SLOWEAVE_TPOT_MS": "10", "SLOWEAVE_MARGIN_MS": "1.5"})
+    config = PluginConfig.from_sources(
+        {"sloweave": {"tpot_ms": 50, "aging_ms": 0}}, environ={"SLOWEAVE_TPOT_MS": "10", "SLOWEAVE_MARGIN_MS": "1.5"}
+    )
     assert config.tpot_ms == 50 and config.margin_ms == 1.5 and config.aging_ms == 0
     cost, margin = config.build_cost_and_margin()
     assert cost(4, 0) == AnalyticCost()(4, 0) and margin(4, 100) == 1.5
@@ -164,8 +171,16 @@ def test_the_controller_and_the_simulator_decide_a_starving_step_the_same_way():
     c = controller(tpot_ms=1.5, aging_ms=100.0, aging_chunk_tokens=64)
     c.on_token(0, sim_exception.start_ms - 1.5 + 0.0)  # its last token left one budget before the step
     waited = sim_exception.start_ms - 1.0  # request 1 arrived at 1 ms and never progressed
-    plan = c.plan_step(StepState(now_ms=sim_exception.start_ms, decode_tokens=1, pending_prompt_tokens=200,
-                                 oldest_prompt_id=1, oldest_prompt_waiting_ms=waited, decoding_ids=(0,)))
+    plan = c.plan_step(
+        StepState(
+            now_ms=sim_exception.start_ms,
+            decode_tokens=1,
+            pending_prompt_tokens=200,
+            oldest_prompt_id=1,
+            oldest_prompt_waiting_ms=waited,
+            decoding_ids=(0,),
+        )
+    )
     assert plan.aged and plan.chunk_tokens == sim_exception.chunk_tokens == 64
     assert decide_step(policy, 1, 200, 1.5, Aging(100.0, 64), waited) == (64, False, True)
     [engine_exception] = c.stats.slo_exceptions
@@ -225,8 +240,12 @@ def test_plugin_cost_takes_a_preset_or_an_operator_profile_folder(tmp_path):
         c = BudgetController(make_policy_for_engine(cost, None, 4096), default_tpot_ms=50.0, max_budget_tokens=8192)
         for i in range(8):
             c.on_token(f"r{i}", 0.0)
-        short = c.plan_step(StepState(now_ms=0.0, decode_tokens=8, pending_prompt_tokens=8192, decode_kv_tokens=8 * 100))
-        long = c.plan_step(StepState(now_ms=0.0, decode_tokens=8, pending_prompt_tokens=8192, decode_kv_tokens=8 * 4000))
+        short = c.plan_step(
+            StepState(now_ms=0.0, decode_tokens=8, pending_prompt_tokens=8192, decode_kv_tokens=8 * 100)
+        )
+        long = c.plan_step(
+            StepState(now_ms=0.0, decode_tokens=8, pending_prompt_tokens=8192, decode_kv_tokens=8 * 4000)
+        )
     assert 0 < long.chunk_tokens <= short.chunk_tokens and short.predicted_ms <= 50.0
 
 
@@ -239,7 +258,9 @@ def test_plugin_online_correction_wraps_a_profile_cost_as_its_prior():
     cost.set_context(16 * 2000, 500)
     assert cost(16, 256) == pytest.approx(cost.base.predict(16, 256, 16 * 2000, 500))  # no step measured yet: the prior
     for _ in range(20):
-        cost.calibrator.observe(16, 256, cost.base.predict(16, 256, 16 * 2000, 500), 1.5 * cost.base.predict(16, 256, 16 * 2000, 500))
+        cost.calibrator.observe(
+            16, 256, cost.base.predict(16, 256, 16 * 2000, 500), 1.5 * cost.base.predict(16, 256, 16 * 2000, 500)
+        )
     assert cost(16, 256) == pytest.approx(1.5 * cost.base.predict(16, 256, 16 * 2000, 500), rel=0.01)
 
 
@@ -267,8 +288,16 @@ def test_the_controller_hands_a_piece_aware_cost_the_prompts_on_offer():
     c = BudgetController(policy, default_tpot_ms=6.0, max_budget_tokens=8192)
     c.on_token("a", 0.0)
     offer = ((40, 10), (30, 0), (50, 0))
-    plan = c.plan_step(StepState(now_ms=0.0, decode_tokens=1, pending_prompt_tokens=120, decode_kv_tokens=65,
-                                 prefill_prefix_tokens=10, prompts_on_offer=offer))
+    plan = c.plan_step(
+        StepState(
+            now_ms=0.0,
+            decode_tokens=1,
+            pending_prompt_tokens=120,
+            decode_kv_tokens=65,
+            prefill_prefix_tokens=10,
+            prompts_on_offer=offer,
+        )
+    )
     # the plan's prediction prices the chunk piece by piece over the offer (each its own request)
     pieces, left = [], plan.chunk_tokens
     for remaining, prefix in offer:
@@ -292,8 +321,14 @@ def _self_correcting_run(correct: bool, steps: int = 80, bias: float = 1.25):
 
     cost = AnalyticCost()
     correction = self_correcting(cost) if correct else None
-    policy = make_policy_for_engine(correction.cost, correction.margin, 4096) if correct else make_policy_for_engine(cost, None, 4096)
-    c = BudgetController(policy, default_tpot_ms=10.0, max_budget_tokens=8192, correction=correction.calibrator if correct else None)
+    policy = (
+        make_policy_for_engine(correction.cost, correction.margin, 4096)
+        if correct
+        else make_policy_for_engine(cost, None, 4096)
+    )
+    c = BudgetController(
+        policy, default_tpot_ms=10.0, max_budget_tokens=8192, correction=correction.calibrator if correct else None
+    )
     ids = ("a", "b", "c", "d")
     for request_id in ids:
         c.on_token(request_id, 0.0)
@@ -320,7 +355,11 @@ def test_the_controller_self_corrects_a_biased_model_and_its_margin_turns_positi
 
     c, correction, record = _self_correcting_run(correct=True)
     assert isinstance(correction.margin, AdaptiveMargin) and correction.margin.quantile == DEFAULT_MARGIN_QUANTILE
-    assert c.policy.cost is correction.cost and c.policy.margin is correction.margin and c.correction is correction.calibrator
+    assert (
+        c.policy.cost is correction.cost
+        and c.policy.margin is correction.margin
+        and c.correction is correction.calibrator
+    )
     # fed the base prediction, the factor is the bias (times the noise's mean); fed the corrected
     # one it would chase its own tail
     assert correction.calibrator.factor(4, True) == pytest.approx(1.25 * 1.025, rel=0.03)
@@ -343,7 +382,9 @@ def test_the_controller_learns_from_the_step_the_engine_ran_not_the_plan():
     from sloweave.core.costs.calibrated import self_correcting
 
     correction = self_correcting(AnalyticCost())
-    c = BudgetController(make_policy_for_engine(correction.cost, correction.margin, 4096), 10.0, 8192, correction=correction.calibrator)
+    c = BudgetController(
+        make_policy_for_engine(correction.cost, correction.margin, 4096), 10.0, 8192, correction=correction.calibrator
+    )
     c.on_token("a", 0.0)
     now = 0.0
     for _ in range(10):
@@ -362,11 +403,22 @@ def _step_time_profile(tmp_path):
     import pandas as pd
 
     rows, rng, cost = [], np.random.default_rng(1), AnalyticCost()
-    for n, c, context, _ in itertools.product([0, 2, 4, 8, 16, 32], [0, 128, 512, 1024, 2048, 4096], [64, 512], range(3)):
+    for n, c, context, _ in itertools.product(
+        [0, 2, 4, 8, 16, 32], [0, 128, 512, 1024, 2048, 4096], [64, 512], range(3)
+    ):
         if n or c:
             kv = n * (context + 1)
             step = (cost(n, c) + 0.0002 * kv) * rng.uniform(0.97, 1.06)
-            rows.append({"n_decodes": n, "chunk_tokens": c, "decode_kv_tokens": kv, "prefill_prefix_tokens": 0, "step_ms": step, "context_tokens": context})
+            rows.append(
+                {
+                    "n_decodes": n,
+                    "chunk_tokens": c,
+                    "decode_kv_tokens": kv,
+                    "prefill_prefix_tokens": 0,
+                    "step_ms": step,
+                    "context_tokens": context,
+                }
+            )
     path = tmp_path / "profile.csv"
     pd.DataFrame(rows).to_csv(path, index=False)
     return path
@@ -381,7 +433,11 @@ def test_plugin_online_correction_decides_with_the_cores_self_correction(tmp_pat
     # analytic prior: no fallback until the window fills; margin_ms / margin_fraction add on top
     decision = PluginConfig(online_correction=True).build_decision()
     correction = decision.correction
-    assert isinstance(correction, SelfCorrection) and decision.cost is correction.cost and decision.margin is correction.margin
+    assert (
+        isinstance(correction, SelfCorrection)
+        and decision.cost is correction.cost
+        and decision.margin is correction.margin
+    )
     assert isinstance(decision.margin, AdaptiveMargin) and decision.margin.quantile == DEFAULT_MARGIN_QUANTILE
     assert decision.margin(4, 512) == 0.0
     stacked = PluginConfig(online_correction=True, margin_ms=0.5, margin_fraction=0.1).build_decision()
@@ -398,7 +454,10 @@ def test_plugin_online_correction_decides_with_the_cores_self_correction(tmp_pat
     fallback = decision.correction.margin.fallback
     assert isinstance(fallback, ResidualMargin) and fallback.cost is decision.cost
     np.testing.assert_array_equal(fallback.fractions, fit_profile_file(path).margin_fractions)
-    assert decision.margin(4, 512) == pytest.approx(fallback.fraction(4, 512) * decision.cost(4, 512)) and decision.margin(4, 512) > 0
+    assert (
+        decision.margin(4, 512) == pytest.approx(fallback.fraction(4, 512) * decision.cost(4, 512))
+        and decision.margin(4, 512) > 0
+    )
     # no correction: no SelfCorrection, the plain margins as before
     assert PluginConfig(cost=str(path), profile_margin=True).build_decision().correction is None
 
@@ -408,7 +467,9 @@ def test_plugin_refuses_profile_margin_with_online_correction(tmp_path):
     with pytest.raises(PluginConfigError, match="profile_margin and online_correction exclude each other"):
         PluginConfig(cost=str(path), profile_margin=True, online_correction=True)
     with pytest.raises(PluginConfigError, match="exclude each other"):
-        PluginConfig.from_sources({"sloweave": {"cost": str(path), "online_correction": True}}, environ={"SLOWEAVE_PROFILE_MARGIN": "1"})
+        PluginConfig.from_sources(
+            {"sloweave": {"cost": str(path), "online_correction": True}}, environ={"SLOWEAVE_PROFILE_MARGIN": "1"}
+        )
 
 
 @pytest.mark.parametrize("margin", [None, ConstantMargin(1.0)])

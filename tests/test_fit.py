@@ -43,12 +43,34 @@ def synthetic_profile(noise: float = 0.03, seed: int = 0, repeats: int = 3) -> p
                 for r in range(repeats):
                     d = n * (context + 1)
                     t = float(regression_features(n, c, d, 0) @ TRUE_COEF) * float(np.exp(abs(rng.normal(0, noise))))
-                    rows.append(dict(n_decodes=n, chunk_tokens=c, decode_kv_tokens=d, prefill_prefix_tokens=0, step_ms=t, context_tokens=context, repeat=r, split="fit"))
+                    rows.append(
+                        dict(
+                            n_decodes=n,
+                            chunk_tokens=c,
+                            decode_kv_tokens=d,
+                            prefill_prefix_tokens=0,
+                            step_ms=t,
+                            context_tokens=context,
+                            repeat=r,
+                            split="fit",
+                        )
+                    )
             for _ in range(3):  # off-grid held-out steps, some with a prefix
                 c, p = int(rng.integers(1, 1024)), int(rng.integers(0, 512))
                 d = n * (context + 1)
                 t = float(regression_features(n, c, d, p) @ TRUE_COEF) * float(np.exp(abs(rng.normal(0, noise))))
-                rows.append(dict(n_decodes=n, chunk_tokens=c, decode_kv_tokens=d, prefill_prefix_tokens=p, step_ms=t, context_tokens=context, repeat=0, split="holdout"))
+                rows.append(
+                    dict(
+                        n_decodes=n,
+                        chunk_tokens=c,
+                        decode_kv_tokens=d,
+                        prefill_prefix_tokens=p,
+                        step_ms=t,
+                        context_tokens=context,
+                        repeat=0,
+                        split="holdout",
+                    )
+                )
     return pd.DataFrame(rows)
 
 
@@ -60,7 +82,10 @@ def test_regression_recovers_the_true_model_and_scores_holdout():
     assert holdout["steps"] == 54
     assert holdout["median_abs_rel_error"] < 0.05
     # The context terms are what makes long-context steps predictable.
-    assert result.report["regression_without_context_holdout"]["median_abs_rel_error"] > 2 * holdout["median_abs_rel_error"]
+    assert (
+        result.report["regression_without_context_holdout"]["median_abs_rel_error"]
+        > 2 * holdout["median_abs_rel_error"]
+    )
     assert result.report["table_holdout"]["steps"] == 54
 
 
@@ -152,11 +177,22 @@ def test_non_monotone_profile_is_rejected_and_small_noise_is_repaired():
     broken = frame.copy()
     cell = (broken["n_decodes"] == 4) & (broken["chunk_tokens"] == 512) & (broken["context_tokens"] == 256)
     broken.loc[cell, "step_ms"] = 0.5  # a 512-token chunk faster than a 16-token one
-    with pytest.raises(ProfileError, match=r"not monotone in the chunk size: at n_decodes=4, context_tokens=256: chunk_tokens=512"):
+    with pytest.raises(
+        ProfileError, match=r"not monotone in the chunk size: at n_decodes=4, context_tokens=256: chunk_tokens=512"
+    ):
         fit_profile(broken)
     noisy = frame.copy()
-    small = (noisy["n_decodes"] == 4) & (noisy["chunk_tokens"] == 64) & (noisy["context_tokens"] == 64) & (noisy["split"] == "fit")
-    below = float(noisy.loc[(noisy["n_decodes"] == 4) & (noisy["chunk_tokens"] == 16) & (noisy["context_tokens"] == 64), "step_ms"].iloc[0])
+    small = (
+        (noisy["n_decodes"] == 4)
+        & (noisy["chunk_tokens"] == 64)
+        & (noisy["context_tokens"] == 64)
+        & (noisy["split"] == "fit")
+    )
+    below = float(
+        noisy.loc[
+            (noisy["n_decodes"] == 4) & (noisy["chunk_tokens"] == 16) & (noisy["context_tokens"] == 64), "step_ms"
+        ].iloc[0]
+    )
     noisy.loc[small, "step_ms"] = below * 0.95  # a 5 % dip: timing noise
     table = LookupTableCost.fit(noisy[noisy["split"] == "fit"])
     assert table.repaired_cells >= 1
@@ -186,7 +222,10 @@ def test_simulator_runs_on_a_profiled_cost():
     sim = simulate(wl, policy, tpot_ms=60.0, actual_cost=cost)
     metrics = evaluate(sim, ttft_ms=3000.0, tpot_ms=60.0)
     assert metrics.num_finished == 60
-    assert np.all(sim.iter_end_ms[sim.iter_decodes > 0] - sim.iter_start_ms[sim.iter_decodes > 0] <= 60.0 + 1e-6) or metrics.p99_tpot_ms <= 60.0
+    assert (
+        np.all(sim.iter_end_ms[sim.iter_decodes > 0] - sim.iter_start_ms[sim.iter_decodes > 0] <= 60.0 + 1e-6)
+        or metrics.p99_tpot_ms <= 60.0
+    )
 
 
 def test_fit_and_policy_import_without_torch():

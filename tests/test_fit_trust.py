@@ -54,9 +54,16 @@ def analytic_rows(n_values=GRID_N, c_values=GRID_C, repeats: int = 1, drop: dict
     """The conftest profile's grid (the analytic model, 300 KV tokens per decode); ``drop`` scales cells."""
     drop = drop or {}
     rows = [
-        dict(n_decodes=n, chunk_tokens=c, decode_kv_tokens=300 * n, prefill_prefix_tokens=0,
-             step_ms=ANALYTIC(n, c) * drop.get((n, c), 1.0), repeat=r)
-        for n, c in itertools.product(n_values, c_values) if n or c
+        dict(
+            n_decodes=n,
+            chunk_tokens=c,
+            decode_kv_tokens=300 * n,
+            prefill_prefix_tokens=0,
+            step_ms=ANALYTIC(n, c) * drop.get((n, c), 1.0),
+            repeat=r,
+        )
+        for n, c in itertools.product(n_values, c_values)
+        if n or c
         for r in range(repeats)
     ]
     return pd.DataFrame(rows)
@@ -74,7 +81,9 @@ def test_a_98_percent_drop_is_refused_although_the_random_holdout_leaves_a_hole(
     # has holes; the regression it fell back to was the constant base_ms (every other term 0).
     assert "grid has no step" in fit_profile(analytic_rows()).report["table_error"]  # the hole, on the clean grid
     broken = analytic_rows(drop={(n, 4096): 0.02 for n in GRID_N})
-    with pytest.raises(ProfileError, match=r"not monotone in the chunk size: at n_decodes=0, context_tokens=0: chunk_tokens=4096"):
+    with pytest.raises(
+        ProfileError, match=r"not monotone in the chunk size: at n_decodes=0, context_tokens=0: chunk_tokens=4096"
+    ):
         fit_profile(broken)
     with pytest.raises(ProfileError, match="not monotone in the chunk size"):
         fit_profile(broken, holdout_share=0.0)  # the complete grid: refused before as well
@@ -86,8 +95,12 @@ def test_a_98_percent_drop_is_refused_although_the_random_holdout_leaves_a_hole(
 
 
 def test_ten_copies_of_one_step_are_one_step():
-    copies = pd.DataFrame([dict(n_decodes=4, chunk_tokens=256, decode_kv_tokens=1200, prefill_prefix_tokens=0, step_ms=3.5)] * 10)
-    with pytest.raises(ProfileError, match=r"1 distinct fit step\(s\) in \d+ row\(s\); the regression fit needs at least 7"):
+    copies = pd.DataFrame(
+        [dict(n_decodes=4, chunk_tokens=256, decode_kv_tokens=1200, prefill_prefix_tokens=0, step_ms=3.5)] * 10
+    )
+    with pytest.raises(
+        ProfileError, match=r"1 distinct fit step\(s\) in \d+ row\(s\); the regression fit needs at least 7"
+    ):
         fit_profile(copies)
     # seven steps along one chunk size: enough rows and steps, but nothing says how time grows with c
     one_chunk = analytic_rows(n_values=(0, 1, 2, 4, 8, 16, 32, 64), c_values=(256,), repeats=2)
@@ -106,9 +119,16 @@ def test_a_tolerance_that_switches_the_check_off_is_refused(tmp_path, value):
 
 @pytest.mark.parametrize(
     "argument, value",
-    [("monotone_tolerance_ms", math.nan), ("monotone_tolerance_ms", math.inf), ("monotone_tolerance", math.nan),
-     ("monotone_tolerance", 1.0), ("max_holdout_error", math.nan), ("max_holdout_error", 0.0), ("holdout_share", math.nan),
-     ("holdout_share", 1.0)],
+    [
+        ("monotone_tolerance_ms", math.nan),
+        ("monotone_tolerance_ms", math.inf),
+        ("monotone_tolerance", math.nan),
+        ("monotone_tolerance", 1.0),
+        ("max_holdout_error", math.nan),
+        ("max_holdout_error", 0.0),
+        ("holdout_share", math.nan),
+        ("holdout_share", 1.0),
+    ],
 )
 def test_the_api_refuses_the_same_values(argument, value):
     frame = analytic_rows()
@@ -172,7 +192,10 @@ def test_holdout_steps_that_repeat_fitted_ones_are_said_to_be_no_test():
 def test_a_regression_that_prices_every_chunk_alike_is_refused():
     # step time grows with the decodes only: the fit has no chunk term, and the data none to give it
     flat = analytic_rows().assign(step_ms=lambda f: 1.0 + 0.1 * f["n_decodes"])
-    with pytest.raises(ProfileError, match=r"the regression fit prices chunk_tokens=4096 no higher than chunk_tokens=\d+ at n_decodes=\d+"):
+    with pytest.raises(
+        ProfileError,
+        match=r"the regression fit prices chunk_tokens=4096 no higher than chunk_tokens=\d+ at n_decodes=\d+",
+    ):
         fit_profile(flat, holdout_share=0.0)
     constant = RegressionCost(np.array([0.85, 0, 0, 0, 0, 0, 0.0]))
     rows = analytic_rows()
@@ -185,7 +208,10 @@ def test_a_fit_off_by_more_than_the_bound_on_held_out_steps_is_refused(tmp_path)
     held = analytic_rows(n_values=(2, 8), c_values=(100, 500)).assign(split="holdout")
     held["step_ms"] *= 3.0  # steps the fit never saw take three times what the grid says
     path = write_profile(pd.concat([rows, held], ignore_index=True), tmp_path / "p.csv")
-    with pytest.raises(ProfileError, match=r"the regression fit is off by 67 % \(median over 4 held-out steps\), above the bound of 50 %"):
+    with pytest.raises(
+        ProfileError,
+        match=r"the regression fit is off by 67 % \(median over 4 held-out steps\), above the bound of 50 %",
+    ):
         fit_profile_file(path)
     refused = invoke(["fit", str(path)])
     assert refused.exit_code == 1 and str(path) in refused.output and "above the bound of 50 %" in refused.output
@@ -205,7 +231,10 @@ def test_a_fit_is_checked_monotone_past_the_profiled_chunks():
     rows = analytic_rows()  # profiled up to 4,096 tokens: queried up to twice that, 8,192
     accept_fit("custom", DropsPastTheProfile(), rows, rows.iloc[:0])
     beyond = analytic_rows(c_values=(0, 64, 256, 1024, 4096, 5000))  # queried up to 10,000 tokens
-    with pytest.raises(ProfileError, match=r"the custom fit cannot be used where a policy asks .*not monotone non-decreasing in the chunk size"):
+    with pytest.raises(
+        ProfileError,
+        match=r"the custom fit cannot be used where a policy asks .*not monotone non-decreasing in the chunk size",
+    ):
         accept_fit("custom", DropsPastTheProfile(), beyond, beyond.iloc[:0])
 
 
@@ -219,8 +248,11 @@ def test_the_table_is_monotone_in_the_decode_count_and_refuses_a_large_drop_alon
     broken = analytic_rows(drop={(64, 4096): 0.5})  # 15 ms less with more decodes
     with pytest.raises(ProfileError, match=r"not monotone in the (chunk size|decode count)"):
         LookupTableCost.fit(broken)
-    with pytest.raises(ProfileError, match=r"profile x.csv is not monotone in the decode count: at chunk_tokens=4096, context_tokens=0: "
-                                           r"n_decodes=64 takes 14.873 ms"):
+    with pytest.raises(
+        ProfileError,
+        match=r"profile x.csv is not monotone in the decode count: at chunk_tokens=4096, context_tokens=0: "
+        r"n_decodes=64 takes 14.873 ms",
+    ):
         LookupTableCost.fit(broken[broken["chunk_tokens"] == 4096], where="profile x.csv")
 
 
@@ -229,10 +261,16 @@ def test_the_table_is_monotone_in_the_decode_count_and_refuses_a_large_drop_alon
     [
         ("all_reduce.csv", lambda cells: cells["size"] == "10240", "the rows for 2 workers have only size=10240"),
         ("cpu_overheads.csv", lambda cells: cells["batch_size"] == "8", "the rows have only batch_size=8"),
-        ("attention.csv", lambda cells: cells["is_prefill"] == "True" or cells["kv_cache_size"] == "64",
-         "the decode rows at batch_size=1 have only kv_cache_size=64"),
-        ("attention.csv", lambda cells: cells["is_prefill"] == "False" or cells["prefill_chunk_size"] == "512",
-         "the prefill rows have only prefill_chunk_size=512"),
+        (
+            "attention.csv",
+            lambda cells: cells["is_prefill"] == "True" or cells["kv_cache_size"] == "64",
+            "the decode rows at batch_size=1 have only kv_cache_size=64",
+        ),
+        (
+            "attention.csv",
+            lambda cells: cells["is_prefill"] == "False" or cells["prefill_chunk_size"] == "512",
+            "the prefill rows have only prefill_chunk_size=512",
+        ),
     ],
 )
 def test_every_operator_table_needs_two_values_along_its_counts(tmp_path, file, keep, message):
@@ -247,7 +285,11 @@ def test_the_shipped_profiles_are_accepted():
     for name in ("llama2-70b-tp2-a100", "llama3-8b-tp1-a100"):
         load_profiles(name)
     root = Path(__file__).resolve().parents[1] / "benchmarks"
-    for path in ("results-cpu/profile-small.csv", "results-cpu-quiet/profile-small.csv", "results-vllm-cpu/at-load/profile.csv"):
+    for path in (
+        "results-cpu/profile-small.csv",
+        "results-cpu-quiet/profile-small.csv",
+        "results-vllm-cpu/at-load/profile.csv",
+    ):
         report = fit_profile_file(root / path).report
         assert report["accepted_kinds"] == ["regression", "table"], (path, report["notes"])
 
@@ -274,8 +316,12 @@ def grids(draw):
     c_values = tuple(sorted(draw(st.sets(st.sampled_from(GRID_C), min_size=1, max_size=4))))
     assume(n_values != (0,) or c_values != (0,))  # an empty step alone is no profile
     return Grid(
-        n_values, c_values, draw(st.integers(1, 3)), draw(st.integers(0, 30)),
-        draw(st.sampled_from([1.0, 1.0, 0.98, 0.9, 0.6, 0.02])), tuple(draw(st.sets(st.integers(0, 60), max_size=6))),
+        n_values,
+        c_values,
+        draw(st.integers(1, 3)),
+        draw(st.integers(0, 30)),
+        draw(st.sampled_from([1.0, 1.0, 0.98, 0.9, 0.6, 0.02])),
+        tuple(draw(st.sets(st.integers(0, 60), max_size=6))),
     )
 
 
@@ -306,7 +352,7 @@ def broken_in_data(frame: pd.DataFrame) -> bool:
 
 
 def oracle(frame: pd.DataFrame) -> str:
-    """"refused" (the rule is broken), "accepted" (clean data meeting it) or "either" (a drop within
+    """ "refused" (the rule is broken), "accepted" (clean data meeting it) or "either" (a drop within
     the tolerances: refused only by the fit's own checks or the hold-out bound)."""
     fit = frame[frame["split"] == "fit"]
     if len(fit) == 0 or broken_in_data(frame):
@@ -322,7 +368,9 @@ def check_accepted(result, frame: pd.DataFrame) -> None:
     """What an accepted fit states holds: its steps, its bound, and monotone on the queried range."""
     report = result.report
     fit = frame[frame["split"] == "fit"]
-    assert report["fit_distinct_steps"] == len(fit.drop_duplicates(["n_decodes", "chunk_tokens", "decode_kv_tokens", "prefill_prefix_tokens"]))
+    assert report["fit_distinct_steps"] == len(
+        fit.drop_duplicates(["n_decodes", "chunk_tokens", "decode_kv_tokens", "prefill_prefix_tokens"])
+    )
     for kind in report["accepted_kinds"]:
         cost = result.cost(kind)
         for context in (0, 300, 5000):
@@ -338,7 +386,9 @@ def check_accepted(result, frame: pd.DataFrame) -> None:
 
 @settings(max_examples=150, **FUZZ)
 @given(case=grids())
-@example(case=Grid(GRID_N, GRID_C, 1, 3, 0.02, (2, 7, 13, 16, 22)))  # a 98 % drop at 4,096 tokens, the hold-out leaving holes
+@example(
+    case=Grid(GRID_N, GRID_C, 1, 3, 0.02, (2, 7, 13, 16, 22))
+)  # a 98 % drop at 4,096 tokens, the hold-out leaving holes
 @example(case=Grid(GRID_N, GRID_C, 1, 3, 0.02, ()))  # the same drop, complete grid
 @example(case=Grid((4,), (256,), 1, 0, 1.0, ()))  # one step ...
 @example(case=Grid((0, 4), (0, 256), 3, 0, 1.0, (0,)))  # ... or three, repeated: not seven
@@ -364,10 +414,17 @@ def test_a_generated_profile_is_refused_exactly_when_it_breaks_the_rule(case):
 @st.composite
 def operator_cuts(draw):
     """One table of a copied preset cut to ``k`` values of one of the counts it is read along."""
-    file, column, kind = draw(st.sampled_from([
-        ("mlp.csv", "num_tokens", None), ("all_reduce.csv", "size", None), ("cpu_overheads.csv", "batch_size", None),
-        ("attention.csv", "kv_cache_size", "False"), ("attention.csv", "prefill_chunk_size", "True"),
-    ]))
+    file, column, kind = draw(
+        st.sampled_from(
+            [
+                ("mlp.csv", "num_tokens", None),
+                ("all_reduce.csv", "size", None),
+                ("cpu_overheads.csv", "batch_size", None),
+                ("attention.csv", "kv_cache_size", "False"),
+                ("attention.csv", "prefill_chunk_size", "True"),
+            ]
+        )
+    )
     return file, column, kind, draw(st.integers(1, 3)), draw(st.integers(0, 10**6))
 
 
@@ -383,7 +440,9 @@ def test_an_operator_table_cut_to_k_values_loads_iff_k_is_two_or_more(cut):
         mine = table if kind is None else table[table["is_prefill"].astype(str) == kind]
         values = sorted(mine[column].unique())
         chosen = set(np.random.default_rng(seed).choice(values, size=min(k, len(values)), replace=False).tolist())
-        keep_rows(path, lambda cells: (kind is not None and cells["is_prefill"] != kind) or float(cells[column]) in chosen)
+        keep_rows(
+            path, lambda cells: (kind is not None and cells["is_prefill"] != kind) or float(cells[column]) in chosen
+        )
         counts = read_along(file, kind, pd.read_csv(path))
         enough = min(counts.values()) >= 2
         try:
@@ -406,6 +465,9 @@ def read_along(file: str, kind: str | None, table: pd.DataFrame) -> dict[str, in
         return {"batch_size": table["batch_size"].nunique()}
     rows = table[table["is_prefill"].astype(str) == kind]
     if kind == "True":
-        return {"prefill_chunk_size": rows["prefill_chunk_size"].nunique(), "kv_cache_size": rows["kv_cache_size"].nunique()}
+        return {
+            "prefill_chunk_size": rows["prefill_chunk_size"].nunique(),
+            "kv_cache_size": rows["kv_cache_size"].nunique(),
+        }
     per_batch = rows.groupby("batch_size")["kv_cache_size"].nunique()
     return {"batch_size": rows["batch_size"].nunique(), "kv_cache_size": int(per_batch.min()) if len(per_batch) else 0}

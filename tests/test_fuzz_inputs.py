@@ -116,9 +116,41 @@ LONG = ("524288", "1048575", "1048576", "1000000000000")
 # Cells a file can hold in place of a good value: no comma, quote or line break, so the rows keep
 # their shape (those are generated separately as damage).
 CELL_JUNK = (
-    "", " ", "nan", "NaN", "inf", "-inf", "-1", "0", "-0", "1.5", "1.0", "1e3", "1e12", "1e20", "1e400",
-    "abc", "True", "false", str(INT64_LIMIT), "99999999999999999999999", " 42 ", "\t7", "+5", "5.", ".5e1",
-    "0x10", "1_000", "\uff14\uff12", "\u0663", "\u00a012", "\u00e9", "12abc", "--1", "1e", "\x00",
+    "",
+    " ",
+    "nan",
+    "NaN",
+    "inf",
+    "-inf",
+    "-1",
+    "0",
+    "-0",
+    "1.5",
+    "1.0",
+    "1e3",
+    "1e12",
+    "1e20",
+    "1e400",
+    "abc",
+    "True",
+    "false",
+    str(INT64_LIMIT),
+    "99999999999999999999999",
+    " 42 ",
+    "\t7",
+    "+5",
+    "5.",
+    ".5e1",
+    "0x10",
+    "1_000",
+    "\uff14\uff12",
+    "\u0663",
+    "\u00a012",
+    "\u00e9",
+    "12abc",
+    "--1",
+    "1e",
+    "\x00",
 )
 SAFE_CHARS = st.characters(blacklist_characters=',"\r\n', blacklist_categories=("Cs",))
 JUNK_CELLS = st.one_of(
@@ -136,8 +168,15 @@ LIMITS = st.sampled_from([DEFAULT_MAX_MODEL_LEN_TOKENS, DEFAULT_MAX_MODEL_LEN_TO
 # Damage done to a CSV file as it is written. Shape damage is refused by the shared shape check at
 # its line; the byte-level kinds are refused naming the file only.
 SHAPE_DAMAGE = (
-    "extra_field_every_row", "trailing_comma_rows", "trailing_comma_everywhere", "extra_field",
-    "missing_field", "repeated_column", "renamed_column", "whitespace_line_inside", "quoted_line_break",
+    "extra_field_every_row",
+    "trailing_comma_rows",
+    "trailing_comma_everywhere",
+    "extra_field",
+    "missing_field",
+    "repeated_column",
+    "renamed_column",
+    "whitespace_line_inside",
+    "quoted_line_break",
 )
 FILE_DAMAGE = ("not_utf8", "gzip", "empty", "header_only")
 HARMLESS_DAMAGE = ("blank_lines_at_end", "bom", "blank_line_inside")
@@ -178,7 +217,7 @@ class Csv:
         records = [[i + 2, dict(zip(header, row))] for i, row in enumerate(self.rows)]
         if self.damage == "quoted_line_break":
             breaks = 1
-            for rec in records[r + 1:]:
+            for rec in records[r + 1 :]:
                 rec[0] += breaks
         if self.damage == "extra_field_every_row":
             lines[1:], problem = [line + ",7" for line in lines[1:]], 2
@@ -203,10 +242,12 @@ class Csv:
             lines, records, problem = lines[:1], [], 0
         elif self.damage == "blank_lines_at_end":
             lines += ["", ""]
-        text = self.newline.join(lines) + (self.newline if self.final_newline or self.damage == "blank_lines_at_end" else "")
+        text = self.newline.join(lines) + (
+            self.newline if self.final_newline or self.damage == "blank_lines_at_end" else ""
+        )
         data = text.encode("utf-8")
         if self.damage == "not_utf8":
-            data, problem = data[: self.where % len(data)] + b"\xff" + data[self.where % len(data):], 0
+            data, problem = data[: self.where % len(data)] + b"\xff" + data[self.where % len(data) :], 0
         elif self.damage == "gzip":
             data, problem = gzip.compress(data, mtime=0), 0
         elif self.damage == "empty":
@@ -259,9 +300,26 @@ TIME_COLUMN = {"normalised": "arrival_s", "azure": "TIMESTAMP", "vidur": None}
 LENGTH_COLUMNS = {fmt: columns[-2:] for fmt, columns in TRACE_COLUMNS.items()}
 AZURE_BASE = datetime(2023, 11, 16, 18, 15, 46, 680590)
 STAMP_JUNK = (
-    "", "abc", "0", "-1", "1.5", "1e20", "2023", "2023-11-16", "now", "today", "NaT", "nan",
-    "2023-13-01 00:00:00", "2023-02-30 00:00:00", "2023-11-16 25:00:00", "2023-11-16 18:15:47Z",
-    "2023-11-16T18:15:47+01:00", "2023-11-16T18:15:45", "2023-11-16 18:15:46.6805900", " 2023-11-16 18:15:46 ",
+    "",
+    "abc",
+    "0",
+    "-1",
+    "1.5",
+    "1e20",
+    "2023",
+    "2023-11-16",
+    "now",
+    "today",
+    "NaT",
+    "nan",
+    "2023-13-01 00:00:00",
+    "2023-02-30 00:00:00",
+    "2023-11-16 25:00:00",
+    "2023-11-16 18:15:47Z",
+    "2023-11-16T18:15:47+01:00",
+    "2023-11-16T18:15:45",
+    "2023-11-16 18:15:46.6805900",
+    " 2023-11-16 18:15:46 ",
 )
 STAMP = re.compile(r"(\d{4})-(\d{2})-(\d{2})[ T](\d{2}):(\d{2}):(\d{2})(?:\.(\d{1,9}))?(Z|[+-]\d{2}:\d{2})?")
 
@@ -383,7 +441,9 @@ def trace_csvs(draw):
         length_only = draw(st.integers(0, 4)) == 0
         cells["arrival_s"] = ["" if length_only else f"{(start + us) / 1e6:.6f}" for us in micros]
     elif fmt == "azure":
-        cells["TIMESTAMP"] = [(AZURE_BASE + timedelta(microseconds=us)).strftime("%Y-%m-%d %H:%M:%S.%f") + "0" for us in micros]
+        cells["TIMESTAMP"] = [
+            (AZURE_BASE + timedelta(microseconds=us)).strftime("%Y-%m-%d %H:%M:%S.%f") + "0" for us in micros
+        ]
     cells["note"] = [draw(st.text(SAFE_CHARS, max_size=3)) for _ in range(n)]
     cells[""] = [str(i) for i in range(n)]
     rows = tuple(tuple(cells[c][i] for c in header) for i in range(n))
@@ -425,9 +485,20 @@ GOOD_ROWS = (("0.0", "100", "20"), ("0.5", "200", "30"))
 @example(case=normalised(GOOD_ROWS, "quoted_line_break", where=0))
 @example(case=normalised(GOOD_ROWS + (("1.0", "5", "5"),), "blank_line_inside", where=0))
 @example(case=normalised((("0.5", "100", "20"), ("0.0", "200", "30"))))
-@example(case=TraceCsv("azure", Csv(("TIMESTAMP", "ContextTokens", "GeneratedTokens"),
-                                    (("2023-11-16 18:15:46.6805900", "10", "5"), ("2023-11-16T18:15:47+01:00", "10", "5")))))
-@example(case=TraceCsv("azure", Csv(("TIMESTAMP", "ContextTokens", "GeneratedTokens"), (("-1", "10", "5"), ("now", "10", "5")))))
+@example(
+    case=TraceCsv(
+        "azure",
+        Csv(
+            ("TIMESTAMP", "ContextTokens", "GeneratedTokens"),
+            (("2023-11-16 18:15:46.6805900", "10", "5"), ("2023-11-16T18:15:47+01:00", "10", "5")),
+        ),
+    )
+)
+@example(
+    case=TraceCsv(
+        "azure", Csv(("TIMESTAMP", "ContextTokens", "GeneratedTokens"), (("-1", "10", "5"), ("now", "10", "5")))
+    )
+)
 def test_csv_traces_load_exactly_or_are_refused_with_file_and_line(case):
     with tempfile.TemporaryDirectory() as folder:
         path = Path(folder) / "trace.csv"
@@ -449,8 +520,20 @@ JSON_JUNK = st.one_of(
     st.dictionaries(st.text(max_size=2), st.integers(), max_size=1),
 )
 LINE_JUNK = (
-    "", "   ", "{", "}", "[]", "[1, 2]", "null", "5", '"text"', "{'timestamp': 1}", "NaN", "\x00",
-    '{"timestamp": 1, "input_length": 2, "output_length": 3} {}', "[" * 3000,
+    "",
+    "   ",
+    "{",
+    "}",
+    "[]",
+    "[1, 2]",
+    "null",
+    "5",
+    '"text"',
+    "{'timestamp': 1}",
+    "NaN",
+    "\x00",
+    '{"timestamp": 1, "input_length": 2, "output_length": 3} {}',
+    "[" * 3000,
 )
 MOONCAKE_KEYS = ("timestamp", "input_length", "output_length")
 
@@ -468,7 +551,9 @@ class Jsonl:
 
 
 def expect_jsonl(case: Jsonl) -> Expect:
-    records, bad = requests([(i, None if line.strip() == "" else {"line": line}) for i, line in enumerate(case.lines, 1)])
+    records, bad = requests(
+        [(i, None if line.strip() == "" else {"line": line}) for i, line in enumerate(case.lines, 1)]
+    )
     if not records:
         return Expect(None)
     prompt, output, arrival = [], [], []
@@ -484,7 +569,15 @@ def expect_jsonl(case: Jsonl) -> Expect:
             record = {}
         p, o = tokens(json_number(record.get("input_length"))), tokens(json_number(record.get("output_length")))
         t = json_number(record.get("timestamp"))
-        if p is None or o is None or t is None or t < 0 or t > MAX_SECONDS * 1000 or p + o > case.limit or p + o >= INT64_LIMIT:
+        if (
+            p is None
+            or o is None
+            or t is None
+            or t < 0
+            or t > MAX_SECONDS * 1000
+            or p + o > case.limit
+            or p + o >= INT64_LIMIT
+        ):
             bad.add(line_number)
         if arrival and t is not None and arrival[-1] is not None and t < arrival[-1]:
             bad.add(line_number)
@@ -493,7 +586,9 @@ def expect_jsonl(case: Jsonl) -> Expect:
         arrival.append(t)
     if bad:
         return Expect(None, frozenset(bad))
-    return Expect(dict(fmt="mooncake", prompt=prompt, output=output, arrival=[(t - arrival[0]) / 1000 for t in arrival]))
+    return Expect(
+        dict(fmt="mooncake", prompt=prompt, output=output, arrival=[(t - arrival[0]) / 1000 for t in arrival])
+    )
 
 
 @st.composite
@@ -521,7 +616,9 @@ def jsonls(draw):
         lines[draw(st.integers(0, n - 1))] = draw(st.sampled_from(LINE_JUNK))
     if draw(st.integers(0, 4)) == 0:
         lines += ["", ""]
-    return Jsonl(tuple(lines), draw(st.booleans()), draw(st.sampled_from(["\n", "\r\n"])), draw(LIMITS), draw(st.booleans()))
+    return Jsonl(
+        tuple(lines), draw(st.booleans()), draw(st.sampled_from(["\n", "\r\n"])), draw(LIMITS), draw(st.booleans())
+    )
 
 
 MOONCAKE_GOOD = ('{"timestamp": 0, "input_length": 100, "output_length": 20}',)
@@ -550,11 +647,20 @@ def test_mooncake_jsonl_loads_exactly_or_is_refused_with_file_and_line(case):
 
 # ----------------------------------------------------------------------------- traces: any bytes
 
-ROW_CELLS = st.sampled_from(["0", "1", "5", "0.5", "7", "", "abc", "-1", "2023-11-16 18:15:46", '"7"', " 3 ", "1e9", "nan"])
+ROW_CELLS = st.sampled_from(
+    ["0", "1", "5", "0.5", "7", "", "abc", "-1", "2023-11-16 18:15:46", '"7"', " 3 ", "1e9", "nan"]
+)
 ROWS = st.lists(st.lists(ROW_CELLS, min_size=1, max_size=4).map(",".join), min_size=1, max_size=4)
 CSV_ISH = st.text(st.sampled_from(list('0123456789.,-+e "\n\r\tab{}[]:') + ["\u00e9"]), max_size=80)
-HEADERS = st.sampled_from(["", "arrival_s,prompt_tokens,output_tokens\n", "TIMESTAMP,ContextTokens,GeneratedTokens\n",
-                           "num_prefill_tokens,num_decode_tokens\n", ",num_prefill_tokens,num_decode_tokens\n"])
+HEADERS = st.sampled_from(
+    [
+        "",
+        "arrival_s,prompt_tokens,output_tokens\n",
+        "TIMESTAMP,ContextTokens,GeneratedTokens\n",
+        "num_prefill_tokens,num_decode_tokens\n",
+        ",num_prefill_tokens,num_decode_tokens\n",
+    ]
+)
 
 
 @settings(max_examples=120, **FUZZ)
@@ -562,7 +668,12 @@ HEADERS = st.sampled_from(["", "arrival_s,prompt_tokens,output_tokens\n", "TIMES
     data=st.one_of(
         st.binary(max_size=64),
         st.builds(lambda h, t: (h + t).encode("utf-8"), HEADERS, CSV_ISH),
-        st.builds(lambda h, rows, nl: (h + nl.join(rows) + nl).encode("utf-8"), HEADERS, ROWS, st.sampled_from(["\n", "\r\n", "\r"])),
+        st.builds(
+            lambda h, rows, nl: (h + nl.join(rows) + nl).encode("utf-8"),
+            HEADERS,
+            ROWS,
+            st.sampled_from(["\n", "\r\n", "\r"]),
+        ),
         st.builds(lambda t: t.encode("utf-8"), st.text(max_size=40)),
     ),
     suffix=st.sampled_from([".csv", ".jsonl", ".txt"]),
@@ -588,7 +699,9 @@ def test_any_bytes_load_as_a_sane_trace_or_are_refused_naming_the_file(data, suf
     assert trace.prompt_tokens.min() >= 1 and trace.output_tokens.min() >= 1
     assert (trace.prompt_tokens + trace.output_tokens).max() <= DEFAULT_MAX_MODEL_LEN_TOKENS
     if trace.has_arrivals:
-        assert trace.arrival_s[0] == 0.0 and np.all(np.diff(trace.arrival_s) >= 0) and np.all(np.isfinite(trace.arrival_s))
+        assert (
+            trace.arrival_s[0] == 0.0 and np.all(np.diff(trace.arrival_s) >= 0) and np.all(np.isfinite(trace.arrival_s))
+        )
 
 
 @pytest.mark.parametrize("limit", [0, -1, 1.5, True, "1024", None, float("nan"), MAX_TOKENS + 1, 2**70])
@@ -605,14 +718,18 @@ def test_a_bad_context_limit_is_refused_before_the_file_is_read(tmp_path, limit)
 def test_azure_stamps_with_and_without_a_time_zone_are_refused_at_the_line(tmp_path):
     # pandas raised a bare ValueError ("Mixed timezones detected") without the file
     path = tmp_path / "azure.csv"
-    path.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46.6805900,10,5\n2023-11-16T18:15:47+01:00,10,5\n")
+    path.write_text(
+        "TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46.6805900,10,5\n2023-11-16T18:15:47+01:00,10,5\n"
+    )
     with pytest.raises(TraceError, match=rf"^{re.escape(str(path))}, line 3: TIMESTAMP has a time zone"):
         load_trace(path)
 
 
 def test_azure_stamps_in_different_zones_are_compared_as_instants(tmp_path):
     path = tmp_path / "azure.csv"
-    path.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16T18:15:46Z,10,5\n2023-11-16T19:15:48+01:00,10,5\n")
+    path.write_text(
+        "TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16T18:15:46Z,10,5\n2023-11-16T19:15:48+01:00,10,5\n"
+    )
     np.testing.assert_allclose(load_trace(path).arrival_s, [0.0, 2.0])
 
 
@@ -626,24 +743,37 @@ def test_an_azure_stamp_must_be_a_date_and_a_time(tmp_path, bad):
         load_trace(path)
 
 
-@pytest.mark.parametrize("fmt, text", [
-    ("csv", "arrival_s,prompt_tokens,output_tokens\n0.0,1e20,20\n"),
-    ("jsonl", '{"timestamp": 0, "input_length": 100000000000000000000, "output_length": 20}\n'),
-])
+@pytest.mark.parametrize(
+    "fmt, text",
+    [
+        ("csv", "arrival_s,prompt_tokens,output_tokens\n0.0,1e20,20\n"),
+        ("jsonl", '{"timestamp": 0, "input_length": 100000000000000000000, "output_length": 20}\n'),
+    ],
+)
 def test_a_length_past_int64_is_refused_under_the_largest_limit(tmp_path, fmt, text):
     # with max_model_len_tokens=2**70 a 1e20-token prompt passed the context check and wrapped
     # to -9223372036854775808 tokens when stored as int64; the limit itself now has a range
     path = tmp_path / f"trace.{fmt}"
     path.write_text(text)
-    with pytest.raises(TraceError, match=rf"{re.escape(str(path))}, line {1 if fmt == 'jsonl' else 2}: .*exceed the model's context of 2147483648"):
+    with pytest.raises(
+        TraceError,
+        match=rf"{re.escape(str(path))}, line {1 if fmt == 'jsonl' else 2}: .*exceed the model's context of 2147483648",
+    ):
         load_trace(path, max_model_len_tokens=MAX_TOKENS)
 
 
-@pytest.mark.parametrize("fmt, text, line", [
-    ("csv", "arrival_s,prompt_tokens,output_tokens\n0.0,10,20\n1e300,10,20\n", 3),
-    ("csv", "arrival_s,prompt_tokens,output_tokens\n9223372036854775808,10,20\n", 2),
-    ("jsonl", '{"timestamp": 0, "input_length": 10, "output_length": 20}\n{"timestamp": 1e300, "input_length": 10, "output_length": 20}\n', 2),
-])
+@pytest.mark.parametrize(
+    "fmt, text, line",
+    [
+        ("csv", "arrival_s,prompt_tokens,output_tokens\n0.0,10,20\n1e300,10,20\n", 3),
+        ("csv", "arrival_s,prompt_tokens,output_tokens\n9223372036854775808,10,20\n", 2),
+        (
+            "jsonl",
+            '{"timestamp": 0, "input_length": 10, "output_length": 20}\n{"timestamp": 1e300, "input_length": 10, "output_length": 20}\n',
+            2,
+        ),
+    ],
+)
 def test_an_arrival_past_the_clocks_range_is_refused_at_its_line(tmp_path, fmt, text, line):
     # arrivals of 1e300 s or 2**63 s made a float clock unable to add a millisecond: every
     # request got TTFT 0 and attainment 1.0
@@ -680,8 +810,27 @@ def test_a_jsonl_line_nested_too_deeply_is_refused_at_its_line(tmp_path):
 # ----------------------------------------------------------------------------- step-time profiles: CSV
 
 PROFILE_OPTIONAL = ("context_tokens", "split", "repeat")
-PANDAS_NA = {"", "#N/A", "#N/A N/A", "#NA", "-1.#IND", "-1.#QNAN", "-NaN", "-nan", "1.#IND", "1.#QNAN", "<NA>", "N/A",
-             "NA", "NULL", "NaN", "None", "n/a", "nan", "null"}
+PANDAS_NA = {
+    "",
+    "#N/A",
+    "#N/A N/A",
+    "#NA",
+    "-1.#IND",
+    "-1.#QNAN",
+    "-NaN",
+    "-nan",
+    "1.#IND",
+    "1.#QNAN",
+    "<NA>",
+    "N/A",
+    "NA",
+    "NULL",
+    "NaN",
+    "None",
+    "n/a",
+    "nan",
+    "null",
+}
 
 
 def ascii_stripped(text: str) -> bool:
@@ -743,10 +892,14 @@ def profile_csvs(draw):
     rows = []
     for _ in range(n):
         row = dict(
-            n_decodes=draw(st.integers(0, 64)), chunk_tokens=draw(st.integers(0, 4096)),
-            decode_kv_tokens=draw(st.integers(0, 10**6)), prefill_prefix_tokens=draw(st.integers(0, 4096)),
-            step_ms=repr(round(draw(st.floats(0.001, 1000)), 3)), context_tokens=draw(st.integers(0, 8192)),
-            split=draw(st.sampled_from(["fit", "holdout", ""])), repeat=draw(st.integers(0, 3)),
+            n_decodes=draw(st.integers(0, 64)),
+            chunk_tokens=draw(st.integers(0, 4096)),
+            decode_kv_tokens=draw(st.integers(0, 10**6)),
+            prefill_prefix_tokens=draw(st.integers(0, 4096)),
+            step_ms=repr(round(draw(st.floats(0.001, 1000)), 3)),
+            context_tokens=draw(st.integers(0, 8192)),
+            split=draw(st.sampled_from(["fit", "holdout", ""])),
+            repeat=draw(st.integers(0, 3)),
         )
         if row["n_decodes"] == 0 and row["chunk_tokens"] == 0:
             row["chunk_tokens"] = 16
@@ -758,7 +911,7 @@ def profile_csvs(draw):
         missing = draw(st.sampled_from(REQUIRED_COLUMNS))
         k = header.index(missing)
         header.pop(k)
-        rows = tuple(r[:k] + r[k + 1:] for r in rows)
+        rows = tuple(r[:k] + r[k + 1 :] for r in rows)
     return ProfileCsv(Csv(tuple(header), rows, renamed=header[0], **draw(csv_damage())), missing)
 
 
@@ -796,7 +949,11 @@ PROFILE_ROW = ("1", "0", "300", "0", "2.5")
 @example(case=ProfileCsv(Csv(PROFILE_HEADER, (PROFILE_ROW, ("1.5", "0", "1200", "0", "3")))))
 @example(case=ProfileCsv(Csv(PROFILE_HEADER, (PROFILE_ROW, ("1e20", "0", "1200", "0", "3")))))
 @example(case=ProfileCsv(Csv(PROFILE_HEADER, (("1", "0", "0", "0", "True"), ("2", "0", "0", "0", "True")))))
-@example(case=ProfileCsv(Csv(PROFILE_HEADER, (PROFILE_ROW, PROFILE_ROW, ("2", "0", "0", "0", "-3")), "blank_line_inside", where=0)))
+@example(
+    case=ProfileCsv(
+        Csv(PROFILE_HEADER, (PROFILE_ROW, PROFILE_ROW, ("2", "0", "0", "0", "-3")), "blank_line_inside", where=0)
+    )
+)
 @example(case=ProfileCsv(Csv(PROFILE_HEADER + ("split",), (PROFILE_ROW + ("fit",), PROFILE_ROW + ("train",)))))
 @example(case=ProfileCsv(Csv(PROFILE_HEADER, (PROFILE_ROW,), "extra_field_every_row")))
 @example(case=ProfileCsv(Csv(PROFILE_HEADER, (PROFILE_ROW,), "repeated_column")))
@@ -850,8 +1007,14 @@ JSON_VALUES = st.one_of(JSON_JUNK, st.integers(0, 100), st.sampled_from(["fit", 
 @st.composite
 def profile_jsons(draw):
     rows = [
-        dict(n_decodes=draw(st.integers(1, 64)), chunk_tokens=draw(st.integers(0, 4096)), decode_kv_tokens=draw(st.integers(0, 10**6)),
-             prefill_prefix_tokens=0, step_ms=draw(st.floats(0.01, 1000)), split=draw(st.sampled_from(["fit", "holdout"])))
+        dict(
+            n_decodes=draw(st.integers(1, 64)),
+            chunk_tokens=draw(st.integers(0, 4096)),
+            decode_kv_tokens=draw(st.integers(0, 10**6)),
+            prefill_prefix_tokens=0,
+            step_ms=draw(st.floats(0.01, 1000)),
+            split=draw(st.sampled_from(["fit", "holdout"])),
+        )
         for _ in range(draw(st.integers(1, 4)))
     ]
     for _ in range(draw(st.integers(0, 2))):
@@ -880,17 +1043,79 @@ def profile_jsons(draw):
 
 @settings(max_examples=100, **FUZZ)
 @given(case=profile_jsons())
-@example(case=ProfileJson({"format": "sloweave-profile", "version": 1, "rows": [
-    {"n_decodes": True, "chunk_tokens": 0, "decode_kv_tokens": 0, "prefill_prefix_tokens": 0, "step_ms": True}]}))
-@example(case=ProfileJson({"format": "sloweave-profile", "version": True, "rows": [
-    {"n_decodes": 1, "chunk_tokens": 0, "decode_kv_tokens": 0, "prefill_prefix_tokens": 0, "step_ms": 1}]}))
-@example(case=ProfileJson({"format": "sloweave-profile", "version": 1, "rows": [
-    {"n_decodes": 1, "chunk_tokens": 0, "decode_kv_tokens": 0, "prefill_prefix_tokens": 0, "step_ms": 1}, 5]}))
-@example(case=ProfileJson({"format": "sloweave-profile", "version": 1, "rows": {
-    "n_decodes": [1], "chunk_tokens": [0], "decode_kv_tokens": [0], "prefill_prefix_tokens": [0], "step_ms": [1]}}))
+@example(
+    case=ProfileJson(
+        {
+            "format": "sloweave-profile",
+            "version": 1,
+            "rows": [
+                {
+                    "n_decodes": True,
+                    "chunk_tokens": 0,
+                    "decode_kv_tokens": 0,
+                    "prefill_prefix_tokens": 0,
+                    "step_ms": True,
+                }
+            ],
+        }
+    )
+)
+@example(
+    case=ProfileJson(
+        {
+            "format": "sloweave-profile",
+            "version": True,
+            "rows": [
+                {"n_decodes": 1, "chunk_tokens": 0, "decode_kv_tokens": 0, "prefill_prefix_tokens": 0, "step_ms": 1}
+            ],
+        }
+    )
+)
+@example(
+    case=ProfileJson(
+        {
+            "format": "sloweave-profile",
+            "version": 1,
+            "rows": [
+                {"n_decodes": 1, "chunk_tokens": 0, "decode_kv_tokens": 0, "prefill_prefix_tokens": 0, "step_ms": 1},
+                5,
+            ],
+        }
+    )
+)
+@example(
+    case=ProfileJson(
+        {
+            "format": "sloweave-profile",
+            "version": 1,
+            "rows": {
+                "n_decodes": [1],
+                "chunk_tokens": [0],
+                "decode_kv_tokens": [0],
+                "prefill_prefix_tokens": [0],
+                "step_ms": [1],
+            },
+        }
+    )
+)
 @example(case=ProfileJson(b"[" * 3000))
-@example(case=ProfileJson({"format": "sloweave-profile", "version": 1, "rows": [
-    {"n_decodes": 10**400, "chunk_tokens": 0, "decode_kv_tokens": 0, "prefill_prefix_tokens": 0, "step_ms": 1}]}))
+@example(
+    case=ProfileJson(
+        {
+            "format": "sloweave-profile",
+            "version": 1,
+            "rows": [
+                {
+                    "n_decodes": 10**400,
+                    "chunk_tokens": 0,
+                    "decode_kv_tokens": 0,
+                    "prefill_prefix_tokens": 0,
+                    "step_ms": 1,
+                }
+            ],
+        }
+    )
+)
 def test_json_profiles_load_exactly_or_are_refused_naming_the_file(case):
     with tempfile.TemporaryDirectory() as folder:
         path = Path(folder) / "profile.json"
@@ -903,7 +1128,10 @@ def test_a_boolean_profile_column_is_not_read_as_ones(tmp_path):
     # step_ms=True was a 1 ms step
     path = tmp_path / "profile.csv"
     path.write_text(",".join(PROFILE_HEADER) + "\n1,0,0,0,True\n2,0,0,0,True\n")
-    with pytest.raises(ProfileError, match=rf"{re.escape(str(path))}, line 2: step_ms=True; expected a finite number of milliseconds > 0 and <= 1e\+10"):
+    with pytest.raises(
+        ProfileError,
+        match=rf"{re.escape(str(path))}, line 2: step_ms=True; expected a finite number of milliseconds > 0 and <= 1e\+10",
+    ):
         read_profile(path)
 
 
@@ -911,7 +1139,10 @@ def test_a_profile_error_names_the_line_of_the_row_after_blank_lines(tmp_path):
     # the message said "row 1" (a 0-based row of the table, blank lines skipped), not line 5
     path = tmp_path / "profile.csv"
     path.write_text(",".join(PROFILE_HEADER) + "\n1,0,0,0,1\n\n\n2,0,0,0,-1\n")
-    with pytest.raises(ProfileError, match=rf"{re.escape(str(path))}, line 5: step_ms=-1; expected a finite number of milliseconds > 0 and <= 1e\+10"):
+    with pytest.raises(
+        ProfileError,
+        match=rf"{re.escape(str(path))}, line 5: step_ms=-1; expected a finite number of milliseconds > 0 and <= 1e\+10",
+    ):
         read_profile(path)
 
 
@@ -919,14 +1150,20 @@ def test_a_count_past_int64_is_refused_not_wrapped(tmp_path):
     # 1e20 decodes were stored as int64 -9223372036854775808
     path = tmp_path / "profile.csv"
     path.write_text(",".join(PROFILE_HEADER) + "\n1e20,0,0,0,1\n")
-    with pytest.raises(ProfileError, match=rf"{re.escape(str(path))}, line 2: n_decodes=1e\+20; expected a whole number of tokens >= 0 and <= 2,147,483,648"):
+    with pytest.raises(
+        ProfileError,
+        match=rf"{re.escape(str(path))}, line 2: n_decodes=1e\+20; expected a whole number of tokens >= 0 and <= 2,147,483,648",
+    ):
         read_profile(path)
 
 
-@pytest.mark.parametrize("rows, message", [
-    ([{"n_decodes": 1}, 5], r"rows\[1\] is 5, not an object"),
-    ({"n_decodes": [1]}, r"rows must be a list of objects \(one per step\), got dict"),
-])
+@pytest.mark.parametrize(
+    "rows, message",
+    [
+        ([{"n_decodes": 1}, 5], r"rows\[1\] is 5, not an object"),
+        ({"n_decodes": [1]}, r"rows must be a list of objects \(one per step\), got dict"),
+    ],
+)
 def test_json_profile_rows_must_be_a_list_of_objects(tmp_path, rows, message):
     # a non-object row made pandas raise TypeError, which escaped read_profile
     path = tmp_path / "profile.json"
@@ -940,7 +1177,10 @@ def test_a_json_integer_too_large_for_a_float_is_refused_at_its_row(tmp_path):
     path = tmp_path / "profile.json"
     rows = [{"n_decodes": 10**400, "chunk_tokens": 0, "decode_kv_tokens": 0, "prefill_prefix_tokens": 0, "step_ms": 1}]
     path.write_text(json.dumps({"format": "sloweave-profile", "version": 1, "rows": rows}))
-    with pytest.raises(ProfileError, match=rf"{re.escape(str(path))}: row 0: n_decodes=1000+; expected a whole number of tokens >= 0 and <= 2,147,483,648"):
+    with pytest.raises(
+        ProfileError,
+        match=rf"{re.escape(str(path))}: row 0: n_decodes=1000+; expected a whole number of tokens >= 0 and <= 2,147,483,648",
+    ):
         read_profile(path)
 
 
@@ -957,15 +1197,40 @@ def test_json_profile_version_true_is_not_version_1(tmp_path):
 # (the model's shape >= 1), times finite >= 0 ms, for every row or (attention) the rows of one kind.
 SHAPE_COUNTS = ("n_head", "n_kv_head", "n_embd")
 CHECKED = {
-    "mlp.csv": dict(counts=SHAPE_COUNTS + ("num_tokens", "num_tensor_parallel_workers"),
-                    times=tuple(f"time_stats.{op}.median" for op in (
-                        "input_layernorm", "attn_pre_proj", "attn_rope", "attn_post_proj", "post_attention_layernorm",
-                        "mlp_up_proj", "mlp_act", "mlp_down_proj", "add"))),
-    "attention.csv": dict(counts=("n_embd", "n_q_head", "n_kv_head", "num_tensor_parallel_workers", "batch_size",
-                                  "prefill_chunk_size", "kv_cache_size"), times=()),
+    "mlp.csv": dict(
+        counts=SHAPE_COUNTS + ("num_tokens", "num_tensor_parallel_workers"),
+        times=tuple(
+            f"time_stats.{op}.median"
+            for op in (
+                "input_layernorm",
+                "attn_pre_proj",
+                "attn_rope",
+                "attn_post_proj",
+                "post_attention_layernorm",
+                "mlp_up_proj",
+                "mlp_act",
+                "mlp_down_proj",
+                "add",
+            )
+        ),
+    ),
+    "attention.csv": dict(
+        counts=(
+            "n_embd",
+            "n_q_head",
+            "n_kv_head",
+            "num_tensor_parallel_workers",
+            "batch_size",
+            "prefill_chunk_size",
+            "kv_cache_size",
+        ),
+        times=(),
+    ),
     "all_reduce.csv": dict(counts=("num_workers", "size"), times=("time_stats.all_reduce.median",)),
-    "cpu_overheads.csv": dict(counts=("batch_size",), times=("schedule_median", "sampler_e2e_median",
-                                                              "prepare_inputs_e2e_median", "process_model_outputs_median")),
+    "cpu_overheads.csv": dict(
+        counts=("batch_size",),
+        times=("schedule_median", "sampler_e2e_median", "prepare_inputs_e2e_median", "process_model_outputs_median"),
+    ),
 }
 
 
@@ -1043,7 +1308,7 @@ def enough(values) -> bool:
 
 
 def grid_verdict(preset: str, file: str, header: list[str], body: list[str]) -> str:
-    """"loads" or "refused" (naming the file) for a file whose every checked cell is good: the
+    """ "loads" or "refused" (naming the file) for a file whose every checked cell is good: the
     tables load_profiles builds need rows at the model's tensor parallelism and two distinct
     points along each axis they are read along."""
     rows = [dict(zip(header, line.split(","))) for line in body]
@@ -1062,8 +1327,12 @@ def grid_verdict(preset: str, file: str, header: list[str], body: list[str]) -> 
         batches = {}
         for r in decode:
             batches.setdefault(value(r, "batch_size"), []).append(value(r, "kv_cache_size"))
-        ok = (enough(batches) and all(enough(kv) for kv in batches.values())
-              and enough(value(r, "prefill_chunk_size") for r in prefill) and enough(value(r, "kv_cache_size") for r in prefill))
+        ok = (
+            enough(batches)
+            and all(enough(kv) for kv in batches.values())
+            and enough(value(r, "prefill_chunk_size") for r in prefill)
+            and enough(value(r, "kv_cache_size") for r in prefill)
+        )
     return "loads" if ok else "refused"
 
 
@@ -1084,7 +1353,7 @@ def damaged_folder(edit: FolderEdit, folder: Path):
     body = [line for line in lines[1:] if line]
     r = edit.row % len(body)
     if edit.damage != "cell":
-        rows = tuple(tuple(line.split(",")) for line in body[max(0, r - 2): r + 2])  # a few rows around the damage
+        rows = tuple(tuple(line.split(",")) for line in body[max(0, r - 2) : r + 2])  # a few rows around the damage
         csv = Csv(tuple(header), rows, edit.damage, where=edit.row, renamed=header[edit.column % len(header)])
         data, _, problem = csv.layout()
         path.write_bytes(data)
@@ -1132,7 +1401,10 @@ FOLDER_FILES = {name: sorted(n for n in text if n.endswith(".csv")) for name, te
 def folder_edits(draw):
     preset = draw(st.sampled_from(PRESETS))
     return FolderEdit(
-        preset, draw(st.sampled_from(FOLDER_FILES[preset])), draw(st.integers(0, 10**6)), draw(st.integers(0, 40)),
+        preset,
+        draw(st.sampled_from(FOLDER_FILES[preset])),
+        draw(st.integers(0, 10**6)),
+        draw(st.integers(0, 40)),
         draw(st.one_of(JUNK_CELLS, st.sampled_from(["0", "1", "2", "8", "True", "false", "FALSE", "0.5"]))),
         draw(st.one_of(st.just("cell"), st.just("cell"), st.sampled_from(CSV_DAMAGE))),
     )
@@ -1195,15 +1467,40 @@ def test_a_preset_copied_elsewhere_loads_as_the_preset(tmp_path):
         same_profiles(load_profiles(tmp_path / name), PRESET_LOADED[name])
 
 
-MODEL_JUNK = st.one_of(JSON_JUNK, st.sampled_from([1, 2, 80, MAX_REPEATS, MAX_REPEATS + 1, 10**400, "2", 2.0, "measured", {"derived_from": "llama2-70b-tp2-a100"},
-                                                 {"derived_from": ""}, {"derived_from": "nowhere"}, {"derived_from": 5},
-                                                 {"derived_from": "a\x00b"}, {"derived_from": "x", "more": 1}]))
+MODEL_JUNK = st.one_of(
+    JSON_JUNK,
+    st.sampled_from(
+        [
+            1,
+            2,
+            80,
+            MAX_REPEATS,
+            MAX_REPEATS + 1,
+            10**400,
+            "2",
+            2.0,
+            "measured",
+            {"derived_from": "llama2-70b-tp2-a100"},
+            {"derived_from": ""},
+            {"derived_from": "nowhere"},
+            {"derived_from": 5},
+            {"derived_from": "a\x00b"},
+            {"derived_from": "x", "more": 1},
+        ]
+    ),
+)
 
 
 @settings(max_examples=60, **FUZZ)
-@given(preset=st.sampled_from(PRESETS), edits=st.dictionaries(
-    st.sampled_from(["name", "num_layers", "tensor_parallel", "attention", "notes", "device"]), MODEL_JUNK, max_size=3),
-    raw=st.one_of(st.none(), st.sampled_from([b"", b"{", b"[]", b"\xff\xfe", b"[" * 3000, b"null"])))
+@given(
+    preset=st.sampled_from(PRESETS),
+    edits=st.dictionaries(
+        st.sampled_from(["name", "num_layers", "tensor_parallel", "attention", "notes", "device"]),
+        MODEL_JUNK,
+        max_size=3,
+    ),
+    raw=st.one_of(st.none(), st.sampled_from([b"", b"{", b"[]", b"\xff\xfe", b"[" * 3000, b"null"])),
+)
 @example(preset="llama2-70b-tp2-a100", edits={"attention": {"derived_from": "a\x00b"}}, raw=None)
 @example(preset="llama2-70b-tp2-a100", edits={"num_layers": True}, raw=None)
 @example(preset="llama2-70b-tp2-a100", edits={}, raw=b"[" * 3000)
@@ -1223,7 +1520,9 @@ def test_model_json_junk_is_refused_naming_the_file(preset, edits, raw):
         assert raw is None
         for key in ("num_layers", "tensor_parallel"):
             assert isinstance(model[key], int) and not isinstance(model[key], bool) and 1 <= model[key] <= MAX_REPEATS
-        assert loaded.shape.num_layers == model["num_layers"] and loaded.shape.tensor_parallel == model["tensor_parallel"]
+        assert (
+            loaded.shape.num_layers == model["num_layers"] and loaded.shape.tensor_parallel == model["tensor_parallel"]
+        )
 
 
 def test_a_model_without_heads_is_refused_at_its_line(tmp_path):
@@ -1266,7 +1565,10 @@ def test_a_boolean_operator_profile_column_is_not_read_as_ones(tmp_path):
             cells[k] = "True"
             lines[i] = ",".join(cells)
     path.write_text("\n".join(lines))
-    with pytest.raises(ProfileError, match=rf"{re.escape(str(path))}, line 2: schedule_median=True; expected a finite number of milliseconds >= 0 and <= 1e\+10"):
+    with pytest.raises(
+        ProfileError,
+        match=rf"{re.escape(str(path))}, line 2: schedule_median=True; expected a finite number of milliseconds >= 0 and <= 1e\+10",
+    ):
         load_profiles(folder)
 
 
@@ -1281,13 +1583,67 @@ def test_the_plugin_config_imports_without_vllm():
 CONFIG_FIELDS = {f.name: f for f in fields(PluginConfig)}
 CONFIG_VALUES = st.one_of(
     JSON_JUNK,
-    st.sampled_from([25, 25.0, 0.5, 3_600_000, 3_600_001, 4096, 1, 0, -1, 10**400, float("nan"), float("inf"), "25", "false",
-                     "true", True, False, "analytic", "llama2-70b-tp2-a100", "regression", "table", "PROFILE", "/nowhere",
-                     "a\x00b", {}, {"base_ms": 1.0}, {"base_ms": "x"}, {"nested": {"deep": [1]}}]),
+    st.sampled_from(
+        [
+            25,
+            25.0,
+            0.5,
+            3_600_000,
+            3_600_001,
+            4096,
+            1,
+            0,
+            -1,
+            10**400,
+            float("nan"),
+            float("inf"),
+            "25",
+            "false",
+            "true",
+            True,
+            False,
+            "analytic",
+            "llama2-70b-tp2-a100",
+            "regression",
+            "table",
+            "PROFILE",
+            "/nowhere",
+            "a\x00b",
+            {},
+            {"base_ms": 1.0},
+            {"base_ms": "x"},
+            {"nested": {"deep": [1]}},
+        ]
+    ),
 )
 ENV_VALUES = st.one_of(
-    st.sampled_from(["25", "0", "-1", "1.5", "nan", "inf", "1e3", "1e309", "abc", "", " 7 ", "true", "FALSE", "yes", "no", "1",
-                     "1_000", "4096", "4096.0", "analytic", "table", "\x00", "\u0663"]),
+    st.sampled_from(
+        [
+            "25",
+            "0",
+            "-1",
+            "1.5",
+            "nan",
+            "inf",
+            "1e3",
+            "1e309",
+            "abc",
+            "",
+            " 7 ",
+            "true",
+            "FALSE",
+            "yes",
+            "no",
+            "1",
+            "1_000",
+            "4096",
+            "4096.0",
+            "analytic",
+            "table",
+            "\x00",
+            "\u0663",
+        ]
+    ),
     st.text(max_size=4),
 )
 CONFIG_KEYS = st.one_of(st.sampled_from(sorted(CONFIG_FIELDS)), st.sampled_from(["tpot", "TPOT_MS", "", "margin", 1]))
@@ -1324,7 +1680,9 @@ def config_problems(values: dict, profile_file: str) -> set[str]:
             ok = isinstance(v, bool)
         if not ok:
             bad.add(key)
-    if values.get("profile_margin") is True and not (isinstance(values.get("cost"), str) and os.path.isfile(values["cost"])):
+    if values.get("profile_margin") is True and not (
+        isinstance(values.get("cost"), str) and os.path.isfile(values["cost"])
+    ):
         bad.add("profile_margin")
     if values.get("profile_margin") is True and values.get("online_correction") is True:
         bad.add("profile_margin")
@@ -1355,9 +1713,17 @@ def step_profile(tmp_path_factory):
 
 
 GOOD_CONFIG = {
-    "tpot_ms": [25, 0.5, 3_600_000], "max_chunk_tokens": [4096, 1], "aging_chunk_tokens": [256], "cost": ["analytic", "PROFILE", *PRESETS],
-    "cost_kind": ["regression", "table"], "analytic": [{}, {"base_ms": 1.0}], "margin_ms": [0, 1.5], "margin_fraction": [0.0, 0.1],
-    "profile_margin": [False, True], "aging_ms": [0, 2000.0], "online_correction": [False, True],
+    "tpot_ms": [25, 0.5, 3_600_000],
+    "max_chunk_tokens": [4096, 1],
+    "aging_chunk_tokens": [256],
+    "cost": ["analytic", "PROFILE", *PRESETS],
+    "cost_kind": ["regression", "table"],
+    "analytic": [{}, {"base_ms": 1.0}],
+    "margin_ms": [0, 1.5],
+    "margin_fraction": [0.0, 0.1],
+    "profile_margin": [False, True],
+    "aging_ms": [0, 2000.0],
+    "online_correction": [False, True],
 }
 
 
@@ -1387,8 +1753,12 @@ def sections(draw):
 def test_plugin_configuration_is_taken_as_given_or_refused_naming_the_key(step_profile, section, env, wrap):
     section = {k: (step_profile if v == "PROFILE" else v) for k, v in section.items()}
     environ = {f"SLOWEAVE_{k.upper()}": v for k, v in env.items()} | {"UNRELATED": "x"}
-    additional = {"plain": {"sloweave": section, "other_plugin": [1]}, "none": None, "not_a_mapping": ["sloweave"],
-                  "section_junk": {"sloweave": ["tpot_ms", 25]}}[wrap]
+    additional = {
+        "plain": {"sloweave": section, "other_plugin": [1]},
+        "none": None,
+        "not_a_mapping": ["sloweave"],
+        "section_junk": {"sloweave": ["tpot_ms", 25]},
+    }[wrap]
     values, problems = {}, set()
     for key, raw in env.items():
         try:
@@ -1416,7 +1786,9 @@ def test_plugin_configuration_is_taken_as_given_or_refused_naming_the_key(step_p
     for key, f in CONFIG_FIELDS.items():
         want = values.get(key, f.default if f.default_factory is MISSING else f.default_factory())
         got = getattr(config, key)
-        assert got == want or (is_real(want) and isinstance(got, float) and got == float(want)), key  # numbers kept as floats
+        assert got == want or (is_real(want) and isinstance(got, float) and got == float(want)), (
+            key
+        )  # numbers kept as floats
     if config.cost == "analytic":  # the analytic coefficients are checked when the model is built
         try:
             config.build_cost_and_margin()
@@ -1438,7 +1810,11 @@ def test_an_integer_too_large_for_a_float_is_refused_as_a_config_error(key):
 
 
 @settings(max_examples=80, **FUZZ)
-@given(extra=st.one_of(st.none(), JSON_JUNK, st.dictionaries(st.sampled_from(["sloweave_tpot_ms", "other"]), CONFIG_VALUES, max_size=2)))
+@given(
+    extra=st.one_of(
+        st.none(), JSON_JUNK, st.dictionaries(st.sampled_from(["sloweave_tpot_ms", "other"]), CONFIG_VALUES, max_size=2)
+    )
+)
 @example(extra={"sloweave_tpot_ms": 10**400})
 @example(extra={"sloweave_tpot_ms": "25"})
 @example(extra={"sloweave_tpot_ms": True})
@@ -1471,7 +1847,9 @@ def test_an_integer_margin_is_kept_as_a_float_and_one_past_its_range_is_refused_
     assert isinstance(config.margin_fraction, float) and isinstance(config.margin_ms, float)
     config.build_cost_and_margin()
     for key in ("margin_fraction", "margin_ms"):
-        with pytest.raises(PluginConfigError, match=f"sloweave config: {key} must be a finite number[a-z ]* >= 0 and <= "):
+        with pytest.raises(
+            PluginConfigError, match=f"sloweave config: {key} must be a finite number[a-z ]* >= 0 and <= "
+        ):
             PluginConfig.from_sources({"sloweave": {key: 2**64}}, {})
 
 

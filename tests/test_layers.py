@@ -72,12 +72,16 @@ def violations(path: Path, layer: str) -> list[str]:
 
 @pytest.mark.parametrize("path", source_files(), ids=lambda p: str(p.relative_to(PACKAGE)))
 def test_a_layer_imports_only_the_layers_before_it_and_no_engine_below_the_bodies(path):
-    assert violations(path, layer_of(path)) == [], f"{path.relative_to(PACKAGE)} ({layer_of(path)}) imports above its layer"
+    assert violations(path, layer_of(path)) == [], (
+        f"{path.relative_to(PACKAGE)} ({layer_of(path)}) imports above its layer"
+    )
 
 
 def test_the_checker_catches_an_import_from_above_or_an_engine_even_inside_a_function(tmp_path):
     bad = tmp_path / "x.py"
-    bad.write_text("from sloweave.core import cost\ndef f():\n    from sloweave.sim.engine import simulate\n    import torch.nn\n")
+    bad.write_text(
+        "from sloweave.core import cost\ndef f():\n    from sloweave.sim.engine import simulate\n    import torch.nn\n"
+    )
     assert violations(bad, "core") == ["line 3: sloweave.sim.engine", "line 4: torch.nn (an engine)"]
     assert violations(bad, "runtime") == []
 

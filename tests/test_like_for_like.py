@@ -89,7 +89,9 @@ def test_online_correction_in_the_simulator_learns_a_bias_and_keeps_tpot(mixed_4
     P99 TPOT holds the target."""
     load = Workload("load", mixed_400.arrival_s / 0.8, mixed_400.prompt_tokens, mixed_400.output_tokens)
     raw = evaluate(EngineOptions(bias=1.25).simulate(load, SLOWeave(cost=COST), 25.0, 2000.0, COST), 2000.0, 25.0)
-    fixed = evaluate(EngineOptions(bias=1.25, correction=True).simulate(load, SLOWeave(cost=COST), 25.0, 2000.0, COST), 2000.0, 25.0)
+    fixed = evaluate(
+        EngineOptions(bias=1.25, correction=True).simulate(load, SLOWeave(cost=COST), 25.0, 2000.0, COST), 2000.0, 25.0
+    )
     assert raw.p99_tpot_ms > 25.0 * 1.1
     assert fixed.p99_tpot_ms <= 25.0 + 1e-9
     assert fixed.attainment > raw.attainment
@@ -123,7 +125,9 @@ def test_refined_budgets_are_the_geometric_midpoints_around_the_best():
 
 def small_study(**kw) -> CapacityStudy:
     source = SpecSource(WORKLOADS["mixed"], 300, (0, 1))
-    return CapacityStudy(source, ["sloweave", "fixed-tuned"], [25.0], 200.0, steps_per_doubling=4, min_scale=1 / 4, max_scale=16.0, **kw)
+    return CapacityStudy(
+        source, ["sloweave", "fixed-tuned"], [25.0], 200.0, steps_per_doubling=4, min_scale=1 / 4, max_scale=16.0, **kw
+    )
 
 
 def test_a_tuned_rule_is_its_best_budget_per_target_after_refinement():
@@ -144,7 +148,9 @@ def test_parallel_capacity_study_equals_serial_bit_for_bit():
     pd.testing.assert_frame_equal(a, b, check_exact=True)
     assert serial.simulations == parallel.simulations
     lattice = serial.curve_lattice(serial.capacities())
-    pd.testing.assert_frame_equal(serial.curves(lattice, ["sloweave"]), parallel.curves(lattice, ["sloweave"]), check_exact=True)
+    pd.testing.assert_frame_equal(
+        serial.curves(lattice, ["sloweave"]), parallel.curves(lattice, ["sloweave"]), check_exact=True
+    )
 
 
 # ---------------------------------------------------------------- scenarios
@@ -201,9 +207,37 @@ def test_strict_json_writes_null_for_non_finite_numbers():
 
 def test_capacity_command_runs_every_policy_with_the_same_engine_options(tmp_path):
     out = tmp_path / "cap"
-    args = ["--trace", str(SMALL_TRACE), "--seeds", "2", "--whole-trace", "--steps-per-doubling", "4", "--max-scale", "16",
-            "--tpot-ms", "25", "--policy", "sloweave", "--policy", "sloweave-multi", "--policy", "fixed-512", "--policy", "sarathi-512",
-            "--admission", "reject", "--noise-sigma", "0.1", "--correction", "--no-curves", "--jobs", "2", "--out", str(out)]
+    args = [
+        "--trace",
+        str(SMALL_TRACE),
+        "--seeds",
+        "2",
+        "--whole-trace",
+        "--steps-per-doubling",
+        "4",
+        "--max-scale",
+        "16",
+        "--tpot-ms",
+        "25",
+        "--policy",
+        "sloweave",
+        "--policy",
+        "sloweave-multi",
+        "--policy",
+        "fixed-512",
+        "--policy",
+        "sarathi-512",
+        "--admission",
+        "reject",
+        "--noise-sigma",
+        "0.1",
+        "--correction",
+        "--no-curves",
+        "--jobs",
+        "2",
+        "--out",
+        str(out),
+    ]
     result = CliRunner().invoke(capacity, args)
     assert result.exit_code == 0, result.output
     text = (out / "capacity.json").read_text()
@@ -211,7 +245,10 @@ def test_capacity_command_runs_every_policy_with_the_same_engine_options(tmp_pat
     assert "NaN" not in text and payload["sloweave_version"]
     assert payload["engine_options"]["admission"] == "reject" and payload["engine_options"]["correction"] is True
     relative = pd.read_csv(out / "relative.csv")
-    assert dict(zip(relative["policy"], relative["best_baseline"])) == {"sloweave": "fixed-512", "sloweave-multi": "sarathi-512"}
+    assert dict(zip(relative["policy"], relative["best_baseline"])) == {
+        "sloweave": "fixed-512",
+        "sloweave-multi": "sarathi-512",
+    }
     assert not (out / "curves.csv").exists()
     assert "like for like" in result.output
 
@@ -220,7 +257,10 @@ def test_capacity_command_refuses_bad_options_before_any_work(tmp_path):
     runner = CliRunner()
     base = ["--workload", "mixed", "--requests", "50", "--tpot-ms", "25"]
     bad = runner.invoke(capacity, [*base, "--noise-sigma", "inf", "--out", str(tmp_path / "a")])
-    assert bad.exit_code != 0 and "Invalid value for '--noise-sigma': the value must be a finite number >= 0 and <= 3" in bad.output
+    assert (
+        bad.exit_code != 0
+        and "Invalid value for '--noise-sigma': the value must be a finite number >= 0 and <= 3" in bad.output
+    )
     blocker = tmp_path / "file"
     blocker.write_text("x")
     unwritable = runner.invoke(capacity, [*base, "--out", str(blocker / "sub")])

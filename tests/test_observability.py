@@ -109,7 +109,9 @@ def test_rules_have_annotations_and_alerts_per_engine():
     for name, rule in alerts.items():
         assert "{{ $labels.engine }}" in rule["annotations"]["summary"], name
         assert "{{ $value" in rule["annotations"]["description"], name
-    assert all(rule["record"].startswith("sloweave:") and "by (engine" in rule["expr"] for rule in rules if "record" in rule)
+    assert all(
+        rule["record"].startswith("sloweave:") and "by (engine" in rule["expr"] for rule in rules if "record" in rule
+    )
 
 
 def test_promtool_checks_the_rules_and_the_scrape_config():
@@ -194,7 +196,9 @@ def _plugin_errors() -> list[str]:
     for engine, share in SHARES.items():
         for where in PLUGIN_ERROR_PLACES:  # pre-initialised to 0; engine 0 fails in schedule
             per_s = share["errors_per_min"] / 60 if where == "schedule" else 0
-            lines += _series("sloweave_plugin_errors_total", {"engine": engine, "where": where}, lambda t: math.floor(per_s * t))
+            lines += _series(
+                "sloweave_plugin_errors_total", {"engine": engine, "where": where}, lambda t: math.floor(per_s * t)
+            )
     return lines
 
 
@@ -217,7 +221,12 @@ def prometheus(tmp_path_factory):
     folder = tmp_path_factory.mktemp("prometheus")
     series, data = folder / "series.om", folder / "data"
     series.write_text(_openmetrics())
-    done = subprocess.run([tool("promtool"), "tsdb", "create-blocks-from", "openmetrics", str(series), str(data)], capture_output=True, text=True, timeout=60)
+    done = subprocess.run(
+        [tool("promtool"), "tsdb", "create-blocks-from", "openmetrics", str(series), str(data)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert done.returncode == 0, f"backfill failed:\n{done.stdout}\n{done.stderr}"
     config = f"global:\n  evaluation_interval: 1m\nrule_files:\n  - {RULES_FILE}\n"
     with running_prometheus(folder, config, data, "--storage.tsdb.retention.time=100y") as url:
@@ -262,7 +271,9 @@ def test_render_draws_every_panel(prometheus, tmp_path):
     written = pd.read_csv(tmp_path / "dashboard.csv", dtype={"legend": str})
     expected = {(title, legend.replace("{{where}}", "schedule")) for title, legend, _ in queries()}
     assert expected <= set(zip(written["panel"], written["legend"]))
-    settings = json.loads((tmp_path / "dashboard.json").read_text(), parse_constant=lambda name: pytest.fail(f"not strict JSON: {name}"))
+    settings = json.loads(
+        (tmp_path / "dashboard.json").read_text(), parse_constant=lambda name: pytest.fail(f"not strict JSON: {name}")
+    )
     assert settings["sloweave_version"] and settings["settings"]["engine"] == "0"
     assert [panel["title"] for panel in settings["panels"]] == [panel.title for panel in PANELS]
     figure = draw(series)
@@ -282,7 +293,9 @@ def test_dashboard_command_says_when_prometheus_is_unreachable(tmp_path):
     from sloweave.cli import main
 
     out = tmp_path / "out"
-    result = CliRunner().invoke(main, ["dashboard", "--prometheus", "http://127.0.0.1:1", "--out", str(out), "--minutes", "5"])
+    result = CliRunner().invoke(
+        main, ["dashboard", "--prometheus", "http://127.0.0.1:1", "--out", str(out), "--minutes", "5"]
+    )
     assert result.exit_code == 1
     assert "cannot reach Prometheus at http://127.0.0.1:1" in result.output
     assert "Traceback" not in result.output and isinstance(result.exception, SystemExit)

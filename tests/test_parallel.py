@@ -71,7 +71,10 @@ def test_ray_asked_for_without_ray_says_how_to_install_it(tmp_path):
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 2, done.stderr
-    assert "Invalid value for '--ray': Ray cannot be imported" in done.stderr and "pip install 'sloweave[ray]'" in done.stderr
+    assert (
+        "Invalid value for '--ray': Ray cannot be imported" in done.stderr
+        and "pip install 'sloweave[ray]'" in done.stderr
+    )
     assert not (tmp_path / "c").exists()
 
 
@@ -84,7 +87,23 @@ def test_ray_auto_without_a_cluster_says_how_to_start_one(tmp_path, monkeypatch)
 
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     assert not ray.is_initialized()
-    result = CliRunner().invoke(main, ["capacity", "--workload", "mixed", "--quick", "--requests", "50", "--seeds", "1", "--ray", "auto", "--out", str(tmp_path / "c")])
+    result = CliRunner().invoke(
+        main,
+        [
+            "capacity",
+            "--workload",
+            "mixed",
+            "--quick",
+            "--requests",
+            "50",
+            "--seeds",
+            "1",
+            "--ray",
+            "auto",
+            "--out",
+            str(tmp_path / "c"),
+        ],
+    )
     assert result.exit_code == 1, result.output
     assert "cannot join the Ray cluster at 'auto'" in result.output and "--ray local" in result.output
 
@@ -93,8 +112,14 @@ def test_ray_auto_without_a_cluster_says_how_to_start_one(tmp_path, monkeypatch)
     "args, files",
     [
         (["reproduce", "--workload", "chat", "--seeds", "2", "--requests", "120"], ["runs.csv", "table4.csv"]),
-        (["ablate", "--workload", "mixed", "--seeds", "2", "--requests", "80", "--no-trace", "--config", "greedy"], ["runs.csv", "tiers.csv"]),
-        (["replay", "tests/fixtures/traces/azure_conv_first150.csv", "--policy", "sloweave", "--policy", "full"], ["requests.csv", "metrics.csv"]),
+        (
+            ["ablate", "--workload", "mixed", "--seeds", "2", "--requests", "80", "--no-trace", "--config", "greedy"],
+            ["runs.csv", "tiers.csv"],
+        ),
+        (
+            ["replay", "tests/fixtures/traces/azure_conv_first150.csv", "--policy", "sloweave", "--policy", "full"],
+            ["requests.csv", "metrics.csv"],
+        ),
     ],
 )
 def test_studies_on_the_local_pool_equal_the_serial_run(tmp_path, args, files):

@@ -77,7 +77,9 @@ def test_static_baselines():
     assert make_policy("sloweave").uses_deadlines and not make_policy("fixed-64").uses_deadlines
 
 
-@pytest.mark.parametrize("bad", ["fixed-0", "fixed--5", "fixed-abc", "budget-0", "sarathi-0", "chunky", "", "fixed-1.5"])
+@pytest.mark.parametrize(
+    "bad", ["fixed-0", "fixed--5", "fixed-abc", "budget-0", "sarathi-0", "chunky", "", "fixed-1.5"]
+)
 def test_bad_policy_names_are_rejected(bad):
     with pytest.raises(ValueError, match="policy|tokens"):
         make_policy(bad)
@@ -275,7 +277,9 @@ def test_on_a_tiled_cost_the_chunk_that_prefills_fastest_is_taken_not_the_larges
             chunk, infeasible = policy.decide(n, 10_000, budget)
             assert chunk <= largest.chunk_tokens and infeasible == largest.infeasible
             if chunk:
-                assert cost(n, chunk) <= budget and chunk / cost(n, chunk) >= largest.chunk_tokens / cost(n, largest.chunk_tokens)
+                assert cost(n, chunk) <= budget and chunk / cost(n, chunk) >= largest.chunk_tokens / cost(
+                    n, largest.chunk_tokens
+                )
 
 
 def test_a_cost_without_tile_edges_keeps_the_largest_fitting_chunk():

@@ -40,7 +40,9 @@ def test_an_iteration_is_the_sum_of_its_profiled_operators(tiny):
     expected = 2 * (token_ops + all_reduce + decode + prefill) + cpu
     assert tiny.predict(2, 64, 128, 0) == pytest.approx(expected, rel=1e-12)
     # decode-only: no prefill term, batch 2
-    assert tiny.predict(2, 0, 128, 0) == pytest.approx(2 * (0.9 + 1 / 63 * 0.9 + 2 * (0.01 + 1.5 / 63.5 * 0.01 + 0.02) + decode) + 0.4 + 1 / 7 * 0.4, rel=1e-12)
+    assert tiny.predict(2, 0, 128, 0) == pytest.approx(
+        2 * (0.9 + 1 / 63 * 0.9 + 2 * (0.01 + 1.5 / 63.5 * 0.01 + 0.02) + decode) + 0.4 + 1 / 7 * 0.4, rel=1e-12
+    )
     # a prefix between profiled ones interpolates: p = 32, half way between 0 and 64
     assert tiny.predict(0, 64, 0, 32) - tiny.predict(0, 64, 0, 0) == pytest.approx(2 * 0.0001 * 64 * 32 / 64, rel=1e-9)
 
@@ -77,7 +79,10 @@ def test_presets_match_the_regimes_the_profiles_describe():
     # each prefill token about 0.3 ms at 1k+ tokens
     assert 0.25 < (big.predict(0, 2048, 0, 0) - big.predict(0, 1024, 0, 0)) / 1024 < 0.40
     # 8B TP1: about 10 ms of linear layers per decode step, 0.07 ms per prefill token
-    assert 10 < small.predict(1, 0, 512, 0) < 14 and 0.05 < (small.predict(0, 2048, 0, 0) - small.predict(0, 1024, 0, 0)) / 1024 < 0.09
+    assert (
+        10 < small.predict(1, 0, 512, 0) < 14
+        and 0.05 < (small.predict(0, 2048, 0, 0) - small.predict(0, 1024, 0, 0)) / 1024 < 0.09
+    )
     # the decodes' KV context moves the cost: the regime a fixed chunk cannot follow
     assert big.predict(64, 0, 64 * 4000, 0) - big.predict(64, 0, 64 * 100, 0) > 10
     assert "derived" in small.describe()["attention"] and big.describe()["attention"] == "measured"
@@ -123,17 +128,44 @@ def replace_in(path: Path, old: str, new: str) -> None:
         (lambda f: (f / "mlp.csv").unlink(), r"mlp\.csv: missing"),
         (lambda f: (f / "model.json").unlink(), r"no model\.json"),
         (lambda f: (f / "model.json").write_text("{not json"), r"model\.json: not valid JSON"),
-        (lambda f: (f / "model.json").write_text(json.dumps({"num_layers": 0, "tensor_parallel": 2})), r"num_layers must be a whole number >= 1"),
-        (lambda f: (f / "model.json").write_text(json.dumps({"num_layers": 2, "tensor_parallel": 4})), r"no rows for tensor parallelism 4.*profiled: \[1, 2\]"),
+        (
+            lambda f: (f / "model.json").write_text(json.dumps({"num_layers": 0, "tensor_parallel": 2})),
+            r"num_layers must be a whole number >= 1",
+        ),
+        (
+            lambda f: (f / "model.json").write_text(json.dumps({"num_layers": 2, "tensor_parallel": 4})),
+            r"no rows for tensor parallelism 4.*profiled: \[1, 2\]",
+        ),
         (lambda f: (f / "attention.csv").unlink(), r"attention\.csv: missing"),
         (lambda f: (f / "all_reduce.csv").unlink(), r"all_reduce\.csv: missing"),
-        (lambda f: replace_in(f / "mlp.csv", "time_stats.mlp_act.median", "time_stats.mlp_activation.median"), r"mlp\.csv: missing column\(s\) time_stats\.mlp_act\.median"),
-        (lambda f: replace_in(f / "mlp.csv", ",0.2,0.2,0.2", ",0.2,fast,0.2"), r"mlp\.csv, line \d+: time_stats\.\w+\.median='fast'; expected a finite number of milliseconds >= 0 and <= 1e\+10"),
-        (lambda f: replace_in(f / "attention.csv", ",0.011,", ",-0.011,"), r"attention\.csv, line 3: time_stats\.attn_decode\.median=-0\.011; expected a finite number of milliseconds >= 0 and <= 1e\+10"),
-        (lambda f: replace_in(f / "attention.csv", "64,8,2,16,2,1,0,64,False", "64,16,2,16,2,1,0,64,False"), r"attention\.csv, line 3: n_q_head=16 does not match the model"),
-        (lambda f: replace_in(f / "attention.csv", "64,8,2,16,2,1,0,0,False", "64,8,2,16,2,1,0,0,maybe"), r"attention\.csv, line 2: is_prefill='maybe'"),
-        (lambda f: replace_in(f / "mlp.csv", "\n8,2,64,256,100,True,64,2", "\n8,2,64,256,100,True,64.5,2"), r"mlp\.csv, line \d+: num_tokens=64\.5; expected a whole number >= 0 and <= 2,147,483,648"),
-        (lambda f: (f / "mlp.csv").write_bytes(b"\x1f\x8b\x08\x00binary"), r"mlp\.csv: not a UTF-8 text file \(byte 1 is 0x8b; compressed or binary\?\)"),
+        (
+            lambda f: replace_in(f / "mlp.csv", "time_stats.mlp_act.median", "time_stats.mlp_activation.median"),
+            r"mlp\.csv: missing column\(s\) time_stats\.mlp_act\.median",
+        ),
+        (
+            lambda f: replace_in(f / "mlp.csv", ",0.2,0.2,0.2", ",0.2,fast,0.2"),
+            r"mlp\.csv, line \d+: time_stats\.\w+\.median='fast'; expected a finite number of milliseconds >= 0 and <= 1e\+10",
+        ),
+        (
+            lambda f: replace_in(f / "attention.csv", ",0.011,", ",-0.011,"),
+            r"attention\.csv, line 3: time_stats\.attn_decode\.median=-0\.011; expected a finite number of milliseconds >= 0 and <= 1e\+10",
+        ),
+        (
+            lambda f: replace_in(f / "attention.csv", "64,8,2,16,2,1,0,64,False", "64,16,2,16,2,1,0,64,False"),
+            r"attention\.csv, line 3: n_q_head=16 does not match the model",
+        ),
+        (
+            lambda f: replace_in(f / "attention.csv", "64,8,2,16,2,1,0,0,False", "64,8,2,16,2,1,0,0,maybe"),
+            r"attention\.csv, line 2: is_prefill='maybe'",
+        ),
+        (
+            lambda f: replace_in(f / "mlp.csv", "\n8,2,64,256,100,True,64,2", "\n8,2,64,256,100,True,64.5,2"),
+            r"mlp\.csv, line \d+: num_tokens=64\.5; expected a whole number >= 0 and <= 2,147,483,648",
+        ),
+        (
+            lambda f: (f / "mlp.csv").write_bytes(b"\x1f\x8b\x08\x00binary"),
+            r"mlp\.csv: not a UTF-8 text file \(byte 1 is 0x8b; compressed or binary\?\)",
+        ),
     ],
 )
 def test_a_bad_profile_folder_gets_an_error_naming_the_file_line_and_problem(tmp_path, edit, message):
@@ -151,14 +183,18 @@ def test_without_cpu_overheads_the_model_says_so(tmp_path):
     folder = broken(tmp_path, lambda f: (f / "cpu_overheads.csv").unlink())
     cost = profile_cost(str(folder))
     assert not cost.describe()["cpu_overhead"] and any("cpu_overheads.csv" in n for n in cost.describe()["notes"])
-    assert ProfileCost(load_profiles(TINY), cpu_overhead=False).predict(2, 64, 128, 0) == pytest.approx(cost.predict(2, 64, 128, 0))
+    assert ProfileCost(load_profiles(TINY), cpu_overhead=False).predict(2, 64, 128, 0) == pytest.approx(
+        cost.predict(2, 64, 128, 0)
+    )
 
 
 def test_derived_attention_scales_by_heads_per_gpu(tmp_path):
     # a one-GPU model with the tiny shape: KV heads per GPU double (2 vs 1), query heads per GPU too (8 vs 4)
     def derive(folder):
         (folder / "attention.csv").unlink()
-        (folder / "model.json").write_text(json.dumps({"name": "tp1", "num_layers": 2, "tensor_parallel": 1, "attention": {"derived_from": str(TINY)}}))
+        (folder / "model.json").write_text(
+            json.dumps({"name": "tp1", "num_layers": 2, "tensor_parallel": 1, "attention": {"derived_from": str(TINY)}})
+        )
 
     derived = profile_cost(str(broken(tmp_path, derive)))
     assert "derived from tiny-test-model TP2" in derived.describe()["attention"]

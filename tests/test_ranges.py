@@ -67,7 +67,8 @@ def test_every_number_on_the_command_line_has_a_stated_range():
         f"{name} {param.opts[0]} ({param.type})"
         for name, command in _commands(main)
         for param in command.params
-        if isinstance(param.type, (click.types.IntParamType, click.types.FloatParamType)) and not isinstance(param.type, CheckedNumber)
+        if isinstance(param.type, (click.types.IntParamType, click.types.FloatParamType))
+        and not isinstance(param.type, CheckedNumber)
     ]
     assert unranged == []
     assert len(NUMERIC_OPTIONS) > 60  # every command's numbers were found, not none
@@ -102,7 +103,9 @@ def test_each_option_accepts_its_range_up_to_the_edges(data):
     command, option, kind = data.draw(st.sampled_from(NUMERIC_OPTIONS))
     limits = kind.limits
     if limits.whole:
-        value = data.draw(st.sampled_from([int(limits.low), int(limits.high)]) | st.integers(int(limits.low), int(limits.high)))
+        value = data.draw(
+            st.sampled_from([int(limits.low), int(limits.high)]) | st.integers(int(limits.low), int(limits.high))
+        )
         assert kind.convert(str(value), None, None) == value
     else:
         low = math.nextafter(limits.low, math.inf) if limits.low_open else limits.low
@@ -150,7 +153,10 @@ def test_the_api_takes_the_same_range_with_the_same_words(value):
     [
         (dict(noise_sigma=1000.0), "noise_sigma must be a finite number >= 0 and <= 3"),
         (dict(bias=1e308), "bias must be a finite number >= 1e-06 and <= 1e\\+06"),
-        (dict(kv_capacity_tokens=10**20), "kv_capacity_tokens must be a whole number of tokens >= 1 and <= 2,147,483,648"),
+        (
+            dict(kv_capacity_tokens=10**20),
+            "kv_capacity_tokens must be a whole number of tokens >= 1 and <= 2,147,483,648",
+        ),
         (dict(aging_ms=1e300), "aging_ms must be a finite number of milliseconds > 0 and <= 1e\\+10"),
         (dict(max_batch_size=2**63), "max_batch_size must be a whole number of requests >= 1"),
     ],
@@ -160,7 +166,9 @@ def test_engine_options_refuse_numbers_past_their_range(options, problem):
         EngineOptions(**options)
 
 
-@pytest.mark.parametrize("arrival_s", [[0.0, 1e300], [0.0, float(2**63)], [MAX_SECONDS, math.nextafter(MAX_SECONDS, math.inf)]])
+@pytest.mark.parametrize(
+    "arrival_s", [[0.0, 1e300], [0.0, float(2**63)], [MAX_SECONDS, math.nextafter(MAX_SECONDS, math.inf)]]
+)
 def test_a_workload_refuses_arrivals_a_float_clock_cannot_step_past(arrival_s):
     # at 1e300 s, adding a step of a few ms changed nothing: every request got TTFT 0, attainment 1.0
     with pytest.raises(WorkloadError, match="arrival_s must be finite, >= 0 and <= 1e\\+10 s"):
@@ -188,7 +196,9 @@ def test_at_the_last_arrival_the_range_allows_a_clock_still_adds_every_step():
 def test_the_largest_noise_and_chunk_still_give_finite_times():
     workload = get_workload_spec("chat").generate(30, seed=0)
     policy = SLOWeave(max_chunk_tokens=MAX_TOKENS)
-    result = EngineOptions(noise_sigma=MAX_NOISE_SIGMA).simulate(workload, policy, tpot_ms=25.0, ttft_ms=1000.0, cost=policy.cost)
+    result = EngineOptions(noise_sigma=MAX_NOISE_SIGMA).simulate(
+        workload, policy, tpot_ms=25.0, ttft_ms=1000.0, cost=policy.cost
+    )
     assert result.finished.all()
     assert np.all(np.isfinite(result.iter_end_ms)) and np.all(np.diff(result.iter_end_ms) > 0)
     assert 0 < policy.decide(4, MAX_TOKENS, 1e9).chunk_tokens <= MAX_TOKENS
@@ -226,7 +236,9 @@ def test_a_step_log_refuses_a_field_past_its_range_naming_the_line(tmp_path_fact
         value = data.draw(st.sampled_from([0, 1, "true", None]))
     else:
         limits, nullable = FIELD_RANGES[field]
-        value = data.draw(_beyond(limits).filter(math.isfinite) | st.sampled_from([True, "7", [1]] + ([] if nullable else [None])))
+        value = data.draw(
+            _beyond(limits).filter(math.isfinite) | st.sampled_from([True, "7", [1]] + ([] if nullable else [None]))
+        )
         if limits.whole and isinstance(value, float) and value == int(value):
             value = int(value)
     path = _step_log(tmp_path_factory.mktemp("log"), field, value)
@@ -253,7 +265,10 @@ def test_an_operator_profile_row_of_1e13_tokens_is_refused_at_its_line(tmp_path)
     lines = mlp.read_text().split("\n")
     lines[1] = lines[1].replace(",True,32768,", ",True,10000000000000,", 1)
     mlp.write_text("\n".join(lines))
-    with pytest.raises(ProfileError, match=re.escape(f"{mlp}, line 2: num_tokens=10000000000000; expected a whole number >= 0 and <= 2,147,483,648")):
+    with pytest.raises(
+        ProfileError,
+        match=re.escape(f"{mlp}, line 2: num_tokens=10000000000000; expected a whole number >= 0 and <= 2,147,483,648"),
+    ):
         load_profiles(folder)
 
 
@@ -279,7 +294,10 @@ def test_a_step_time_profile_cell_past_its_range_is_refused_at_its_line(tmp_path
     path.write_text(
         "n_decodes,chunk_tokens,decode_kv_tokens,prefill_prefix_tokens,step_ms\n4,64,256,0,5.0\n4,10000000000000,256,0,5.0\n"
     )
-    with pytest.raises(ProfileError, match=re.escape(f"{path}, line 3: chunk_tokens=10000000000000; expected a whole number of tokens >= 0")):
+    with pytest.raises(
+        ProfileError,
+        match=re.escape(f"{path}, line 3: chunk_tokens=10000000000000; expected a whole number of tokens >= 0"),
+    ):
         read_profile(path)
 
 
@@ -328,7 +346,9 @@ def _api_arguments():
 
 
 API_ARGUMENTS = _api_arguments()
-NOT_NUMBERS = st.sampled_from([True, False, "1", "25", b"1", [1], {"ms": 1}, None, math.nan, math.inf, -math.inf, -1, 10**400])
+NOT_NUMBERS = st.sampled_from(
+    [True, False, "1", "25", b"1", [1], {"ms": 1}, None, math.nan, math.inf, -math.inf, -1, 10**400]
+)
 
 
 @SETTINGS

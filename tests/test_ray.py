@@ -23,16 +23,57 @@ TRACE = HERE / "fixtures" / "traces" / "azure_conv_first150.csv"
 
 # Small studies, each a few seconds serially: (command, the files that must match byte for byte)
 STUDIES = {
-    "capacity": (["capacity", "--workload", "mixed", "--requests", "150", "--seeds", "2", "--quick", "--no-curves",
-                  "--policy", "sloweave", "--policy", "fixed-512", "--tpot-ms", "25"],
-                 ["capacity.csv", "capacity_detail.csv", "capacity_seeds.csv", "relative.csv"]),
-    "tune": (["tune", "--workload", "mixed", "--requests", "150", "--seeds", "2", "--quick", "--no-refine"], ["tune.csv"]),
-    "reproduce": (["reproduce", "--workload", "chat", "--seeds", "2", "--requests", "120"], ["runs.csv", "table3.csv", "table4.csv"]),
-    "ablate": (["ablate", "--workload", "mixed", "--seeds", "2", "--requests", "80", "--no-trace", "--config", "greedy"],
-               ["runs.csv", "ablation.csv", "tiers.csv"]),
+    "capacity": (
+        [
+            "capacity",
+            "--workload",
+            "mixed",
+            "--requests",
+            "150",
+            "--seeds",
+            "2",
+            "--quick",
+            "--no-curves",
+            "--policy",
+            "sloweave",
+            "--policy",
+            "fixed-512",
+            "--tpot-ms",
+            "25",
+        ],
+        ["capacity.csv", "capacity_detail.csv", "capacity_seeds.csv", "relative.csv"],
+    ),
+    "tune": (
+        ["tune", "--workload", "mixed", "--requests", "150", "--seeds", "2", "--quick", "--no-refine"],
+        ["tune.csv"],
+    ),
+    "reproduce": (
+        ["reproduce", "--workload", "chat", "--seeds", "2", "--requests", "120"],
+        ["runs.csv", "table3.csv", "table4.csv"],
+    ),
+    "ablate": (
+        ["ablate", "--workload", "mixed", "--seeds", "2", "--requests", "80", "--no-trace", "--config", "greedy"],
+        ["runs.csv", "ablation.csv", "tiers.csv"],
+    ),
     # several traces: one folder per trace, all their runs one batch of tasks
-    "replay": (["replay", str(TRACE), str(HERE / "fixtures" / "traces" / "azure_orig.csv"), "--policy", "sloweave", "--policy", "fixed-512", "--policy", "full"],
-               [f"{trace}/{name}" for trace in ("azure_conv_first150", "azure_orig") for name in ("requests.csv", "metrics.csv")]),
+    "replay": (
+        [
+            "replay",
+            str(TRACE),
+            str(HERE / "fixtures" / "traces" / "azure_orig.csv"),
+            "--policy",
+            "sloweave",
+            "--policy",
+            "fixed-512",
+            "--policy",
+            "full",
+        ],
+        [
+            f"{trace}/{name}"
+            for trace in ("azure_conv_first150", "azure_orig")
+            for name in ("requests.csv", "metrics.csv")
+        ],
+    ),
 }
 
 
@@ -60,7 +101,10 @@ def test_capacity_with_a_private_local_instance_equals_the_serial_run(tmp_path):
 def cluster():
     """One local Ray instance, loopback only, two CPUs; this folder importable by its workers."""
     ray.init(
-        num_cpus=2, include_dashboard=False, log_to_driver=False, _node_ip_address="127.0.0.1",
+        num_cpus=2,
+        include_dashboard=False,
+        log_to_driver=False,
+        _node_ip_address="127.0.0.1",
         runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])}},
     )
     yield

@@ -36,8 +36,35 @@ COMMANDS = {
     "capacity": [*CAPACITY, "--jobs", "1", "--no-curves"],
     "replay": ["replay", str(TRACE), "--max-requests", "40", "--policy", "full", "--jobs", "1"],
     "reproduce": ["reproduce", "--workload", "chat", "--seeds", "1", "--requests", "40", "--jobs", "1"],
-    "ablate": ["ablate", "--workload", "chat", "--seeds", "1", "--requests", "40", "--no-trace", "--config", "greedy", "--jobs", "1"],
-    "tune": ["tune", "--workload", "chat", "--quick", "--seeds", "1", "--requests", "40", "--no-refine", "--budget", "512", "--jobs", "1"],
+    "ablate": [
+        "ablate",
+        "--workload",
+        "chat",
+        "--seeds",
+        "1",
+        "--requests",
+        "40",
+        "--no-trace",
+        "--config",
+        "greedy",
+        "--jobs",
+        "1",
+    ],
+    "tune": [
+        "tune",
+        "--workload",
+        "chat",
+        "--quick",
+        "--seeds",
+        "1",
+        "--requests",
+        "40",
+        "--no-refine",
+        "--budget",
+        "512",
+        "--jobs",
+        "1",
+    ],
 }
 WRITES = {
     "simulate": "metrics.json", "capacity": "capacity.json", "replay": "replay.json",
@@ -279,7 +306,9 @@ def test_force_starts_an_interrupted_run_over(tmp_path):
 def test_ctrl_c_in_a_command_that_is_not_resumable_leaves_nothing(tmp_path):
     out = tmp_path / "sim"
     # held once requests.csv, iterations.csv, prefills.csv and metrics.json are written, before decision_metrics.json
-    code, err = ctrl_c(held_run(tmp_path, "sloweave.studies.reproduce:write_single_run", [*COMMANDS["simulate"], "--out", out]))
+    code, err = ctrl_c(
+        held_run(tmp_path, "sloweave.studies.reproduce:write_single_run", [*COMMANDS["simulate"], "--out", out])
+    )
     assert code == 130, err
     assert err.strip().splitlines()[-1] == f"interrupted: nothing written to {out}" and "Traceback" not in err
     assert beside(out) == []  # no folder, no staging folder, no lock
@@ -289,6 +318,10 @@ def test_ctrl_c_replacing_an_earlier_result_keeps_it(tmp_path):
     out = tmp_path / "sim"
     assert invoke(*COMMANDS["simulate"], "--out", out).exit_code == 0
     before = files_of(out)
-    code, err = ctrl_c(held_run(tmp_path, "sloweave.studies.reproduce:write_single_run", [*COMMANDS["simulate"], "--out", out, "--force"]))
+    code, err = ctrl_c(
+        held_run(
+            tmp_path, "sloweave.studies.reproduce:write_single_run", [*COMMANDS["simulate"], "--out", out, "--force"]
+        )
+    )
     assert code == 130, err
     assert files_of(out) == before and beside(out) == ["sim"]

@@ -15,7 +15,14 @@ from transformers.generation.continuous_batching.scheduler import SCHEDULER_MAPP
 from sloweave.cli import main
 from sloweave.core.costs.fitted import RegressionCost, fit_profile, read_profile, write_profile
 from sloweave.core.policy import make_policy
-from sloweave.core.costs.calibrated import DEFAULT_MARGIN_QUANTILE, AdaptiveMargin, CalibratedCost, OnlineCalibrator, ScaledCost, SelfCorrection
+from sloweave.core.costs.calibrated import (
+    DEFAULT_MARGIN_QUANTILE,
+    AdaptiveMargin,
+    CalibratedCost,
+    OnlineCalibrator,
+    ScaledCost,
+    SelfCorrection,
+)
 from sloweave.core.costs.fitted import ResidualMargin
 from sloweave.runtime.engine import Engine
 from sloweave.runtime.experiment import build_policy, run_policy, scaled_workload
@@ -104,9 +111,14 @@ def test_every_policy_completes_requests_with_the_right_token_counts(engine, fit
         assert steps["chunk_tokens"].max() == size
         assert (steps["chunk_tokens"] == np.minimum(size, steps["waiting_tokens"])).all()
     if policy_name == "full":
-        assert (steps.loc[steps["chunk_tokens"] > 0, "chunk_tokens"] == steps.loc[steps["chunk_tokens"] > 0, "waiting_tokens"]).all()
+        assert (
+            steps.loc[steps["chunk_tokens"] > 0, "chunk_tokens"]
+            == steps.loc[steps["chunk_tokens"] > 0, "waiting_tokens"]
+        ).all()
     if policy_name == "budget-48":
-        assert (steps["chunk_tokens"] == np.minimum(steps["waiting_tokens"], np.maximum(0, 48 - steps["n_decodes"]))).all()
+        assert (
+            steps["chunk_tokens"] == np.minimum(steps["waiting_tokens"], np.maximum(0, 48 - steps["n_decodes"]))
+        ).all()
     metrics = run.metrics(ttft_ms=5000.0)
     assert metrics.num_finished == len(spec)
 
@@ -148,15 +160,28 @@ def test_profile_fit_schedule_path(engine, profile_frame, fitted, tmp_path):
     assert "regression_holdout" in out.output
     result = fit_profile(read_profile(path), monotone_tolerance_ms=LIVE_TOLERANCE_MS)
     assert math.isfinite(result.report["regression_holdout"]["median_abs_rel_error"])
-    wl = scaled_workload("mixed", 8, seed=1, rate_scale=0.5, prompt_scale=0.1, output_scale=0.05, max_prompt_tokens=300, max_output_tokens=8)
-    row, run = run_policy(engine, wl, "sloweave", result, tpot_ms=30.0, ttft_ms=3000.0, max_chunk_tokens=256, progress=False)
+    wl = scaled_workload(
+        "mixed",
+        8,
+        seed=1,
+        rate_scale=0.5,
+        prompt_scale=0.1,
+        output_scale=0.05,
+        max_prompt_tokens=300,
+        max_output_tokens=8,
+    )
+    row, run = run_policy(
+        engine, wl, "sloweave", result, tpot_ms=30.0, ttft_ms=3000.0, max_chunk_tokens=256, progress=False
+    )
     assert row["measured_num_finished"] == 8
     assert row["chunk_mismatch_steps"] == 0
     assert math.isfinite(row["simulated_goodput_rps"])
     # the row's overrun share is that of the run's steps
     steps = run.steps
     assert row["steps"] == len(steps) > 0
-    assert row["overran_prediction_plus_margin_share"] == np.mean(steps["step_ms"] > steps["predicted_ms"] + steps["margin_ms"])
+    assert row["overran_prediction_plus_margin_share"] == np.mean(
+        steps["step_ms"] > steps["predicted_ms"] + steps["margin_ms"]
+    )
 
 
 def test_online_calibration_learns_a_stale_cost_model(engine, fitted):
@@ -176,7 +201,12 @@ def test_online_calibration_learns_a_stale_cost_model(engine, fitted):
     assert np.median(learned) > 10.0
     s = run.steps
     late = s.iloc[len(s) // 2 :]
-    stale_ms = [stale.predict(n, c, d, p) for n, c, d, p in late[["n_decodes", "chunk_tokens", "decode_kv_tokens", "prefill_prefix_tokens"]].itertuples(index=False)]
+    stale_ms = [
+        stale.predict(n, c, d, p)
+        for n, c, d, p in late[["n_decodes", "chunk_tokens", "decode_kv_tokens", "prefill_prefix_tokens"]].itertuples(
+            index=False
+        )
+    ]
     stale_error = np.median(np.abs(stale_ms / late["step_ms"] - 1))  # about 0.99
     calibrated_error = np.median(np.abs(late["predicted_ms"] / late["step_ms"] - 1))
     assert calibrated_error < stale_error
@@ -194,10 +224,35 @@ def test_run_command_end_to_end(steady_profile, tmp_path):
     path = write_profile(steady_profile, tmp_path / "profile.csv")
     out_dir = tmp_path / "run"
     args = [
-        "run", "--model", "tiny", "--profile", str(path), "--workload", "mixed", "--requests", "6",
-        "--rate-scale", "0.5", "--prompt-scale", "0.1", "--output-scale", "0.05", "--max-prompt", "256",
-        "--max-output", "6", "--policies", "sloweave,fixed-32,fixed-128,full", "--tpot-ms", "30", "--max-chunk", "256",
-        "--out", str(out_dir), "--monotone-tolerance-ms", "25",
+        "run",
+        "--model",
+        "tiny",
+        "--profile",
+        str(path),
+        "--workload",
+        "mixed",
+        "--requests",
+        "6",
+        "--rate-scale",
+        "0.5",
+        "--prompt-scale",
+        "0.1",
+        "--output-scale",
+        "0.05",
+        "--max-prompt",
+        "256",
+        "--max-output",
+        "6",
+        "--policies",
+        "sloweave,fixed-32,fixed-128,full",
+        "--tpot-ms",
+        "30",
+        "--max-chunk",
+        "256",
+        "--out",
+        str(out_dir),
+        "--monotone-tolerance-ms",
+        "25",
     ]
     result = CliRunner().invoke(main, args)
     assert result.exit_code == 0, result.output
@@ -218,13 +273,27 @@ def test_run_command_end_to_end(steady_profile, tmp_path):
 @pytest.mark.parametrize(
     "extra, message",
     [
-        (["--max-prompt", "4090", "--max-output", "48"], "--max-prompt 4090 + --max-output 48 tokens exceed the model's context of 4096"),
+        (
+            ["--max-prompt", "4090", "--max-output", "48"],
+            "--max-prompt 4090 + --max-output 48 tokens exceed the model's context of 4096",
+        ),
         (["--model", "no-such-model"], "neither a packaged model"),
     ],
 )
 def test_run_command_refuses_requests_beyond_the_models_context(steady_profile, tmp_path, extra, message):
     path = write_profile(steady_profile, tmp_path / "profile.csv")
-    args = ["run", "--model", "tiny", "--profile", str(path), "--out", str(tmp_path / "run"), "--monotone-tolerance-ms", "25", *extra]
+    args = [
+        "run",
+        "--model",
+        "tiny",
+        "--profile",
+        str(path),
+        "--out",
+        str(tmp_path / "run"),
+        "--monotone-tolerance-ms",
+        "25",
+        *extra,
+    ]
     result = CliRunner().invoke(main, args)
     assert result.exit_code == 2, result.output
     assert message in result.output
@@ -253,7 +322,11 @@ def test_runtime_policy_setup_uses_the_cores_self_correction(fitted):
     assert setup.margin.fraction(4, 64) == pytest.approx(setup.calibrator.residual_quantile(DEFAULT_MARGIN_QUANTILE))
     # without a margin: the same correction, no margin; without calibration: the profile's table
     bare = build_policy("sloweave", fitted, use_margin=False, calibrate=True)
-    assert isinstance(bare.correction, SelfCorrection) and bare.margin is None and bare.calibrator is bare.correction.calibrator
+    assert (
+        isinstance(bare.correction, SelfCorrection)
+        and bare.margin is None
+        and bare.calibrator is bare.correction.calibrator
+    )
     static = build_policy("sloweave", fitted, use_margin=True, calibrate=False)
     assert static.correction is None and static.calibrator is None and isinstance(static.margin, ResidualMargin)
     assert build_policy("fixed-32", fitted).correction is None

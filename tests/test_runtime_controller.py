@@ -43,8 +43,12 @@ def engine():
 @pytest.fixture(scope="module")
 def profile_path(engine, tmp_path_factory):
     """A step-time profile of this engine's grid and KV reads, timed by a fixed model (the same on every run)."""
-    frame = run_profile(engine, (0, 2, 4), (0, 16, 64, 128), (16, 96), repeats=1, holdout_per_state=2, seed=0, progress=False)
-    frame["step_ms"] = RegressionCost(STEADY_COEFFICIENTS).predict_frame(frame) * np.random.default_rng(0).lognormal(0.0, 0.05, len(frame))
+    frame = run_profile(
+        engine, (0, 2, 4), (0, 16, 64, 128), (16, 96), repeats=1, holdout_per_state=2, seed=0, progress=False
+    )
+    frame["step_ms"] = RegressionCost(STEADY_COEFFICIENTS).predict_frame(frame) * np.random.default_rng(0).lognormal(
+        0.0, 0.05, len(frame)
+    )
     return write_profile(frame, tmp_path_factory.mktemp("profile") / "profile.csv")
 
 
@@ -86,20 +90,41 @@ def plans_of(calls: list[Call]) -> list[StepPlan]:
 
 
 def same_plan(a: StepPlan, b: StepPlan) -> bool:
-    return all(x == y or (x != x and y != y) for x, y in zip(dataclasses.astuple(a), dataclasses.astuple(b)))  # NaN: no base model
+    return all(
+        x == y or (x != x and y != y) for x, y in zip(dataclasses.astuple(a), dataclasses.astuple(b))
+    )  # NaN: no base model
 
 
 def test_the_runtime_and_the_plugins_controller_make_the_same_plans(engine, profile_path, handoffs, monkeypatch):
     """One decision path: the runtime's hand-offs, replayed into a controller built as the vLLM
     plug-in builds its own (from the plug-in's configuration), give the same plan for every state."""
-    config = PluginConfig(tpot_ms=40.0, cost=str(profile_path), profile_margin=True, max_chunk_tokens=256, aging_ms=50.0, aging_chunk_tokens=32)
+    config = PluginConfig(
+        tpot_ms=40.0,
+        cost=str(profile_path),
+        profile_margin=True,
+        max_chunk_tokens=256,
+        aging_ms=50.0,
+        aging_chunk_tokens=32,
+    )
     runtime = config.build_decision()
     spec = mixed_requests(tpot_ms=np.array([40.0, 15.0, 40.0, 40.0, 25.0, 40.0]))
     policy = make_policy("sloweave", runtime.cost, runtime.margin, config.max_chunk_tokens)
-    run = run_requests(engine, spec, policy, config.tpot_ms, aging_ms=config.aging_ms, aging_chunk_tokens=config.aging_chunk_tokens, progress=False)
+    run = run_requests(
+        engine,
+        spec,
+        policy,
+        config.tpot_ms,
+        aging_ms=config.aging_ms,
+        aging_chunk_tokens=config.aging_chunk_tokens,
+        progress=False,
+    )
     monkeypatch.undo()
     [runtime_controller] = {call.controller for call in handoffs}
-    assert [call.name for call in handoffs if call.name != "on_finished"] == ["plan_step", "on_scheduled", "on_step_done"] * len(run.steps)
+    assert [call.name for call in handoffs if call.name != "on_finished"] == [
+        "plan_step",
+        "on_scheduled",
+        "on_step_done",
+    ] * len(run.steps)
 
     # SLOWeaveSchedulerMixin.__init__'s controller (its per-request targets come from the requests' extra args)
     plugin = config.build_decision()
@@ -120,7 +145,15 @@ def test_the_runtime_and_the_plugins_controller_make_the_same_plans(engine, prof
     # the step rows are those plans, beside what the engine ran
     plans = pd.DataFrame([dataclasses.asdict(plan) for plan in plans_of(handoffs)])
     steps = run.steps
-    for column in ("chunk_tokens", "policy_chunk_tokens", "budget_ms", "deadline_ms", "margin_ms", "infeasible", "aged"):
+    for column in (
+        "chunk_tokens",
+        "policy_chunk_tokens",
+        "budget_ms",
+        "deadline_ms",
+        "margin_ms",
+        "infeasible",
+        "aged",
+    ):
         np.testing.assert_array_equal(steps[column].to_numpy(), plans[column].to_numpy(), err_msg=column)
     np.testing.assert_array_equal(steps["predicted_ms"], plans["predicted_ms"] - plans["margin_ms"])
     np.testing.assert_array_equal(steps["start_ms"], plans["start_ms"])
@@ -149,7 +182,9 @@ def test_aging_forces_a_chunk_on_the_real_runtime(engine, handoffs):
     assert list(aged["chunk_tokens"]) == [32, 32, 32, 4] and (aged["n_decodes"] == 1).all()
     assert (steps.loc[(steps["n_decodes"] > 0) & ~steps["aged"], "chunk_tokens"] == 0).all()
     assert (aged["policy_chunk_tokens"] == aged["chunk_tokens"]).all() and not aged["infeasible"].any()
-    assert [(e.request_id, e.chunk_tokens, e.affected_ids) for e in run.slo_exceptions] == [("r1", c, ("r0",)) for c in (32, 32, 32, 4)]
+    assert [(e.request_id, e.chunk_tokens, e.affected_ids) for e in run.slo_exceptions] == [
+        ("r1", c, ("r0",)) for c in (32, 32, 32, 4)
+    ]
     assert run.decision_metrics["sloweave_slo_exceptions_total"] == 4
     assert run.decision_metrics["sloweave_slo_exception_requests_total"] == 4
     assert run.token_counts == {"r0": 12, "r1": 2}
@@ -180,7 +215,13 @@ def test_a_request_with_a_tighter_target_gets_a_smaller_budget(engine, handoffs)
     assert tight == 2 and loose >= 1  # r0 decodes twice after its prefill; r1 alone after
     # without its own target r0 has the run's: no budget is that small
     handoffs.clear()
-    default = run_requests(engine, dataclasses.replace(spec, tpot_ms=None), make_policy("sloweave", AnalyticCost(), None, 256), 10_000.0, progress=False)
+    default = run_requests(
+        engine,
+        dataclasses.replace(spec, tpot_ms=None),
+        make_policy("sloweave", AnalyticCost(), None, 256),
+        10_000.0,
+        progress=False,
+    )
     assert (default.steps.loc[default.steps["n_decodes"] > 0, "budget_ms"] > 5.0).all()
     # the metrics judge each request by its own target
     assert run.metrics(ttft_ms=1e6).num_finished == 2
@@ -193,12 +234,17 @@ def test_online_correction_observes_every_step_through_the_controller(engine, ha
     observe = correction.calibrator.observe
     monkeypatch.setattr(correction.calibrator, "observe", lambda *args: (observed.append(args), observe(*args)))
     policy = make_policy("sloweave", correction.cost, correction.margin, 256)
-    run = run_requests(engine, mixed_requests(), policy, 40.0, cost=correction.cost, calibrator=correction.calibrator, progress=False)
+    run = run_requests(
+        engine, mixed_requests(), policy, 40.0, cost=correction.cost, calibrator=correction.calibrator, progress=False
+    )
     [controller] = {call.controller for call in handoffs}
     assert controller.correction is correction.calibrator
     steps = run.steps
     # one observation per step, in order: the step that ran, the base model's price of it, its measured time
-    expected = [(n, c, AnalyticCost()(n, c), ms) for n, c, ms in steps[["n_decodes", "ran_chunk_tokens", "step_ms"]].itertuples(index=False)]
+    expected = [
+        (n, c, AnalyticCost()(n, c), ms)
+        for n, c, ms in steps[["n_decodes", "ran_chunk_tokens", "step_ms"]].itertuples(index=False)
+    ]
     assert observed == expected
     assert correction.calibrator.observations.sum() == len(steps) == sum(map(sum, run.calibration["observations"]))
     # the decision metrics saw the same steps
@@ -216,7 +262,9 @@ def test_every_request_is_accounted_for(engine, handoffs, policy_name):
     outputs = {f"r{i}": int(k) for i, k in enumerate(spec.output_tokens)}
     assert run.token_counts == outputs and (run.requests["status"] == "finished").all()
     # every token reported to the controller once, every request finished once, no deadline left
-    emitted = pd.Series([rid for call in handoffs if call.name == "on_step_done" for rid in call.args[1]]).value_counts()
+    emitted = pd.Series(
+        [rid for call in handoffs if call.name == "on_step_done" for rid in call.args[1]]
+    ).value_counts()
     assert emitted.to_dict() == outputs
     assert sorted(call.args[0] for call in handoffs if call.name == "on_finished") == sorted(outputs)
     assert len(controller.tracker) == 0 and controller.stats.steps == len(run.steps)
@@ -245,10 +293,39 @@ def test_request_spec_refuses_bad_targets():
 def test_run_command_ages_and_writes_the_decision_metrics(profile_path, tmp_path):
     out_dir = tmp_path / "run"
     args = [
-        "run", "--model", "tiny", "--profile", str(profile_path), "--workload", "mixed", "--requests", "4",
-        "--rate-scale", "0.5", "--prompt-scale", "0.1", "--output-scale", "0.05", "--max-prompt", "256",
-        "--max-output", "6", "--policies", "sloweave,fixed-32", "--tpot-ms", "30", "--max-chunk", "256",
-        "--aging-ms", "500", "--aging-chunk-tokens", "64", "--out", str(out_dir), "--monotone-tolerance-ms", "25",
+        "run",
+        "--model",
+        "tiny",
+        "--profile",
+        str(profile_path),
+        "--workload",
+        "mixed",
+        "--requests",
+        "4",
+        "--rate-scale",
+        "0.5",
+        "--prompt-scale",
+        "0.1",
+        "--output-scale",
+        "0.05",
+        "--max-prompt",
+        "256",
+        "--max-output",
+        "6",
+        "--policies",
+        "sloweave,fixed-32",
+        "--tpot-ms",
+        "30",
+        "--max-chunk",
+        "256",
+        "--aging-ms",
+        "500",
+        "--aging-chunk-tokens",
+        "64",
+        "--out",
+        str(out_dir),
+        "--monotone-tolerance-ms",
+        "25",
     ]
     result = CliRunner().invoke(main, args)
     assert result.exit_code == 0, result.output

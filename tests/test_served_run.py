@@ -35,8 +35,16 @@ def write_log(path, steps=STEPS, max_steps=1000):
     start_ms = START_MS
     for n, c, budget, predicted, margin, infeasible, aged, late, ran, measured in steps:
         plan = StepPlan(
-            token_budget=n + c, chunk_tokens=c, start_ms=start_ms, scheduled_ms=start_ms, budget_ms=budget,
-            predicted_ms=predicted, infeasible=infeasible, aged=aged, decode_tokens=n, margin_ms=margin,
+            token_budget=n + c,
+            chunk_tokens=c,
+            start_ms=start_ms,
+            scheduled_ms=start_ms,
+            budget_ms=budget,
+            predicted_ms=predicted,
+            infeasible=infeasible,
+            aged=aged,
+            decode_tokens=n,
+            margin_ms=margin,
         )
         writer.on_plan(plan, late, ran)
         writer.on_step_done(plan, measured, start_ms)
@@ -143,7 +151,10 @@ def test_a_step_without_a_measured_time_is_refused_before_anything_is_written(tm
     lines[3] = json.dumps(step)
     log.write_text("\n".join(lines) + "\n")
     result = served_run(log, "--out", tmp_path / "served")
-    assert result.exit_code != 0 and "steps.jsonl, line 4: measured_ms must be a finite number of milliseconds >= 0" in result.output
+    assert (
+        result.exit_code != 0
+        and "steps.jsonl, line 4: measured_ms must be a finite number of milliseconds >= 0" in result.output
+    )
     assert sorted(p.name for p in tmp_path.iterdir()) == ["steps.jsonl"]  # complete or absent
 
 

@@ -13,7 +13,13 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from sloweave.core.admission import DECODE_SATURATED, EXCEEDS_KV_CAPACITY, TTFT_EXPIRED, TTFT_UNREACHABLE, AdmissionControl
+from sloweave.core.admission import (
+    DECODE_SATURATED,
+    EXCEEDS_KV_CAPACITY,
+    TTFT_EXPIRED,
+    TTFT_UNREACHABLE,
+    AdmissionControl,
+)
 from sloweave.core.costs.calibrated import CalibratedCost, ContextFreeCost, OnlineCalibrator
 from sloweave.core.costs.context_analytic import ContextAnalyticCost
 from sloweave.core.costs.analytic import AnalyticCost
@@ -135,7 +141,15 @@ def test_kv_capacity_refuses_what_never_fits_and_preempts_the_newest_until_decod
     ledger.decode_kv += 2 * 20  # 20 more iterations of decodes
     assert ledger.decode_kv == 122 and memory.free_tokens(ledger, 2) == 100 - 122 - 3
     left = []
-    engine = SimpleNamespace(kv=ledger, batch=batch, requests=r, iteration=20, now_ms=30.0, queue=queue, deadlines=SimpleNamespace(left=left.append))
+    engine = SimpleNamespace(
+        kv=ledger,
+        batch=batch,
+        requests=r,
+        iteration=20,
+        now_ms=30.0,
+        queue=queue,
+        deadlines=SimpleNamespace(left=left.append),
+    )
     memory.make_room(engine)
     assert left == [1] and list(queue.waiting) == [1] and batch.n == 1  # the newest went back to the queue
     assert memory.preemptions == 1 and memory.recompute_tokens == 60 and ledger.decode_kv == 62
@@ -203,8 +217,14 @@ def test_tracked_deadlines_check_the_source_against_the_core_tracker():
 
 def admission_engine(r, n_running=0):
     queue = PrefillQueue(r)
-    engine = SimpleNamespace(requests=r, queue=queue, batch=SimpleNamespace(n=n_running), now_ms=0.0,
-                             memory=UnlimitedKV(), deadlines=SharedTarget(10.0))
+    engine = SimpleNamespace(
+        requests=r,
+        queue=queue,
+        batch=SimpleNamespace(n=n_running),
+        now_ms=0.0,
+        memory=UnlimitedKV(),
+        deadlines=SharedTarget(10.0),
+    )
     return engine
 
 
@@ -274,8 +294,14 @@ def test_plain_decision_is_the_policy_and_aging_records_a_core_slo_exception():
     r = requests([200], arrival_ms=[0.0])
     queue = PrefillQueue(r)
     queue.append(0)
-    engine = SimpleNamespace(queue=queue, requests=r, now_ms=60.0, iteration=9, batch=SimpleNamespace(n=1, running={5: 99}),
-                             deadlines=SharedTarget(1.5))
+    engine = SimpleNamespace(
+        queue=queue,
+        requests=r,
+        now_ms=60.0,
+        iteration=9,
+        batch=SimpleNamespace(n=1, running={5: 99}),
+        deadlines=SharedTarget(1.5),
+    )
     decider.attach(engine)
     assert decider(1, 200, 1.5) == (64, False)  # decode-only fits (1.305 ms), no chunk does: aged after 60 ms
     (exception,) = decider.exceptions
@@ -299,14 +325,25 @@ def test_stepping_the_engine_by_hand_gives_the_run():
     assert steps >= stepped.num_iterations  # plus the idle jumps to the next arrival
 
 
-@pytest.mark.parametrize("policy_name", ["sloweave", "sloweave-multi", "sloweave+lookahead", "fixed-256", "budget-1024", "sarathi-512", "full", "orca"])
+@pytest.mark.parametrize(
+    "policy_name",
+    ["sloweave", "sloweave-multi", "sloweave+lookahead", "fixed-256", "budget-1024", "sarathi-512", "full", "orca"],
+)
 def test_every_option_works_with_every_policy_and_accounts_for_every_request(policy_name):
     wl = WORKLOADS["mixed"].generate(150, seed=4)
     cost = ContextAnalyticCost()
     policy = make_policy(policy_name, cost=cost)
     result = simulate(
-        wl, policy, 10.0, actual_cost=cost, max_batch_size=24, aging=Aging(100.0), admission=AdmissionControl("defer"),
-        ttft_ms=2000.0, kv_capacity_tokens=40000, deadline_form="cumulative",
+        wl,
+        policy,
+        10.0,
+        actual_cost=cost,
+        max_batch_size=24,
+        aging=Aging(100.0),
+        admission=AdmissionControl("defer"),
+        ttft_ms=2000.0,
+        kv_capacity_tokens=40000,
+        deadline_form="cumulative",
     )
     status = result.status()
     assert set(status) <= {"finished", "rejected"} and (status == "finished").sum() > 0
@@ -326,7 +363,13 @@ def test_online_correction_learns_a_mispredicted_cost_and_stops_the_overruns():
 
     plain = simulate(wl, SLOWeave(cost=T), 25.0, actual_cost=actual)
     calibrator = OnlineCalibrator()
-    corrected = simulate(wl, SLOWeave(cost=CalibratedCost(ContextFreeCost(T), calibrator)), 25.0, actual_cost=actual, correction=calibrator)
+    corrected = simulate(
+        wl,
+        SLOWeave(cost=CalibratedCost(ContextFreeCost(T), calibrator)),
+        25.0,
+        actual_cost=actual,
+        correction=calibrator,
+    )
     assert overrun_share(plain) > 0.5
     assert overrun_share(corrected) < 0.01
     assert calibrator.factor(8, True) == pytest.approx(1.6) and calibrator.factor(40, False) == pytest.approx(1.6)
@@ -404,7 +447,9 @@ class ContextSpy(ContextAnalyticCost):
 def test_the_context_handed_to_the_cost_is_what_a_walk_of_the_running_requests_gives(policy_name):
     wl = WORKLOADS["long"].generate(80, seed=5)
     spy = ContextSpy()
-    engine = build_engine(wl, make_policy(policy_name, cost=spy), 25.0, actual_cost=spy, kv_capacity_tokens=25_000, max_batch_size=12)
+    engine = build_engine(
+        wl, make_policy(policy_name, cost=spy), 25.0, actual_cost=spy, kv_capacity_tokens=25_000, max_batch_size=12
+    )
     spy.engine = engine
     ContextSpy.checks = 0
     result = engine.run()

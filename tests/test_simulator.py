@@ -11,7 +11,17 @@ from sloweave.core.policy import FixedChunk, SLOWeave, make_policy
 from sloweave.sim.engine import simulate
 from sloweave.sim.workloads import WORKLOADS, Workload
 
-POLICIES = ["sloweave", "sloweave-multi", "full", "orca", "fixed-64", "fixed-1024", "budget-256", "budget-2048", "sarathi-512"]
+POLICIES = [
+    "sloweave",
+    "sloweave-multi",
+    "full",
+    "orca",
+    "fixed-64",
+    "fixed-1024",
+    "budget-256",
+    "budget-2048",
+    "sarathi-512",
+]
 
 
 @pytest.fixture(scope="module")
@@ -58,8 +68,12 @@ def test_every_token_is_accounted_for(mixed_workload, policy_name, max_batch_siz
 
 def test_same_seed_same_results_bit_for_bit():
     spec = WORKLOADS["bursty"]
-    a = simulate(spec.generate(400, seed=11), SLOWeave(), tpot_ms=25.0, actual_cost=NoisyCost(AnalyticCost(), 0.1, seed=5))
-    b = simulate(spec.generate(400, seed=11), SLOWeave(), tpot_ms=25.0, actual_cost=NoisyCost(AnalyticCost(), 0.1, seed=5))
+    a = simulate(
+        spec.generate(400, seed=11), SLOWeave(), tpot_ms=25.0, actual_cost=NoisyCost(AnalyticCost(), 0.1, seed=5)
+    )
+    b = simulate(
+        spec.generate(400, seed=11), SLOWeave(), tpot_ms=25.0, actual_cost=NoisyCost(AnalyticCost(), 0.1, seed=5)
+    )
     for field in ("iter_start_ms", "iter_end_ms", "iter_chunk_tokens", "iter_decodes", "first_token_iter"):
         assert np.array_equal(getattr(a, field), getattr(b, field))
     assert evaluate(a, 2000.0) == evaluate(b, 2000.0)
@@ -87,7 +101,9 @@ def test_deadline_tracker_agrees_with_the_simulator_budget():
     spec = WORKLOADS["mixed"]
     base = spec.generate(200, seed=1)
     rng = np.random.default_rng(0)
-    tiers = Workload("tiers", base.arrival_s, base.prompt_tokens, base.output_tokens, tpot_ms=rng.choice([10.0, 50.0], len(base)))
+    tiers = Workload(
+        "tiers", base.arrival_s, base.prompt_tokens, base.output_tokens, tpot_ms=rng.choice([10.0, 50.0], len(base))
+    )
     for wl in (base, tiers):
         # check_deadlines runs the per-request DeadlineTracker beside the O(1) budget and asserts equality
         result = simulate(wl, SLOWeave(), tpot_ms=25.0, check_deadlines=True)
@@ -99,8 +115,12 @@ def test_deadline_tracker_agrees_with_the_simulator_budget():
 def test_margin_keeps_deadlines_under_bounded_noise(mixed_workload):
     cost = AnalyticCost()
     noisy = NoisyCost(cost, sigma=0.3, seed=7, max_factor=1.2)
-    plain = simulate(mixed_workload, SLOWeave(cost=cost), tpot_ms=25.0, actual_cost=NoisyCost(cost, 0.3, seed=7, max_factor=1.2))
-    guarded = simulate(mixed_workload, SLOWeave(cost=cost, margin=RelativeMargin(cost, 0.2)), tpot_ms=25.0, actual_cost=noisy)
+    plain = simulate(
+        mixed_workload, SLOWeave(cost=cost), tpot_ms=25.0, actual_cost=NoisyCost(cost, 0.3, seed=7, max_factor=1.2)
+    )
+    guarded = simulate(
+        mixed_workload, SLOWeave(cost=cost, margin=RelativeMargin(cost, 0.2)), tpot_ms=25.0, actual_cost=noisy
+    )
     for result, may_miss in ((plain, True), (guarded, False)):
         durations = result.iter_end_ms - result.iter_start_ms
         decoding = result.iter_decodes > 0
@@ -110,7 +130,9 @@ def test_margin_keeps_deadlines_under_bounded_noise(mixed_workload):
 
 def test_hand_computed_run():
     """Two requests on a constant cost model; every number below is worked out by hand."""
-    wl = Workload("hand", arrival_s=np.array([0.0, 0.0]), prompt_tokens=np.array([300, 100]), output_tokens=np.array([3, 2]))
+    wl = Workload(
+        "hand", arrival_s=np.array([0.0, 0.0]), prompt_tokens=np.array([300, 100]), output_tokens=np.array([3, 2])
+    )
     cost = lambda n, c: 10.0  # noqa: E731  every iteration takes 10 ms
     result = simulate(wl, FixedChunk(200), tpot_ms=25.0, actual_cost=cost)
     # it0: chunk 200 of r0; it1: chunk 100 of r0 -> r0 first token at 20;
@@ -138,7 +160,10 @@ def test_sarathi_spreads_the_budget_over_several_prompts():
     result = simulate(_three_prompts(), make_policy("sarathi-512"), actual_cost=lambda n, c: 10.0)
     # it0: r0 300 (done) + r1 212; it1: 1 decode, r1 88 (done) + r2 100 (done); it2: 2 decodes
     assert list(zip(result.prefill_iter, result.prefill_request, result.prefill_tokens)) == [
-        (0, 0, 300), (0, 1, 212), (1, 1, 88), (1, 2, 100)
+        (0, 0, 300),
+        (0, 1, 212),
+        (1, 1, 88),
+        (1, 2, 100),
     ]
     assert result.iter_decodes.tolist() == [0, 1, 2]
     assert [result.token_times_ms(i).tolist() for i in range(3)] == [[10.0, 20.0], [20.0, 30.0], [20.0, 30.0]]
@@ -151,7 +176,10 @@ def test_batch_cap_holds_new_prompts_back():
     """With a cap of 2 started requests, r2 waits until r0 has finished."""
     result = simulate(_three_prompts(), make_policy("sarathi-512"), actual_cost=lambda n, c: 10.0, max_batch_size=2)
     assert list(zip(result.prefill_iter, result.prefill_request, result.prefill_tokens)) == [
-        (0, 0, 300), (0, 1, 212), (1, 1, 88), (2, 2, 100)
+        (0, 0, 300),
+        (0, 1, 212),
+        (1, 1, 88),
+        (2, 2, 100),
     ]
     assert [result.token_times_ms(i).tolist() for i in range(3)] == [[10.0, 20.0], [20.0, 30.0], [30.0, 40.0]]
     with pytest.raises(ValueError, match="max_batch_size"):
@@ -187,7 +215,9 @@ def test_horizon_leaves_requests_pending_and_counted():
 
 
 def test_idle_gaps_wait_for_the_next_arrival():
-    wl = Workload("idle", arrival_s=np.array([0.0, 10.0]), prompt_tokens=np.array([10, 10]), output_tokens=np.array([2, 2]))
+    wl = Workload(
+        "idle", arrival_s=np.array([0.0, 10.0]), prompt_tokens=np.array([10, 10]), output_tokens=np.array([2, 2])
+    )
     result = simulate(wl, SLOWeave(), tpot_ms=25.0)
     assert result.iter_start_ms[2] == 10_000.0
     assert evaluate(result, 1000.0).attainment == 1.0

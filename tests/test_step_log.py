@@ -11,7 +11,9 @@ from sloweave.core.step_log import FORMAT, STEP_FIELDS, StepLogError, StepLogWri
 
 
 def plan(chunk: int, budget_ms: float = 20.0) -> StepPlan:
-    return StepPlan(4 + chunk, chunk, 0.0, 0.0, budget_ms, 5.0, False, False, 4, margin_ms=1.0, pending_prompt_tokens=chunk)
+    return StepPlan(
+        4 + chunk, chunk, 0.0, 0.0, budget_ms, 5.0, False, False, 4, margin_ms=1.0, pending_prompt_tokens=chunk
+    )
 
 
 def written(path, plans, max_steps=100):

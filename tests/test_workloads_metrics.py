@@ -98,7 +98,10 @@ def test_grouped_per_request_frame_equals_the_plain_definition_bit_for_bit():
         frame = per_request_frame(result)
         assert np.array_equal(frame["p99_tpot_ms"].to_numpy(), reference_p99_gaps(result), equal_nan=True)
         started = result.first_token_iter != NOT_STARTED
-        assert np.array_equal(frame["ttft_ms"].to_numpy()[started], result.iter_end_ms[result.first_token_iter[started]] - wl.arrival_s[started] * 1000.0)
+        assert np.array_equal(
+            frame["ttft_ms"].to_numpy()[started],
+            result.iter_end_ms[result.first_token_iter[started]] - wl.arrival_s[started] * 1000.0,
+        )
     assert (frame["status"] == "pending").any()  # the horizon case has unfinished requests
 
 

@@ -99,7 +99,9 @@ class AnalyticExecutionTimePredictor(BaseExecutionTimePredictor):
         zero = 0.0
         # One "layer" whose whole time is reported as the pipeline stage's add_time:
         # Vidur computes total_time = (block time * layers + 0 + 0) * 1e-3 = T(n, c) * 1e-3 s.
-        return NativeExecutionTime(1, zero, zero, zero, zero, zero, zero, zero, zero, zero, zero, zero, t_ms, zero, zero)
+        return NativeExecutionTime(
+            1, zero, zero, zero, zero, zero, zero, zero, zero, zero, zero, zero, t_ms, zero, zero
+        )
 
     # The per-operation hooks are abstract in Vidur's base class; this predictor answers for
     # the whole iteration in get_execution_time, so none of them is ever consulted.

@@ -90,9 +90,13 @@ class LocalProfiles:
         files = (compute / "mlp.csv", compute / "attention.csv", network / "all_reduce.csv", network / "send_recv.csv")
         for path in files[:3]:
             if not path.exists():
-                raise FileNotFoundError(f"{path}: missing (the profile folders are given as model/network_profiling_dataset)")
+                raise FileNotFoundError(
+                    f"{path}: missing (the profile folders are given as model/network_profiling_dataset)"
+                )
         if self._replica_config.num_pipeline_stages > 1 and not files[3].exists():
-            raise FileNotFoundError(f"{files[3]}: Vidur reads send_recv only with pipeline parallelism; none is profiled here")
+            raise FileNotFoundError(
+                f"{files[3]}: Vidur reads send_recv only with pipeline parallelism; none is profiled here"
+            )
         return tuple(str(path) for path in files)
 
 
@@ -110,8 +114,10 @@ class LocalLinearRegression(LocalProfiles, LinearRegressionExecutionTimePredicto
 
 
 # Vidur's registry ignores a second registration of a key: replace the downloading classes.
-for _key, _cls in ((ExecutionTimePredictorType.RANDOM_FORREST, LocalRandomForest),
-                   (ExecutionTimePredictorType.LINEAR_REGRESSION, LocalLinearRegression)):
+for _key, _cls in (
+    (ExecutionTimePredictorType.RANDOM_FORREST, LocalRandomForest),
+    (ExecutionTimePredictorType.LINEAR_REGRESSION, LocalLinearRegression),
+):
     ExecutionTimePredictorRegistry.unregister(_key)
     ExecutionTimePredictorRegistry.register(_key, _cls)
 
@@ -154,7 +160,9 @@ def build_predictor(args):
     log = _TrainLog()
     logging.getLogger("vidur").addHandler(log)
     start = time.perf_counter()
-    predictor = predictor_cls(predictor_config=predictor_config, replica_config=replica_config, cache_config=cache_config)
+    predictor = predictor_cls(
+        predictor_config=predictor_config, replica_config=replica_config, cache_config=cache_config
+    )
     seconds = time.perf_counter() - start
     logging.getLogger("vidur").removeHandler(log)
     return predictor, seconds, log.lines, replica_config
@@ -177,7 +185,10 @@ def settings(predictor, replica_config) -> dict:
         "attention_decode_batching_overhead_fraction": predictor._attention_decode_batching_overhead_fraction,
         "nccl_cpu_launch_overhead_ms": c.nccl_cpu_launch_overhead_ms,
         "nccl_cpu_skew_overhead_per_device_ms": c.nccl_cpu_skew_overhead_per_device_ms,
-        "cache_hashes": {"compute": predictor._get_hash(ModelType.COMPUTE), "network": predictor._get_hash(ModelType.NETWORK)},
+        "cache_hashes": {
+            "compute": predictor._get_hash(ModelType.COMPUTE),
+            "network": predictor._get_hash(ModelType.NETWORK),
+        },
     }
 
 
@@ -189,10 +200,14 @@ def train(args) -> None:
 
 # Vidur's per-layer components, grouped as sloweave's model groups them.
 TOKEN_OPS = (
-    "_get_attention_layer_pre_proj_execution_time", "_get_attention_layer_post_proj_execution_time",
-    "_get_attention_rope_execution_time", "_get_mlp_layer_up_proj_execution_time",
-    "_get_mlp_layer_down_proj_execution_time", "_get_mlp_layer_act_execution_time",
-    "_get_attn_norm_layer_act_execution_time", "_get_mlp_norm_layer_act_execution_time",
+    "_get_attention_layer_pre_proj_execution_time",
+    "_get_attention_layer_post_proj_execution_time",
+    "_get_attention_rope_execution_time",
+    "_get_mlp_layer_up_proj_execution_time",
+    "_get_mlp_layer_down_proj_execution_time",
+    "_get_mlp_layer_act_execution_time",
+    "_get_attn_norm_layer_act_execution_time",
+    "_get_mlp_norm_layer_act_execution_time",
     "_get_add_layer_act_execution_time",
 )
 
@@ -226,16 +241,23 @@ def predict(args) -> None:
         out["decode_batch"][i], out["decode_kv"][i] = predictor._get_batch_decode_attention_params(batch)
     priced_s = time.perf_counter() - start
     np.savez(args.out, **out)
-    result = {"iterations": num, "build_s": seconds, "price_s": priced_s, "log": lines,
-              "settings": settings(predictor, replica_config)}
+    result = {
+        "iterations": num,
+        "build_s": seconds,
+        "price_s": priced_s,
+        "log": lines,
+        "settings": settings(predictor, replica_config),
+    }
     print("VIDUR_PREDICT " + json.dumps(result), flush=True)
 
 
 def simulate(vidur_args) -> None:
     sys.argv = [sys.argv[0]] + vidur_args
     config = SimulationConfig.create_from_cli_args()
-    if config.execution_time_predictor_config.get_type() not in (ExecutionTimePredictorType.RANDOM_FORREST,
-                                                                  ExecutionTimePredictorType.LINEAR_REGRESSION):
+    if config.execution_time_predictor_config.get_type() not in (
+        ExecutionTimePredictorType.RANDOM_FORREST,
+        ExecutionTimePredictorType.LINEAR_REGRESSION,
+    ):
         sys.exit("pass --execution_time_predictor_config_type random_forrest or linear_regression")
     set_seeds(config.seed)
     t_config = time.perf_counter()
@@ -259,8 +281,14 @@ def simulate(vidur_args) -> None:
         "iterations": calls["n"],
         **phase_seconds(_T_START, _T_IMPORTED, t_config, t_setup, t_done, write_seconds),
         "end_time_s": simulator._time,
-        "replicas": [{"batch_size_cap": s._config.batch_size_cap, "num_blocks": s._cache_config.num_blocks,
-                      "num_stages": s._num_stages} for s in schedulers],
+        "replicas": [
+            {
+                "batch_size_cap": s._config.batch_size_cap,
+                "num_blocks": s._cache_config.num_blocks,
+                "num_stages": s._num_stages,
+            }
+            for s in schedulers
+        ],
     }
     report(result, config.metrics_config.output_dir)
 

@@ -21,7 +21,9 @@ def time_output_writing(simulator) -> dict:
     return seconds
 
 
-def phase_seconds(t_start: float, t_imported: float, t_config: float, t_setup: float, t_done: float, write_seconds: dict) -> dict:
+def phase_seconds(
+    t_start: float, t_imported: float, t_config: float, t_setup: float, t_done: float, write_seconds: dict
+) -> dict:
     """Seconds per phase of one Vidur process: imports, config, simulator set-up, loop, output writing."""
     write_s = write_seconds.get("write", 0.0)
     return {

@@ -15,7 +15,12 @@ import sys
 import warnings
 
 # sloweave.core.cost was split in four: its names are gathered into one module
-_COST = ("sloweave.core.costs.protocols", "sloweave.core.costs.analytic", "sloweave.core.costs.margins", "sloweave.core.costs.noisy")
+_COST = (
+    "sloweave.core.costs.protocols",
+    "sloweave.core.costs.analytic",
+    "sloweave.core.costs.margins",
+    "sloweave.core.costs.noisy",
+)
 
 # old module -> new module (or the modules its names went to)
 MOVED = {
@@ -38,7 +43,7 @@ MOVED = {
     "sloweave.tune": "sloweave.studies.tune",
     # split in three: its names are gathered into one module
     "sloweave.beyond": ("sloweave.core.costs.context_analytic", "sloweave.sim.tiers", "sloweave.sim.metrics"),
-    # the cost models, gathered in sloweave.core.costs (issue 22). sloweave.core.costs itself, the
+    # the cost models, gathered in sloweave.core.costs. sloweave.core.costs itself, the
     # old --cost resolver, is now that package: its names are still found there (with a warning)
     "sloweave.core.cost": _COST,
     "sloweave.core.fit": "sloweave.core.costs.fitted",
@@ -60,10 +65,16 @@ class _MovedModules(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         old = module.__name__
         new = MOVED[old]
         where = new if isinstance(new, str) else ", ".join(new)
-        warnings.warn(f"{old} has moved to {where}; import it from there (the old path will be removed)", DeprecationWarning, stacklevel=2)
+        warnings.warn(
+            f"{old} has moved to {where}; import it from there (the old path will be removed)",
+            DeprecationWarning,
+            stacklevel=2,
+        )
         if isinstance(new, tuple):
             for name in new:
-                module.__dict__.update({k: v for k, v in vars(importlib.import_module(name)).items() if not k.startswith("__")})
+                module.__dict__.update(
+                    {k: v for k, v in vars(importlib.import_module(name)).items() if not k.startswith("__")}
+                )
             return
         # The import system returns whatever sys.modules holds once this returns.
         sys.modules[old] = importlib.import_module(new)

@@ -52,8 +52,19 @@ def _margin(kind: str, value: float, cost):
 
 @main.command()
 @click.option("--decodes", "n_decodes", type=REQUEST_COUNT.option(), required=True, help="running requests n")
-@click.option("--waiting-tokens", type=TOKEN_COUNT.option(), required=True, help="remaining prompt L of the oldest waiting request")
-@click.option("--budget-ms", type=MARGIN_MS.option(infinity=True), default=math.inf, show_default=True, help="time to the earliest next-token deadline")
+@click.option(
+    "--waiting-tokens",
+    type=TOKEN_COUNT.option(),
+    required=True,
+    help="remaining prompt L of the oldest waiting request",
+)
+@click.option(
+    "--budget-ms",
+    type=MARGIN_MS.option(infinity=True),
+    default=math.inf,
+    show_default=True,
+    help="time to the earliest next-token deadline",
+)
 @click.option("--max-chunk", type=TOKENS.option(), default=DEFAULT_MAX_CHUNK_TOKENS, show_default=True)
 def decide(n_decodes: int, waiting_tokens: int, budget_ms: float, max_chunk: int) -> None:
     """One SLOWeave decision on the paper's analytic cost model (e.g. --decodes 4 --budget-ms 10).
@@ -74,21 +85,62 @@ def decide(n_decodes: int, waiting_tokens: int, budget_ms: float, max_chunk: int
 
 @main.command()
 @click.option("--workload", type=click.Choice(list(ALL_WORKLOADS)), default="mixed", show_default=True)
-@click.option("--policy", "policy_name", default="sloweave", show_default=True, help="sloweave, sloweave-multi, full, orca, fixed-C, budget-B or sarathi-B")
+@click.option(
+    "--policy",
+    "policy_name",
+    default="sloweave",
+    show_default=True,
+    help="sloweave, sloweave-multi, full, orca, fixed-C, budget-B or sarathi-B",
+)
 @click.option("--tpot-ms", type=DURATION_MS.option(), default=25.0, show_default=True)
 @click.option("--ttft-ms", type=DURATION_MS.option(), default=None, help="default: the workload's target")
 @click.option("--requests", "num_requests", type=REQUESTS, default=2000, show_default=True)
 @click.option("--seed", type=SEED.option(), default=0, show_default=True)
 @click.option("--rate-scale", type=SCALE.option(), default=1.0, show_default=True, help="multiplies the arrival rate")
 @click.option("--max-chunk", type=TOKENS.option(), default=DEFAULT_MAX_CHUNK_TOKENS, show_default=True)
-@click.option("--margin", "margin_kind", type=click.Choice(["none", "constant", "relative"]), default="none", show_default=True)
-@click.option("--margin-value", type=MARGIN_MS.option(), default=0.0, show_default=True, help="ms (constant) or fraction of T (relative)")
+@click.option(
+    "--margin", "margin_kind", type=click.Choice(["none", "constant", "relative"]), default="none", show_default=True
+)
+@click.option(
+    "--margin-value",
+    type=MARGIN_MS.option(),
+    default=0.0,
+    show_default=True,
+    help="ms (constant) or fraction of T (relative)",
+)
 @engine_options()
 @cost_option()
-@click.option("--kv-memory-gib", type=GIB.option(), default=None, help="KV cache size in GiB (all GPUs): a capacity in tokens from the profiled model's KV bytes per token; needs a preset or profile folder as --cost")
-@click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), default=None, help="write requests.csv, iterations.csv, prefills.csv, metrics.json, decision_metrics.json")
+@click.option(
+    "--kv-memory-gib",
+    type=GIB.option(),
+    default=None,
+    help="KV cache size in GiB (all GPUs): a capacity in tokens from the profiled model's KV bytes per token; needs a preset or profile folder as --cost",
+)
+@click.option(
+    "--out",
+    "out_dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=None,
+    help="write requests.csv, iterations.csv, prefills.csv, metrics.json, decision_metrics.json",
+)
 @result_folder_options()
-def simulate(workload, policy_name, tpot_ms, ttft_ms, num_requests, seed, rate_scale, max_chunk, margin_kind, margin_value, engine, cost, kv_memory_gib, out_dir, force) -> None:
+def simulate(
+    workload,
+    policy_name,
+    tpot_ms,
+    ttft_ms,
+    num_requests,
+    seed,
+    rate_scale,
+    max_chunk,
+    margin_kind,
+    margin_value,
+    engine,
+    cost,
+    kv_memory_gib,
+    out_dir,
+    force,
+) -> None:
     """Simulate one workload under one policy and print its metrics."""
     from sloweave.core.decision_metrics import summarize_simulation
     from sloweave.studies.reproduce import write_single_run
@@ -125,7 +177,14 @@ def simulate(workload, policy_name, tpot_ms, ttft_ms, num_requests, seed, rate_s
         if not resolved.is_analytic:
             for line in resolved.summary_lines():
                 click.echo(line, err=True)
-        printed = {"workload": workload, "policy": policy.name, "tpot_ms": tpot_ms, "cost": resolved.label, "engine": engine.describe(), **metrics.as_dict()}
+        printed = {
+            "workload": workload,
+            "policy": policy.name,
+            "tpot_ms": tpot_ms,
+            "cost": resolved.label,
+            "engine": engine.describe(),
+            **metrics.as_dict(),
+        }
         if kv_capacity_tokens is not None:
             printed["kv_capacity_tokens"] = kv_capacity_tokens
         click.echo(strict_json(printed), nl=False)
@@ -141,14 +200,18 @@ def simulate(workload, policy_name, tpot_ms, ttft_ms, num_requests, seed, rate_s
             if kv_capacity_tokens is not None:
                 run_info["kv_bytes_per_token"] = resolved.profile_cost.shape.kv_bytes_per_token
             write_single_run(result, per_request_frame(result), metrics, folder.path, run_info)
-            # the scheduler's decisions under the names the vLLM plug-in exports (issue 8); a cost
+            # the scheduler's decisions under the names the vLLM plug-in exports; a cost
             # that reads the KV context cannot be re-asked afterwards (the run records no context)
             reads_context = isinstance(cost, ContextAware)
             predicted_ms_of = None if reads_context else getattr(policy, "predicted_ms", cost)
             margin_ms_of = None if reads_context else getattr(policy, "margin", None)
-            write_result_json(folder.path / "decision_metrics.json", summarize_simulation(result, predicted_ms_of, margin_ms_of))
+            write_result_json(
+                folder.path / "decision_metrics.json", summarize_simulation(result, predicted_ms_of, margin_ms_of)
+            )
     if out_dir is not None:
-        click.echo(f"wrote {out_dir}/requests.csv, iterations.csv, prefills.csv, metrics.json, decision_metrics.json", err=True)
+        click.echo(
+            f"wrote {out_dir}/requests.csv, iterations.csv, prefills.csv, metrics.json, decision_metrics.json", err=True
+        )
 
 
 def _register_optional_commands() -> None:
@@ -163,19 +226,19 @@ def _register_optional_commands() -> None:
     main.add_command(replay)
     main.add_command(capacity)
 
-    # Operator tooling (issue 8): the best fixed budget for engines that only have one.
+    # Operator tooling: the best fixed budget for engines that only have one.
     from sloweave.studies.tune import tune_command
 
     main.add_command(tune_command, name="tune")
 
-    # The measured CPU runtime (issue 3); torch is imported only when its commands run.
+    # The measured CPU runtime; torch is imported only when its commands run.
     from sloweave.runtime.commands import fit_command, profile, run_command
 
     main.add_command(profile)
     main.add_command(fit_command)
     main.add_command(run_command)
 
-    # Options beyond the paper (issue 6): the ablation study.
+    # Options beyond the paper: the ablation study.
     from sloweave.studies.ablate import ablate
 
     main.add_command(ablate)

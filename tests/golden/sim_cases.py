@@ -61,8 +61,17 @@ SAME_DIGEST_BY_DESIGN: dict[frozenset[str], str] = {}
 REQUESTS = 200
 
 ARRAYS = (
-    "iter_start_ms", "iter_end_ms", "iter_decodes", "iter_chunk_tokens", "iter_budget_ms", "iter_infeasible",
-    "prefill_iter", "prefill_request", "prefill_tokens", "first_token_iter", "finished",
+    "iter_start_ms",
+    "iter_end_ms",
+    "iter_decodes",
+    "iter_chunk_tokens",
+    "iter_budget_ms",
+    "iter_infeasible",
+    "prefill_iter",
+    "prefill_request",
+    "prefill_tokens",
+    "first_token_iter",
+    "finished",
 )
 
 
@@ -73,8 +82,16 @@ def digest(result) -> str:
     for name in ("rejected_reason", "deferred_reason"):
         value = getattr(result, name)
         h.update(b"none" if value is None else "|".join(value.tolist()).encode())
-    exceptions = [(e.iteration, e.request, e.chunk_tokens, e.predicted_ms, e.budget_ms, list(e.affected)) for e in result.slo_exceptions]
-    extra = [result.preemptions, result.recompute_tokens, sorted((k, v) for k, v in result.token_segments.items()), exceptions]
+    exceptions = [
+        (e.iteration, e.request, e.chunk_tokens, e.predicted_ms, e.budget_ms, list(e.affected))
+        for e in result.slo_exceptions
+    ]
+    extra = [
+        result.preemptions,
+        result.recompute_tokens,
+        sorted((k, v) for k, v in result.token_segments.items()),
+        exceptions,
+    ]
     h.update(json.dumps(extra).encode())
     return h.hexdigest()
 
@@ -106,7 +123,13 @@ def case(workload_name: str, policy_name: str, option: int):
         kw["horizon_s"], kw["check_deadlines"] = 3.0, True
     elif option == 11:
         work, cost = tiered.workload, ContextAnalyticCost()
-        kw.update(aging=Aging(100.0, 64), kv_capacity_tokens=50000, admission=AdmissionControl("defer", ttft_slack=1.5), ttft_ms=tiered.ttft_ms, max_batch_size=32)
+        kw.update(
+            aging=Aging(100.0, 64),
+            kv_capacity_tokens=50000,
+            admission=AdmissionControl("defer", ttft_slack=1.5),
+            ttft_ms=tiered.ttft_ms,
+            max_batch_size=32,
+        )
     elif option == 12:
         kw["aging"], tpot, kw["check_deadlines"] = Aging(30.0, 100), 1.8, True
     elif option in LOOKAHEAD_OPTIONS:

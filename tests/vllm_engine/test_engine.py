@@ -109,7 +109,11 @@ class StepLog:
             # one from their ends (up to float rounding, whatever the calls took)
             earliest_ms = min(call_start_ms[r] + self.target_ms(r, default_ms) for r in state.decoding_ids)
             latest_ms = min(last_token_ms[r] + self.target_ms(r, default_ms) for r in state.decoding_ids)
-            assert within(earliest_ms, state.now_ms + plan.budget_ms, latest_ms), (earliest_ms, state.now_ms + plan.budget_ms, latest_ms)
+            assert within(earliest_ms, state.now_ms + plan.budget_ms, latest_ms), (
+                earliest_ms,
+                state.now_ms + plan.budget_ms,
+                latest_ms,
+            )
             checked += 1
             if plan.aged:  # a prompt waited past aging_ms (a slow minute): its chunk is forced, by design
                 assert 0 < plan.chunk_tokens <= self.scheduler.sloweave.aging.chunk_tokens
@@ -155,7 +159,11 @@ def test_online_correction_learns_from_the_steps_the_engine_ran_and_budgets_stil
     minute. What holds on every run is checked: budgets from the deadlines, chunks the largest
     that fit, and every step that ran fed to the calibrator with its real tokens and time."""
     default_ms = 60.0
-    engine = cpu_engine(PLUGIN, {"tpot_ms": default_ms, "analytic": CPU_ANALYTIC, "online_correction": True}, max_num_batched_tokens=2048)
+    engine = cpu_engine(
+        PLUGIN,
+        {"tpot_ms": default_ms, "analytic": CPU_ANALYTIC, "online_correction": True},
+        max_num_batched_tokens=2048,
+    )
     release(engine)
     log = StepLog(scheduler_of(engine))
     out = generate(engine, prompts(16, seed=2, low=50, high=1800), max_tokens=30)
@@ -164,10 +172,16 @@ def test_online_correction_learns_from_the_steps_the_engine_ran_and_budgets_stil
     assert checked >= 20
     # a request emits at most one token a step, so 30 tokens each take at least 30 steps
     assert len(log.observed) == len(log.ran) >= 30
-    for (n_decodes, chunk_tokens, base_ms, measured_ms), (plan, scheduled_tokens, started_ms, ended_ms) in zip(log.observed, log.ran):
+    for (n_decodes, chunk_tokens, base_ms, measured_ms), (plan, scheduled_tokens, started_ms, ended_ms) in zip(
+        log.observed, log.ran
+    ):
         assert n_decodes + chunk_tokens == scheduled_tokens  # what vLLM scheduled, not the plan's budget
         assert base_ms > 0
         # measured from the step's start to when its output came back inside that call
-        assert within(started_ms, plan.start_ms + measured_ms, ended_ms), (started_ms, plan.start_ms + measured_ms, ended_ms)
+        assert within(started_ms, plan.start_ms + measured_ms, ended_ms), (
+            started_ms,
+            plan.start_ms + measured_ms,
+            ended_ms,
+        )
     calibrator = scheduler_of(engine).sloweave_correction.calibrator
     assert len(calibrator.recent_residuals) == len(log.observed)

@@ -34,7 +34,9 @@ class Spy:
             return output
 
         def logged_add(request_id, prompt, params, *args, **kwargs):
-            self.events.append(("add", request_id, len(prompt["prompt_token_ids"]), params.max_tokens, params.extra_args))
+            self.events.append(
+                ("add", request_id, len(prompt["prompt_token_ids"]), params.max_tokens, params.extra_args)
+            )
             return add_request(request_id, prompt, params, *args, **kwargs)
 
         def logged_step():
@@ -75,7 +77,9 @@ def test_run_workload_accounts_for_every_request_token_and_step(release):
     n = len(workload)
 
     # every request was added once, as the workload says, with the run's target
-    assert [(int(r), p, m) for r, p, m, _ in spy.added] == [(i, int(workload.prompt_tokens[i]), int(workload.output_tokens[i])) for i in range(n)]
+    assert [(int(r), p, m) for r, p, m, _ in spy.added] == [
+        (i, int(workload.prompt_tokens[i]), int(workload.output_tokens[i])) for i in range(n)
+    ]
     assert all(extra == {"sloweave_tpot_ms": 80.0} for *_, extra in spy.added)
     # ... and finished with exactly the tokens it asked for
     requests = run.requests
@@ -134,7 +138,9 @@ def test_profile_steps_measures_the_steps_it_names_in_the_profile_format_fit_rea
     profile = profile_steps(engine, VOCAB, decodes, chunks, contexts, repeats=repeats, seed=0)
 
     grid = [(n, c, x) for x in contexts for n in decodes for c in chunks if n or c]
-    assert list(zip(profile["n_decodes"], profile["chunk_tokens"], profile["context_tokens"])) == [g for g in grid for _ in range(repeats)]
+    assert list(zip(profile["n_decodes"], profile["chunk_tokens"], profile["context_tokens"])) == [
+        g for g in grid for _ in range(repeats)
+    ]
     assert profile["repeat"].tolist() == list(range(repeats)) * len(grid)
     assert (profile["decode_kv_tokens"] == profile["n_decodes"] * (profile["context_tokens"] + 2)).all()
     assert (profile["prefill_prefix_tokens"] == 0).all()
@@ -143,7 +149,9 @@ def test_profile_steps_measures_the_steps_it_names_in_the_profile_format_fit_rea
     # each measured step held exactly what its row names: the n requests started before it, one
     # token each, and the whole c-token prompt added right before it
     measured = measured_steps(spy)
-    assert [(len(decoding), chunk) for decoding, chunk, _ in measured] == list(zip(profile["n_decodes"], profile["chunk_tokens"]))
+    assert [(len(decoding), chunk) for decoding, chunk, _ in measured] == list(
+        zip(profile["n_decodes"], profile["chunk_tokens"])
+    )
     assert all(set(decoding.values()) <= {1} and not others for decoding, _, others in measured)
 
     # the profile format: validated, written and read back as it was
@@ -154,7 +162,9 @@ def test_profile_steps_measures_the_steps_it_names_in_the_profile_format_fit_rea
     # ... whose rows are enough for `sloweave fit`. Whether this minute's times deserve a fit is
     # the fit's call (it refuses times that do not grow with the load, as a busy CPU can give):
     # the rows are fitted here timed by a fixed model, so that only their grid and columns count.
-    steady = profile.assign(step_ms=1.0 + 0.3 * profile["n_decodes"] + 0.01 * profile["chunk_tokens"] + 0.001 * profile["decode_kv_tokens"])
+    steady = profile.assign(
+        step_ms=1.0 + 0.3 * profile["n_decodes"] + 0.01 * profile["chunk_tokens"] + 0.001 * profile["decode_kv_tokens"]
+    )
     path = write_profile(steady, tmp_path / "steady.csv")
     result = CliRunner().invoke(main, ["fit", str(path), "--out", str(tmp_path / "fit.json")])
     assert result.exit_code == 0, result.output

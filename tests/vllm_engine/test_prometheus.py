@@ -136,7 +136,9 @@ def test_the_underprediction_alert_fires_and_the_fallback_alert_does_not(served_
         alerts = api(prom, "alerts")["alerts"]
         return {a["labels"]["alertname"] for a in alerts if a["state"] == "firing" and a["labels"].get("engine") == "0"}
 
-    names = until(lambda: firing() if "SloweaveModelUnderpredicts" in firing() else None, ALERT_TIMEOUT_S, "underprediction alert")
+    names = until(
+        lambda: firing() if "SloweaveModelUnderpredicts" in firing() else None, ALERT_TIMEOUT_S, "underprediction alert"
+    )
     assert "SloweavePluginFallingBack" not in names  # nothing failed: no step ran on vLLM's own budget
     share = api(prom, "query", query='sloweave:underpredicted_steps:ratio_rate5m{engine="0"}')["result"]
     assert float(share[0]["value"][1]) > 0.9  # a hundredth of the real step times: nearly every step runs late
@@ -150,7 +152,18 @@ def test_the_served_run_is_drawn_from_its_step_log_and_the_dashboard_from_promet
     summary = json.loads((tmp / "served" / "served_run.json").read_text())
     assert summary["steps"] > 8 and summary["underpredicted_share"] > 0.9
     end_s = time.time()
-    args = ["--prometheus", prom, "--out", str(tmp / "dashboard"), "--start", str(started_s), "--end", str(end_s), "--step-s", "1"]
+    args = [
+        "--prometheus",
+        prom,
+        "--out",
+        str(tmp / "dashboard"),
+        "--start",
+        str(started_s),
+        "--end",
+        str(end_s),
+        "--step-s",
+        "1",
+    ]
     result = runner.invoke(dashboard_command, args)
     assert result.exit_code == 0, result.output
     for picture in (tmp / "served" / "timeline.png", tmp / "dashboard" / "dashboard.png"):

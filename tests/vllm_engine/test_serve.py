@@ -78,13 +78,22 @@ def server(tmp_path_factory):
 
 
 def post(base: str, body: dict):
-    request = urllib.request.Request(f"{base}/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"})
+    request = urllib.request.Request(
+        f"{base}/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
+    )
     return urllib.request.urlopen(request, timeout=REQUEST_TIMEOUT_S)
 
 
 def completion(prompt_tokens: int, max_tokens: int, **extra) -> dict:
     prompt = [10 + (7 * i) % 1000 for i in range(prompt_tokens)]
-    return {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True, "return_token_ids": True, **extra}
+    return {
+        "model": "tiny",
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "ignore_eos": True,
+        "return_token_ids": True,
+        **extra,
+    }
 
 
 def stream(base: str, body: dict, after_first_chunk=None) -> tuple[list[int], list[float]]:
@@ -202,5 +211,8 @@ def test_without_the_front_end_check_a_bad_target_is_served_with_the_default(tmp
         metrics = urllib.request.urlopen(f"{base}/metrics", timeout=10).read().decode()
         assert 'sloweave_request_target_errors_total{engine="0"} 1.0' in metrics
         log = log_path.read_text()
-        assert "sloweave_tpot_ms must be a finite number of milliseconds > 0 and <= 3.6e+06, got -1; serving it with the default target 80 ms" in log
+        assert (
+            "sloweave_tpot_ms must be a finite number of milliseconds > 0 and <= 3.6e+06, got -1; serving it with the default target 80 ms"
+            in log
+        )
         assert "EngineDeadError" not in log

@@ -25,12 +25,24 @@ async def _session() -> list[int]:
     from vllm.v1.engine.async_llm import AsyncLLM
 
     args = AsyncEngineArgs(
-        model=str(tiny_model_dir()), load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16", max_model_len=4096,
-        max_num_seqs=16, max_num_batched_tokens=512, enable_chunked_prefill=True, enable_prefix_caching=False,
-        enforce_eager=True, scheduler_cls=PLUGIN, seed=0, additional_config={"sloweave": {"tpot_ms": 40.0}},
+        model=str(tiny_model_dir()),
+        load_format="dummy",
+        skip_tokenizer_init=True,
+        dtype="bfloat16",
+        max_model_len=4096,
+        max_num_seqs=16,
+        max_num_batched_tokens=512,
+        enable_chunked_prefill=True,
+        enable_prefix_caching=False,
+        enforce_eager=True,
+        scheduler_cls=PLUGIN,
+        seed=0,
+        additional_config={"sloweave": {"tpot_ms": 40.0}},
     )
     llm = AsyncLLM.from_engine_args(args)
-    params = SamplingParams(max_tokens=TOKENS_PER_TURN, ignore_eos=True, temperature=0.0, output_kind=RequestOutputKind.DELTA)
+    params = SamplingParams(
+        max_tokens=TOKENS_PER_TURN, ignore_eos=True, temperature=0.0, output_kind=RequestOutputKind.DELTA
+    )
 
     tokens = []
 

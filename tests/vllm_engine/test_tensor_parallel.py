@@ -24,7 +24,10 @@ def test_tensor_parallel_2_outputs_match_vllm_and_budgets_follow_deadlines(two_r
     batch = prompts(8, seed=3, low=50, high=1200)
     default_ms = 60.0
     outputs = {}
-    for name, cls, config in [("vllm", None, None), ("sloweave", PLUGIN, {"tpot_ms": default_ms, "analytic": CPU_ANALYTIC, "online_correction": True})]:
+    for name, cls, config in [
+        ("vllm", None, None),
+        ("sloweave", PLUGIN, {"tpot_ms": default_ms, "analytic": CPU_ANALYTIC, "online_correction": True}),
+    ]:
         engine = cpu_engine(cls, config, tensor_parallel_size=2)
         release(engine)
         log = StepLog(scheduler_of(engine)) if cls is not None else None

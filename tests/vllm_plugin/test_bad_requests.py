@@ -62,7 +62,10 @@ def test_a_bad_per_request_target_is_served_with_the_default_and_counted(cls, ov
     assert all(len(eng.token_times_ms[r.request_id]) == r.max_tokens for r in good + bad)
     assert counter("sloweave_request_target_errors") - before == len(BAD_TARGETS)
     assert not eng.scheduler._request_tpot_ms  # every bad one fell back to the default
-    assert f"request {bad[0].request_id}: sloweave_tpot_ms must be" in caplog.text and "default target 20 ms" in caplog.text
+    assert (
+        f"request {bad[0].request_id}: sloweave_tpot_ms must be" in caplog.text
+        and "default target 20 ms" in caplog.text
+    )
 
 
 def test_the_front_end_check_refuses_what_the_scheduler_would_not_use():
@@ -132,7 +135,9 @@ def test_a_failing_output_bookkeeping_step_does_not_lose_the_outputs():
 
 def test_prefix_caching_on_as_vllm_defaults():
     """vLLM 0.32 turns prefix caching on by default; requests then carry block hashes."""
-    scheduler = build_scheduler(SLOWeaveScheduler, additional_config={"sloweave": {"tpot_ms": 15.0}}, prefix_caching=True)
+    scheduler = build_scheduler(
+        SLOWeaveScheduler, additional_config={"sloweave": {"tpot_ms": 15.0}}, prefix_caching=True
+    )
     eng = OfflineEngine(scheduler, step_ms=lambda d, p: COST(d, p))
     rng = np.random.default_rng(3)
     hasher = block_hasher()
@@ -148,7 +153,9 @@ def test_prefix_caching_on_as_vllm_defaults():
     eng.run()
     assert eng.finished == {r.request_id for r in requests}
     later_prefill = sum(s.prefill_tokens for s in eng.steps[1:])
-    assert later_prefill < sum(len(r.prompt_token_ids) for r in requests[1:]) - 8 * 640  # the shared blocks came from the cache
+    assert (
+        later_prefill < sum(len(r.prompt_token_ids) for r in requests[1:]) - 8 * 640
+    )  # the shared blocks came from the cache
 
 
 @pytest.mark.parametrize("cls, overlap", [(SLOWeaveScheduler, False), (SLOWeaveAsyncScheduler, True)])

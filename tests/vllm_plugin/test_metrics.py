@@ -125,7 +125,9 @@ def test_metrics_of_an_engine_core_process_reach_vllms_metrics_registry(tmp_path
     from vllm.v1.metrics.prometheus import get_prometheus_registry
 
     env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(tmp_path)}
-    done = subprocess.run([sys.executable, "-c", ENGINE_CORE], env=env, capture_output=True, text=True, timeout=120, check=True)
+    done = subprocess.run(
+        [sys.executable, "-c", ENGINE_CORE], env=env, capture_output=True, text=True, timeout=120, check=True
+    )
     ran = json.loads(done.stdout.strip().splitlines()[-1])
     assert list(tmp_path.glob("*.db")), "the engine-core process wrote no metric files"
     monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(tmp_path))

@@ -69,7 +69,9 @@ def test_the_plugin_serves_what_vllms_scheduler_serves_at_the_same_depth(depth):
     requests = workload(10 + depth)
     ours, theirs = engine(SLOWeaveScheduler, depth, {"tpot_ms": 20.0}), engine(Scheduler, depth)
     mine, base = play(ours, requests), play(theirs, requests)
-    assert [len(ours.token_times_ms[r.request_id]) for r in mine] == [len(theirs.token_times_ms[r.request_id]) for r in base]
+    assert [len(ours.token_times_ms[r.request_id]) for r in mine] == [
+        len(theirs.token_times_ms[r.request_id]) for r in base
+    ]
 
 
 def test_data_parallel_replicas_keep_their_own_deadlines():
@@ -116,7 +118,14 @@ def test_each_replicas_metrics_carry_its_data_parallel_rank(tmp_path, monkeypatc
     env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(tmp_path)}
     steps = {}
     for rank, requests in (("0", 1), ("1", 5)):
-        done = subprocess.run([sys.executable, "-c", REPLICA, rank, str(requests)], env=env, capture_output=True, text=True, timeout=120, check=True)
+        done = subprocess.run(
+            [sys.executable, "-c", REPLICA, rank, str(requests)],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=True,
+        )
         steps[rank] = float(done.stdout.strip().splitlines()[-1])
     monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(tmp_path))
     registry = get_prometheus_registry()

@@ -18,13 +18,17 @@ COST = AnalyticCost()
 
 
 def engine(cls=SLOWeaveScheduler, overlap=False, max_num_batched_tokens=8192, **config):
-    scheduler = build_scheduler(cls, max_num_batched_tokens=max_num_batched_tokens, additional_config={"sloweave": config})
+    scheduler = build_scheduler(
+        cls, max_num_batched_tokens=max_num_batched_tokens, additional_config={"sloweave": config}
+    )
     return OfflineEngine(scheduler, step_ms=lambda d, p: COST(d, p), overlap=overlap)
 
 
 def test_scheduler_cls_resolves_from_a_dotted_path():
     for cls in (SLOWeaveScheduler, SLOWeaveAsyncScheduler):
-        config = SchedulerConfig(max_model_len=4096, is_encoder_decoder=False, scheduler_cls=f"sloweave.vllm_plugin.{cls.__name__}")
+        config = SchedulerConfig(
+            max_model_len=4096, is_encoder_decoder=False, scheduler_cls=f"sloweave.vllm_plugin.{cls.__name__}"
+        )
         assert config.get_scheduler_cls() is cls
 
 
@@ -58,7 +62,9 @@ def test_budget_follows_the_deadline():
     assert len(eng.finished) == 5
 
 
-@pytest.mark.parametrize("cls, overlap", [(SLOWeaveScheduler, False), (SLOWeaveAsyncScheduler, True), (SLOWeaveAsyncScheduler, False)])
+@pytest.mark.parametrize(
+    "cls, overlap", [(SLOWeaveScheduler, False), (SLOWeaveAsyncScheduler, True), (SLOWeaveAsyncScheduler, False)]
+)
 def test_every_request_completes_with_its_tokens(cls, overlap):
     rng = np.random.default_rng(0)
     eng = engine(cls, overlap=overlap, tpot_ms=15.0)
@@ -181,8 +187,13 @@ def test_profile_margin_with_online_correction_fails_at_start_up(tmp_path):
     """The adaptive margin replaces the profile's (it starts from it by itself): asking for both is refused."""
     profile = tmp_path / "profile.csv"
     profile.write_text("n_decodes,chunk_tokens,step_ms\n")
-    with pytest.raises(PluginConfigError, match="sloweave vLLM plug-in: .*profile_margin and online_correction exclude each other"):
-        build_scheduler(SLOWeaveScheduler, additional_config={"sloweave": {"cost": str(profile), "profile_margin": True, "online_correction": True}})
+    with pytest.raises(
+        PluginConfigError, match="sloweave vLLM plug-in: .*profile_margin and online_correction exclude each other"
+    ):
+        build_scheduler(
+            SLOWeaveScheduler,
+            additional_config={"sloweave": {"cost": str(profile), "profile_margin": True, "online_correction": True}},
+        )
 
 
 def test_vllm_default_scheduler_runs_in_the_same_harness():
@@ -207,12 +218,23 @@ def test_profile_file_as_the_cost_model(tmp_path):
 
     rows = []
     rng = np.random.default_rng(1)
-    for n, c, context, repeat in itertools.product([0, 2, 4, 8, 16, 32], [0, 128, 512, 1024, 2048, 4096], [64, 512], range(3)):
+    for n, c, context, repeat in itertools.product(
+        [0, 2, 4, 8, 16, 32], [0, 128, 512, 1024, 2048, 4096], [64, 512], range(3)
+    ):
         if n == c == 0:
             continue  # an empty step is not a step
         kv = n * (context + 1)
         step = COST(n, c) + 0.0002 * kv
-        rows.append({"n_decodes": n, "chunk_tokens": c, "decode_kv_tokens": kv, "prefill_prefix_tokens": 0, "step_ms": step * rng.uniform(0.97, 1.03), "context_tokens": context})
+        rows.append(
+            {
+                "n_decodes": n,
+                "chunk_tokens": c,
+                "decode_kv_tokens": kv,
+                "prefill_prefix_tokens": 0,
+                "step_ms": step * rng.uniform(0.97, 1.03),
+                "context_tokens": context,
+            }
+        )
     path = tmp_path / "profile.csv"
     pd.DataFrame(rows).to_csv(path, index=False)
     fitted = fit_profile_file(path).cost("regression")
@@ -239,7 +261,9 @@ def test_online_correction_learns_real_step_times_inside_vllms_scheduler(overlap
     """online_correction: the steps vLLM runs take 1.5x the model; the core calibrator learns it
     and the plug-in's chunks shrink so the predicted step fits the deadline again."""
     cls = SLOWeaveAsyncScheduler if overlap else SLOWeaveScheduler
-    scheduler = build_scheduler(cls, max_num_batched_tokens=8192, additional_config={"sloweave": {"tpot_ms": 10.0, "online_correction": True}})
+    scheduler = build_scheduler(
+        cls, max_num_batched_tokens=8192, additional_config={"sloweave": {"tpot_ms": 10.0, "online_correction": True}}
+    )
     eng = OfflineEngine(scheduler, step_ms=lambda d, p: 1.5 * COST(d, p), overlap=overlap)
     for _ in range(4):
         eng.add(make_request(300, 60))
@@ -259,9 +283,16 @@ def _biased_run(cls, overlap, online_correction, steps=90, bias=1.25, **schedule
     """Four long decodes and long prompts, one after the other; every step vLLM runs takes
     ``bias`` x the analytic model x seeded noise of up to 5 %. Returns the scheduler, the steps
     run and, per plan, (steps measured so far, the margin and cost it was decided with, plan)."""
-    scheduler = build_scheduler(cls, max_num_batched_tokens=8192, additional_config={"sloweave": {"tpot_ms": 10.0, "online_correction": online_correction}}, **scheduler_args)
+    scheduler = build_scheduler(
+        cls,
+        max_num_batched_tokens=8192,
+        additional_config={"sloweave": {"tpot_ms": 10.0, "online_correction": online_correction}},
+        **scheduler_args,
+    )
     rng = np.random.default_rng(0)
-    eng = OfflineEngine(scheduler, step_ms=lambda d, p: bias * COST(d, p) * float(rng.uniform(1.0, 1.05)), overlap=overlap)
+    eng = OfflineEngine(
+        scheduler, step_ms=lambda d, p: bias * COST(d, p) * float(rng.uniform(1.0, 1.05)), overlap=overlap
+    )
     controller, planned = scheduler.sloweave, []
     plan_step = controller.plan_step
 
@@ -269,7 +300,14 @@ def _biased_run(cls, overlap, online_correction, steps=90, bias=1.25, **schedule
         plan = plan_step(state)
         seen = len(controller.correction.recent_residuals) if controller.correction is not None else 0
         policy = controller.policy
-        planned.append((seen, policy.margin(plan.decode_tokens, plan.chunk_tokens), policy.cost(plan.decode_tokens, plan.chunk_tokens), plan))
+        planned.append(
+            (
+                seen,
+                policy.margin(plan.decode_tokens, plan.chunk_tokens),
+                policy.cost(plan.decode_tokens, plan.chunk_tokens),
+                plan,
+            )
+        )
         return plan
 
     controller.plan_step = recording_plan_step
@@ -322,7 +360,12 @@ def test_online_correction_learns_from_what_vllm_scheduled_not_from_the_budget()
     """vLLM may schedule less than the plug-in's budget (here max_num_seqs keeps prompts
     waiting): the calibrator compares the step vLLM ran with the model's prediction of that
     step. Against the plan's (larger) chunk it would learn the model is 3x too slow."""
-    scheduler = build_scheduler(SLOWeaveScheduler, max_num_batched_tokens=8192, max_num_seqs=5, additional_config={"sloweave": {"tpot_ms": 10.0, "online_correction": True}})
+    scheduler = build_scheduler(
+        SLOWeaveScheduler,
+        max_num_batched_tokens=8192,
+        max_num_seqs=5,
+        additional_config={"sloweave": {"tpot_ms": 10.0, "online_correction": True}},
+    )
     eng = OfflineEngine(scheduler, step_ms=lambda d, p: 1.25 * COST(d, p))
     for _ in range(4):
         eng.add(make_request(300, 400))

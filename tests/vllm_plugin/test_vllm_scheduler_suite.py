@@ -74,19 +74,37 @@ def _offline_hub(root: Path) -> Path:
 def _run(tree: Path, hub: Path, junit: Path, scheduler: str, tpot_ms: str | None) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("SLOWEAVE_")}
     env.update(
-        HF_HUB_OFFLINE="1", HF_HUB_CACHE=str(hub), VLLM_TARGET_DEVICE="cpu",  # the CUDA release on a CPU-only machine
-        PYTHONPATH=os.pathsep.join([str(UPSTREAM), env.get("PYTHONPATH", "")]), UPSTREAM_SCHEDULER_UNDER_TEST=scheduler,
+        HF_HUB_OFFLINE="1",
+        HF_HUB_CACHE=str(hub),
+        VLLM_TARGET_DEVICE="cpu",  # the CUDA release on a CPU-only machine
+        PYTHONPATH=os.pathsep.join([str(UPSTREAM), env.get("PYTHONPATH", "")]),
+        UPSTREAM_SCHEDULER_UNDER_TEST=scheduler,
     )
     if tpot_ms is not None:
         env["SLOWEAVE_TPOT_MS"] = tpot_ms
     command = [
-        sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-p", "swap_scheduler", "--rootdir", str(tree),
-        "-c", str(UPSTREAM / "pytest.ini"), f"--junitxml={junit}", *TEST_FILES,
+        sys.executable,
+        "-m",
+        "pytest",
+        "-p",
+        "no:cacheprovider",
+        "-p",
+        "swap_scheduler",
+        "--rootdir",
+        str(tree),
+        "-c",
+        str(UPSTREAM / "pytest.ini"),
+        f"--junitxml={junit}",
+        *TEST_FILES,
     ]
     done = subprocess.run(command, cwd=tree, env=env, capture_output=True, text=True, timeout=900)
     if not junit.exists():
         raise AssertionError(f"vLLM's tests did not run ({scheduler}):\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
-    expected = "sloweave.vllm_plugin.scheduler.SLOWeaveScheduler" if scheduler == "plugin" else "vllm.v1.core.sched.scheduler.Scheduler"
+    expected = (
+        "sloweave.vllm_plugin.scheduler.SLOWeaveScheduler"
+        if scheduler == "plugin"
+        else "vllm.v1.core.sched.scheduler.Scheduler"
+    )
     assert f"scheduler under test: {expected}" in done.stdout, done.stdout[:2000]
     return _outcomes(junit)
 

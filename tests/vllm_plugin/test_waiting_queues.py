@@ -60,7 +60,11 @@ def test_kv_holding_requests_are_counted_first_as_vllm_schedules_them():
 
 def _remote_kv_engine(tmp_path, **config):
     # vLLM's own example connector: the scheduler runs its real remote-KV paths
-    kv = KVTransferConfig(kv_connector="ExampleConnector", kv_role="kv_both", kv_connector_extra_config={"shared_storage_path": str(tmp_path)})
+    kv = KVTransferConfig(
+        kv_connector="ExampleConnector",
+        kv_role="kv_both",
+        kv_connector_extra_config={"shared_storage_path": str(tmp_path)},
+    )
     return engine(kv_transfer_config=kv, **config)
 
 
@@ -68,7 +72,9 @@ def _whole_prompt_loaded(eng, prompt_tokens: int, output_tokens: int, request_id
     """A request whose whole prompt a connector loaded asynchronously, as vLLM's admission leaves
     it (blocks allocated, every prompt token computed, waiting for the remote KV)."""
     request = make_request(prompt_tokens, output_tokens, request_id=request_id)
-    blocks = eng.scheduler.kv_cache_manager.allocate_slots(request, 0, num_external_computed_tokens=prompt_tokens, delay_cache_blocks=True)
+    blocks = eng.scheduler.kv_cache_manager.allocate_slots(
+        request, 0, num_external_computed_tokens=prompt_tokens, delay_cache_blocks=True
+    )
     assert blocks is not None
     request.num_computed_tokens = prompt_tokens
     request.status = RequestStatus.WAITING_FOR_REMOTE_KVS

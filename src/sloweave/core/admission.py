@@ -83,7 +83,9 @@ class AdmissionControl:
             # the request's own target: the queue ahead drains at that pace (FCFS).
             tokens = tokens_ahead + prompt_tokens
             chunk = policy.decide(n_committed, tokens, tpot_ms).chunk_tokens
-            if not self.ttft_reachable(predicted_ttft_ms(waited_ms, tokens, chunk, predicted_ms(n_committed, chunk)), ttft_ms):
+            if not self.ttft_reachable(
+                predicted_ttft_ms(waited_ms, tokens, chunk, predicted_ms(n_committed, chunk)), ttft_ms
+            ):
                 return TTFT_UNREACHABLE
         return ""
 

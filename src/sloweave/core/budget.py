@@ -111,8 +111,12 @@ class BudgetController:
         correction: OnlineCalibrator | None = None,
     ) -> None:
         whole_number(max_budget_tokens, "max_budget_tokens")
-        if correction is not None and not (isinstance(policy.cost, Calibrated) and policy.cost.calibrator is correction):
-            raise ValueError("online correction needs the policy's cost to be a CalibratedCost built on that calibrator")
+        if correction is not None and not (
+            isinstance(policy.cost, Calibrated) and policy.cost.calibrator is correction
+        ):
+            raise ValueError(
+                "online correction needs the policy's cost to be a CalibratedCost built on that calibrator"
+            )
         # Measured step times correct the cost model online (core calibration, as in the
         # CPU runtime and the simulator's clock).
         self.correction = correction
@@ -173,7 +177,12 @@ class BudgetController:
                 feed.set_offer(list(state.prompts_on_offer) or None)
         # The simulator's decision path: the policy, then the aging rule.
         chunk, infeasible, aged = decide_step(
-            self.policy, state.decode_tokens, state.pending_prompt_tokens, budget_ms, self.aging, state.oldest_prompt_waiting_ms
+            self.policy,
+            state.decode_tokens,
+            state.pending_prompt_tokens,
+            budget_ms,
+            self.aging,
+            state.oldest_prompt_waiting_ms,
         )
         # The budget always covers the decodes' demand (up to the engine's own cap): a budget
         # that starves decodes is a bug, not a choice. The prefill gets the chunk on top.
@@ -182,11 +191,27 @@ class BudgetController:
         margin_ms, predicted_ms = self._price(state.decode_tokens, chunk)
         base_ms = math.nan
         if self.correction is not None:
-            base_ms = self.policy.cost.base.predict(state.decode_tokens, chunk, state.decode_kv_tokens, state.prefill_prefix_tokens)
+            base_ms = self.policy.cost.base.predict(
+                state.decode_tokens, chunk, state.decode_kv_tokens, state.prefill_prefix_tokens
+            )
         plan = StepPlan(
-            token_budget, chunk, start_ms, state.now_ms, budget_ms, predicted_ms, infeasible, aged, state.decode_tokens, base_ms,
-            state.decode_kv_tokens, state.prefill_prefix_tokens, margin_ms,
-            state.pending_prompt_tokens, len(state.prompts_on_offer), decided, deadline_ms,
+            token_budget,
+            chunk,
+            start_ms,
+            state.now_ms,
+            budget_ms,
+            predicted_ms,
+            infeasible,
+            aged,
+            state.decode_tokens,
+            base_ms,
+            state.decode_kv_tokens,
+            state.prefill_prefix_tokens,
+            margin_ms,
+            state.pending_prompt_tokens,
+            len(state.prompts_on_offer),
+            decided,
+            deadline_ms,
         )
         self.stats.steps += 1
         self.stats.infeasible_steps += infeasible
@@ -211,8 +236,14 @@ class BudgetController:
             observed = (plan.decode_tokens, plan.chunk_tokens, plan.base_predicted_ms)
             if ran_tokens is not None and tuple(ran_tokens) != observed[:2]:
                 n, c = (int(t) for t in ran_tokens)
-                observed = (n, c, self.policy.cost.base.predict(n, c, plan.decode_kv_tokens, plan.prefill_prefix_tokens))
-        self._in_flight.append(_InFlightStep(plan.start_ms, plan.start_ms + plan.predicted_ms, plan, emitting, observed=observed))
+                observed = (
+                    n,
+                    c,
+                    self.policy.cost.base.predict(n, c, plan.decode_kv_tokens, plan.prefill_prefix_tokens),
+                )
+        self._in_flight.append(
+            _InFlightStep(plan.start_ms, plan.start_ms + plan.predicted_ms, plan, emitting, observed=observed)
+        )
         if self.recorder is not None:
             # Recorded here, not in plan_step: only steps the engine really ran count. An
             # aged plan's SLO exception is the one plan_step just appended.

@@ -12,7 +12,11 @@ def numbers(column: pd.Series) -> np.ndarray:
     """A column as floats, NaN where a cell is no number. A boolean is none: pandas reads a
     column of True/False (or JSON true/false) as booleans, which would count as 1 and 0. Nor
     is an integer past the largest float (10**400 in JSON), on which pandas raises OverflowError."""
-    cells = column.map(lambda v: np.nan if isinstance(v, (bool, np.bool_)) or (isinstance(v, int) and abs(v) > sys.float_info.max) else v)
+    cells = column.map(
+        lambda v: (
+            np.nan if isinstance(v, (bool, np.bool_)) or (isinstance(v, int) and abs(v) > sys.float_info.max) else v
+        )
+    )
     return pd.to_numeric(cells, errors="coerce").to_numpy(dtype=float, copy=True)
 
 

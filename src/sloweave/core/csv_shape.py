@@ -48,7 +48,9 @@ def check_csv_shape(path: Path, fail: Fail) -> list[int]:
             for row in reader:
                 start, last = last + 1, reader.line_num
                 if last != start:
-                    raise fail(start, "a quoted cell spans lines (a line break inside quotes); write each row on one line")
+                    raise fail(
+                        start, "a quoted cell spans lines (a line break inside quotes); write each row on one line"
+                    )
                 if row and len(row) != len(header):
                     raise fail(
                         start,

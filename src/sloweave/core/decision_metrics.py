@@ -44,23 +44,46 @@ class MetricSpec:
 
 CHUNK = MetricSpec("sloweave_chunk_tokens", "histogram", "Prefill tokens chosen per scheduling step", TOKEN_BUCKETS)
 TOKEN_BUDGET = MetricSpec(
-    "sloweave_token_budget_tokens", "histogram", "Token budget handed to the engine per step (decode tokens + chunk)", TOKEN_BUCKETS
+    "sloweave_token_budget_tokens",
+    "histogram",
+    "Token budget handed to the engine per step (decode tokens + chunk)",
+    TOKEN_BUCKETS,
 )
 TIME_BUDGET = MetricSpec(
-    "sloweave_time_budget_ms", "histogram", "Time from step start to the earliest next-token deadline (steps with decodes)", TIME_BUCKETS_MS
+    "sloweave_time_budget_ms",
+    "histogram",
+    "Time from step start to the earliest next-token deadline (steps with decodes)",
+    TIME_BUCKETS_MS,
 )
 STEPS = MetricSpec("sloweave_steps", "counter", "Steps scheduled with a sloweave budget")
-INFEASIBLE = MetricSpec("sloweave_infeasible_steps", "counter", "Steps where even decode-only was predicted to miss the earliest deadline")
-SLO_EXCEPTIONS = MetricSpec("sloweave_slo_exceptions", "counter", "Steps where aging forced a chunk for a starving prompt")
-SLO_EXCEPTION_REQUESTS = MetricSpec(
-    "sloweave_slo_exception_requests", "counter", "Running requests predicted to miss a deadline because of an aging chunk"
+INFEASIBLE = MetricSpec(
+    "sloweave_infeasible_steps", "counter", "Steps where even decode-only was predicted to miss the earliest deadline"
 )
-PREDICTED_STEP = MetricSpec("sloweave_predicted_step_ms", "histogram", "Predicted step time T(n, c) + margin", TIME_BUCKETS_MS)
-MEASURED_STEP = MetricSpec("sloweave_measured_step_ms", "histogram", "Measured step time (start to output back)", TIME_BUCKETS_MS)
-UNDERPREDICTED = MetricSpec("sloweave_underpredicted_steps", "counter", "Finished steps that took longer than predicted")
+SLO_EXCEPTIONS = MetricSpec(
+    "sloweave_slo_exceptions", "counter", "Steps where aging forced a chunk for a starving prompt"
+)
+SLO_EXCEPTION_REQUESTS = MetricSpec(
+    "sloweave_slo_exception_requests",
+    "counter",
+    "Running requests predicted to miss a deadline because of an aging chunk",
+)
+PREDICTED_STEP = MetricSpec(
+    "sloweave_predicted_step_ms", "histogram", "Predicted step time T(n, c) + margin", TIME_BUCKETS_MS
+)
+MEASURED_STEP = MetricSpec(
+    "sloweave_measured_step_ms", "histogram", "Measured step time (start to output back)", TIME_BUCKETS_MS
+)
+UNDERPREDICTED = MetricSpec(
+    "sloweave_underpredicted_steps", "counter", "Finished steps that took longer than predicted"
+)
 # a margin of 0 (none configured) has a bucket of its own: its quantiles are 0, not interpolated up to 1 ms
 MARGIN_BUCKETS_MS = (0, 0.1, 0.25, 0.5, 1, 2, 5, 10, 20, 50, 100)
-MARGIN = MetricSpec("sloweave_margin_ms", "histogram", "Safety margin delta(n, c) in the prediction of each step scheduled", MARGIN_BUCKETS_MS)
+MARGIN = MetricSpec(
+    "sloweave_margin_ms",
+    "histogram",
+    "Safety margin delta(n, c) in the prediction of each step scheduled",
+    MARGIN_BUCKETS_MS,
+)
 
 ALL_METRICS = (
     CHUNK,
@@ -85,9 +108,13 @@ MARGIN_COVERAGE = MetricSpec(
 )
 TPOT_TARGET = MetricSpec("sloweave_tpot_target_ms", "gauge", "Default TPOT target (requests may carry their own)")
 REQUEST_TARGET_ERRORS = MetricSpec(
-    "sloweave_request_target_errors", "counter", "Requests whose sloweave_tpot_ms was refused and served with the default target"
+    "sloweave_request_target_errors",
+    "counter",
+    "Requests whose sloweave_tpot_ms was refused and served with the default target",
 )
-PLUGIN_ERRORS = MetricSpec("sloweave_plugin_errors", "counter", "Failures of the plug-in's bookkeeping (the step ran on vLLM's own budget)")
+PLUGIN_ERRORS = MetricSpec(
+    "sloweave_plugin_errors", "counter", "Failures of the plug-in's bookkeeping (the step ran on vLLM's own budget)"
+)
 # the places in the plug-in whose failure falls back to vLLM's budget (label ``where``)
 PLUGIN_ERROR_PLACES = ("schedule", "add_request", "update_from_output", "preemption", "finish_requests")
 PLUGIN_METRICS = (MARGIN_COVERAGE, TPOT_TARGET, REQUEST_TARGET_ERRORS, PLUGIN_ERRORS)

@@ -19,7 +19,15 @@ from typing import NamedTuple, Protocol
 from sloweave.core.validate import positive_ms, positive_tokens
 from sloweave.core.costs.analytic import AnalyticCost
 from sloweave.core.costs.margins import ConstantMargin, ZeroMargin
-from sloweave.core.costs.protocols import CostModel, HasTileEdges, Invertible, Margin, MonotoneRepair, check_monotone_in_chunk, uncounted
+from sloweave.core.costs.protocols import (
+    CostModel,
+    HasTileEdges,
+    Invertible,
+    Margin,
+    MonotoneRepair,
+    check_monotone_in_chunk,
+    uncounted,
+)
 
 DEFAULT_MAX_CHUNK_TOKENS = 4096
 
@@ -97,7 +105,9 @@ class SLOWeave:
         object.__setattr__(self, "_predicted", predicted)
         constant = isinstance(margin, (ZeroMargin, ConstantMargin))
         object.__setattr__(self, "_constant_margin_ms", margin(0, 0) if constant else 0.0)
-        object.__setattr__(self, "_estimate", cost.chunk_estimate if constant and isinstance(cost, Invertible) else None)
+        object.__setattr__(
+            self, "_estimate", cost.chunk_estimate if constant and isinstance(cost, Invertible) else None
+        )
         edges = cost.tile_edges if isinstance(cost, HasTileEdges) else None
         object.__setattr__(self, "_tile_edges", list(edges) if edges else None)
 
@@ -397,7 +407,9 @@ def make_policy(
         )
     static = spec in ("full", "orca") or _SPEC_RE.match(spec)
     if static and margin is not None and not isinstance(margin, ZeroMargin):
-        raise ValueError(f"{spec} is a static rule: it predicts nothing, so it has no margin (give one to sloweave only)")
+        raise ValueError(
+            f"{spec} is a static rule: it predicts nothing, so it has no margin (give one to sloweave only)"
+        )
     if spec in ("full", "orca"):
         return FullPrefill(max_prefills=1 if spec == "full" else None, cost=cost)
     match = _SPEC_RE.match(spec)
@@ -410,4 +422,3 @@ def make_policy(
         f"unknown policy {spec!r}: expected 'sloweave', 'sloweave-multi' (either may end in '+lookahead'), 'full', 'orca', 'fixed-<tokens>', "
         "'budget-<tokens>' or 'sarathi-<tokens>' (e.g. fixed-1024, budget-2048) with a positive whole number of tokens"
     )
-

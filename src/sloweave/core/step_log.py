@@ -29,7 +29,16 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from sloweave.core.validate import MARGIN_MS, MAX_SECONDS, REQUEST_COUNT, SEED, TOKEN_COUNT, Range, RepeatedKeyError, one_value_per_key
+from sloweave.core.validate import (
+    MARGIN_MS,
+    MAX_SECONDS,
+    REQUEST_COUNT,
+    SEED,
+    TOKEN_COUNT,
+    Range,
+    RepeatedKeyError,
+    one_value_per_key,
+)
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -64,8 +73,16 @@ STEP_FIELDS = (
 
 # The range of each numeric field (``None`` allowed where the writer writes null: no deadline,
 # no base model); the clock is monotonic milliseconds since boot, so up to MAX_SECONDS of them.
-_TOKENS = ("decode_tokens", "chunk_tokens", "token_budget", "ran_decode_tokens", "ran_prefill_tokens",
-           "decode_kv_tokens", "prefill_prefix_tokens", "pending_prompt_tokens")
+_TOKENS = (
+    "decode_tokens",
+    "chunk_tokens",
+    "token_budget",
+    "ran_decode_tokens",
+    "ran_prefill_tokens",
+    "decode_kv_tokens",
+    "prefill_prefix_tokens",
+    "pending_prompt_tokens",
+)
 FIELD_RANGES = {
     "step": (SEED, False),
     "start_ms": (Range(0, MAX_SECONDS * 1000, " of milliseconds"), False),
@@ -129,10 +146,25 @@ class StepLogWriter:
             zip(
                 STEP_FIELDS,
                 (
-                    self.steps, started_ms, measured_ms, plan.decode_tokens, plan.chunk_tokens, plan.token_budget,
-                    int(ran_decode), int(ran_prefill), plan.decode_kv_tokens, plan.prefill_prefix_tokens,
-                    plan.pending_prompt_tokens, plan.prompts_on_offer, _number_or_null(plan.budget_ms), plan.predicted_ms,
-                    plan.margin_ms, _number_or_null(plan.base_predicted_ms), plan.infeasible, plan.aged, late,
+                    self.steps,
+                    started_ms,
+                    measured_ms,
+                    plan.decode_tokens,
+                    plan.chunk_tokens,
+                    plan.token_budget,
+                    int(ran_decode),
+                    int(ran_prefill),
+                    plan.decode_kv_tokens,
+                    plan.prefill_prefix_tokens,
+                    plan.pending_prompt_tokens,
+                    plan.prompts_on_offer,
+                    _number_or_null(plan.budget_ms),
+                    plan.predicted_ms,
+                    plan.margin_ms,
+                    _number_or_null(plan.base_predicted_ms),
+                    plan.infeasible,
+                    plan.aged,
+                    late,
                 ),
             )
         )
@@ -238,7 +270,9 @@ def _check_fields(path: Path, rows: list[tuple]) -> None:
             bad = next((i for i, row in enumerate(rows) if not _in_range(row[index], limits, nullable)), None)
             expected = limits.describe() + (" or null" if nullable else "")
         if bad is not None:
-            raise StepLogError(f"step log {path}, line {bad + 2}: {column} must be {expected}, got {rows[bad][index]!r}")
+            raise StepLogError(
+                f"step log {path}, line {bad + 2}: {column} must be {expected}, got {rows[bad][index]!r}"
+            )
 
 
 def profile_rows(log: StepLog) -> "pd.DataFrame":

@@ -115,7 +115,9 @@ class CheckedNumber(click.ParamType):
             self.fail(str(err), param, ctx)
 
 
-def finite_number(value, name: str, *, positive: bool = True, unit: str = "", otherwise: str = "", high: float = MAX_MS) -> float:
+def finite_number(
+    value, name: str, *, positive: bool = True, unit: str = "", otherwise: str = "", high: float = MAX_MS
+) -> float:
     """A finite number > 0 (``positive``) or >= 0, at most ``high`` (1e10 unless a range says
     otherwise); ``unit`` (" of GiB") and ``otherwise`` (" or None") only shape the message."""
     return Range(0, high, unit, low_open=positive).check(value, name, otherwise)

@@ -94,7 +94,10 @@ PANELS = (
     Panel(
         "vLLM throughput (tokens/s)",
         "short",
-        (("prompt tokens/s", _rate("vllm:prompt_tokens_total")), ("generated tokens/s", _rate("vllm:generation_tokens_total"))),
+        (
+            ("prompt tokens/s", _rate("vllm:prompt_tokens_total")),
+            ("generated tokens/s", _rate("vllm:generation_tokens_total")),
+        ),
     ),
     Panel(
         "vLLM inter-token latency",
@@ -176,7 +179,10 @@ PANELS = (
         "Plug-in and request target errors",
         "short",
         (
-            ("plug-in error in {{where}}", f"sum by (where) (increase(sloweave_plugin_errors_total{{{ENGINE}}}{WINDOW}))"),
+            (
+                "plug-in error in {{where}}",
+                f"sum by (where) (increase(sloweave_plugin_errors_total{{{ENGINE}}}{WINDOW}))",
+            ),
             ("refused request target", f"sum(increase(sloweave_request_target_errors_total{{{ENGINE}}}{WINDOW}))"),
         ),
         "A plug-in error is a step that fell back to vLLM's own budget (a bug to report); a refused "
@@ -211,7 +217,10 @@ def _grafana_panel(panel: Panel, panel_id: int, index: int) -> dict:
         "datasource": _DATASOURCE,
         # y counts from the row header above (height 1)
         "gridPos": {"h": PANEL_HEIGHT, "w": PANEL_WIDTH, "x": column * PANEL_WIDTH, "y": 1 + line * PANEL_HEIGHT},
-        "fieldConfig": {"defaults": {"unit": panel.unit, "custom": {"lineWidth": 1, "fillOpacity": 0}}, "overrides": []},
+        "fieldConfig": {
+            "defaults": {"unit": panel.unit, "custom": {"lineWidth": 1, "fillOpacity": 0}},
+            "overrides": [],
+        },
         "options": {
             "legend": {"displayMode": "list", "placement": "bottom", "showLegend": True},
             "tooltip": {"mode": "multi", "sort": "none"},
@@ -229,8 +238,12 @@ def _template_variables() -> list[dict]:
     engines = "label_values(sloweave_steps_total, engine)"
     # multi-valued with "All" selected: the row repeats once per data-parallel rank
     engine = {"type": "query", "name": "engine", "label": "engine (data-parallel rank)", "datasource": _DATASOURCE}
-    engine.update({"query": engines, "definition": engines, "refresh": 2, "sort": 3, "regex": "", "hide": 0, "options": []})
-    engine.update({"multi": True, "includeAll": True, "current": {"selected": True, "text": ["All"], "value": ["$__all"]}})
+    engine.update(
+        {"query": engines, "definition": engines, "refresh": 2, "sort": 3, "regex": "", "hide": 0, "options": []}
+    )
+    engine.update(
+        {"multi": True, "includeAll": True, "current": {"selected": True, "text": ["All"], "value": ["$__all"]}}
+    )
     return [datasource, engine]
 
 
@@ -278,7 +291,11 @@ def rule_expressions(rules_file: Path = RULES_FILE) -> list[tuple[str, str]]:
     import yaml
 
     rules = yaml.safe_load(Path(rules_file).read_text())
-    return [(rule.get("record") or rule["alert"], rule["expr"].strip()) for group in rules["groups"] for rule in group["rules"]]
+    return [
+        (rule.get("record") or rule["alert"], rule["expr"].strip())
+        for group in rules["groups"]
+        for rule in group["rules"]
+    ]
 
 
 # --------------------------------------------------------------------------- Prometheus
@@ -288,7 +305,9 @@ class PrometheusError(Exception):
     """Prometheus could not be reached or refused a query (the message names which)."""
 
 
-def query_range(prometheus_url: str, expr: str, start_s: float, end_s: float, step_s: float, timeout_s: float = 30.0) -> list[dict]:
+def query_range(
+    prometheus_url: str, expr: str, start_s: float, end_s: float, step_s: float, timeout_s: float = 30.0
+) -> list[dict]:
     """The series of ``expr`` over [start_s, end_s] (``/api/v1/query_range``): [{"metric": labels, "values": [[t, "v"], ...]}]."""
     base = prometheus_url.rstrip("/")
     if not base.startswith(("http://", "https://")):
@@ -313,7 +332,9 @@ def _get_json(url: str, base: str, expr: str, timeout_s: float):
     try:
         return json.loads(body)
     except ValueError:
-        raise PrometheusError(f"{base} answered the query {expr!r} with something other than JSON: is it a Prometheus?") from None
+        raise PrometheusError(
+            f"{base} answered the query {expr!r} with something other than JSON: is it a Prometheus?"
+        ) from None
 
 
 def _reason(err: urllib.error.HTTPError) -> str:
@@ -336,7 +357,14 @@ def _legend(legend: str, labels: dict) -> str:
     return re.sub(r"\{\{\s*(\w+)\s*\}\}", lambda m: labels.get(m.group(1), ""), legend)
 
 
-def fetch_series(prometheus_url: str, start_s: float, end_s: float, step_s: float, engine: str = "0", rate_interval: str | None = None):
+def fetch_series(
+    prometheus_url: str,
+    start_s: float,
+    end_s: float,
+    step_s: float,
+    engine: str = "0",
+    rate_interval: str | None = None,
+):
     """Every panel's series for one engine, as a long table (``SERIES_COLUMNS``)."""
     import pandas as pd
 
@@ -392,7 +420,15 @@ def _utc(seconds: float) -> str:
     return time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(seconds))
 
 
-def render(prometheus_url: str, out_dir, start_s: float, end_s: float, step_s: float, engine: str = "0", rate_interval: str | None = None):
+def render(
+    prometheus_url: str,
+    out_dir,
+    start_s: float,
+    end_s: float,
+    step_s: float,
+    engine: str = "0",
+    rate_interval: str | None = None,
+):
     """Draw every panel for one engine from a Prometheus: dashboard.png, dashboard.csv (the
     series) and dashboard.json (what was asked). Returns the series table."""
     from sloweave.studies.outputs import write_result_json
@@ -410,7 +446,11 @@ def render(prometheus_url: str, out_dir, start_s: float, end_s: float, step_s: f
         {
             "title": panel.title,
             "unit": panel.unit,
-            "queries": [{"legend": legend, "expr": expr} for title, legend, expr in queries(engine, rate_interval) if title == panel.title],
+            "queries": [
+                {"legend": legend, "expr": expr}
+                for title, legend, expr in queries(engine, rate_interval)
+                if title == panel.title
+            ],
             "series": list(series.loc[series["panel"] == panel.title, "legend"].unique()),
         }
         for panel in PANELS
@@ -444,14 +484,46 @@ def _checked_engine(ctx, param, value: str) -> str:
 
 
 @click.command()
-@click.option("--prometheus", "prometheus_url", required=True, help="the Prometheus that scrapes the vLLM server, e.g. http://127.0.0.1:9090")
-@click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), required=True, help="folder for dashboard.png, dashboard.csv, dashboard.json")
+@click.option(
+    "--prometheus",
+    "prometheus_url",
+    required=True,
+    help="the Prometheus that scrapes the vLLM server, e.g. http://127.0.0.1:9090",
+)
+@click.option(
+    "--out",
+    "out_dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    required=True,
+    help="folder for dashboard.png, dashboard.csv, dashboard.json",
+)
 @result_folder_options()
-@click.option("--minutes", type=Range(0, MAX_SECONDS / 60, " of minutes", low_open=True).option(), default=60.0, show_default=True, help="the last N minutes (without --start/--end)")
-@click.option("--start", "start_s", type=TIME_S.option(), default=None, help="start of the window (unix seconds; with --end)")
-@click.option("--end", "end_s", type=TIME_S.option(), default=None, help="end of the window (unix seconds; with --start)")
-@click.option("--step-s", type=DURATION_S.option(), default=None, help="seconds between points [default: the window / 300, at least 15]")
-@click.option("--engine", default="0", show_default=True, callback=_checked_engine, help="the data-parallel rank to draw (label engine)")
+@click.option(
+    "--minutes",
+    type=Range(0, MAX_SECONDS / 60, " of minutes", low_open=True).option(),
+    default=60.0,
+    show_default=True,
+    help="the last N minutes (without --start/--end)",
+)
+@click.option(
+    "--start", "start_s", type=TIME_S.option(), default=None, help="start of the window (unix seconds; with --end)"
+)
+@click.option(
+    "--end", "end_s", type=TIME_S.option(), default=None, help="end of the window (unix seconds; with --start)"
+)
+@click.option(
+    "--step-s",
+    type=DURATION_S.option(),
+    default=None,
+    help="seconds between points [default: the window / 300, at least 15]",
+)
+@click.option(
+    "--engine",
+    default="0",
+    show_default=True,
+    callback=_checked_engine,
+    help="the data-parallel rank to draw (label engine)",
+)
 def dashboard_command(prometheus_url, out_dir, minutes, start_s, end_s, step_s, engine, force) -> None:
     """Draw the Grafana dashboard's panels from a Prometheus, without Grafana."""
     from sloweave.studies.outputs import check_writable
@@ -461,15 +533,23 @@ def dashboard_command(prometheus_url, out_dir, minutes, start_s, end_s, step_s, 
     start_s, end_s = _window(minutes, start_s, end_s)
     step_s = step_s or max(15.0, (end_s - start_s) / 300)
     if (end_s - start_s) / step_s > MAX_POINTS:
-        raise click.BadParameter(f"too fine for the window: Prometheus answers at most {MAX_POINTS} points a series", param_hint="--step-s")
+        raise click.BadParameter(
+            f"too fine for the window: Prometheus answers at most {MAX_POINTS} points a series", param_hint="--step-s"
+        )
     with result_folder(out_dir, force) as folder:  # nothing written when a query fails
         try:
             series = render(prometheus_url, folder.path, start_s, end_s, step_s, engine)
         except PrometheusError as err:
             raise click.ClickException(str(err)) from None
     if series.empty:
-        click.echo(f"warning: no series for engine {engine} in that window: does {prometheus_url} scrape the plug-in's vLLM server?", err=True)
-    click.echo(f"wrote {out_dir}/dashboard.png, dashboard.csv, dashboard.json ({series.groupby(['panel', 'legend']).ngroups} series)", err=True)
+        click.echo(
+            f"warning: no series for engine {engine} in that window: does {prometheus_url} scrape the plug-in's vLLM server?",
+            err=True,
+        )
+    click.echo(
+        f"wrote {out_dir}/dashboard.png, dashboard.csv, dashboard.json ({series.groupby(['panel', 'legend']).ngroups} series)",
+        err=True,
+    )
 
 
 def _main(argv: list[str]) -> None:

@@ -186,7 +186,11 @@ def write_served_run(log: StepLog, out_dir: Path, window_s: float, settings: dic
 @click.argument("step_log", type=click.Path(exists=True, dir_okay=False, path_type=Path))
 @click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False, path_type=Path), help="result folder")
 @click.option(
-    "--window-s", type=DURATION_S.option(), default=None, show_default="the whole run", help="seconds of the run the timeline shows, from its first step"
+    "--window-s",
+    type=DURATION_S.option(),
+    default=None,
+    show_default="the whole run",
+    help="seconds of the run the timeline shows, from its first step",
 )
 @result_folder_options()
 def served_run_command(step_log: Path, out_dir: Path, window_s: float, force: bool) -> None:
@@ -203,7 +207,9 @@ def served_run_command(step_log: Path, out_dir: Path, window_s: float, force: bo
         except StepLogError as err:
             raise click.ClickException(f"{step_log}: {err}") from None
     if log.stopped is not None:
-        click.echo(f"warning: the step log stopped early ({log.stopped}); the pictures cover the steps before", err=True)
+        click.echo(
+            f"warning: the step log stopped early ({log.stopped}); the pictures cover the steps before", err=True
+        )
     click.echo(
         f"wrote {out_dir}: {summary['steps']} steps, {summary['underpredicted_share']:.1%} underpredicted", err=True
     )

@@ -13,7 +13,18 @@ import click
 
 from sloweave.core.costs.fitted import HOLDOUT_ERROR, MAX_HOLDOUT_ERROR
 from sloweave.sim.workloads import WORKLOADS
-from sloweave.core.validate import DURATION_MS, DURATION_S, MARGIN_MS, MAX_REPEATS, REPEATS, REQUEST_COUNT, SCALE, TOKEN_COUNT, TOKENS, Range
+from sloweave.core.validate import (
+    DURATION_MS,
+    DURATION_S,
+    MARGIN_MS,
+    MAX_REPEATS,
+    REPEATS,
+    REQUEST_COUNT,
+    SCALE,
+    TOKEN_COUNT,
+    TOKENS,
+    Range,
+)
 from sloweave.core.validate import SEED
 from sloweave.studies.inputs import REQUESTS
 from sloweave.studies.outputs import check_writable, command_settings, strict_json, write_result_json
@@ -54,7 +65,9 @@ def _fit_or_fail(profile: Path, monotone_tolerance_ms: float = 5.0, max_holdout_
     from sloweave.core.costs.fitted import ProfileError, fit_profile_file
 
     try:
-        result = fit_profile_file(profile, monotone_tolerance_ms=monotone_tolerance_ms, max_holdout_error=max_holdout_error)
+        result = fit_profile_file(
+            profile, monotone_tolerance_ms=monotone_tolerance_ms, max_holdout_error=max_holdout_error
+        )
     except ProfileError as err:
         raise click.ClickException(str(err)) from None
     for note in result.report["notes"]:  # a kind refused, an error not measured: never silent
@@ -63,13 +76,46 @@ def _fit_or_fail(profile: Path, monotone_tolerance_ms: float = 5.0, max_holdout_
 
 
 @click.command()
-@click.option("--model", default="small", show_default=True, help="packaged model (tiny, small) or a local model directory")
-@click.option("--out", "out_path", type=click.Path(dir_okay=False, path_type=Path), required=True, help="profile file (.csv or .json)")
-@click.option("--decodes", default="0,1,4,8,16,32", show_default=True, callback=_whole_numbers(REQUEST_COUNT), help="decode batch sizes n")
-@click.option("--chunks", default="0,16,64,128,256,512,1024", show_default=True, callback=_whole_numbers(TOKEN_COUNT), help="prefill chunk sizes c")
-@click.option("--contexts", default="64,256,1024", show_default=True, callback=_whole_numbers(TOKEN_COUNT), help="per-decode KV contexts (tokens)")
+@click.option(
+    "--model", default="small", show_default=True, help="packaged model (tiny, small) or a local model directory"
+)
+@click.option(
+    "--out",
+    "out_path",
+    type=click.Path(dir_okay=False, path_type=Path),
+    required=True,
+    help="profile file (.csv or .json)",
+)
+@click.option(
+    "--decodes",
+    default="0,1,4,8,16,32",
+    show_default=True,
+    callback=_whole_numbers(REQUEST_COUNT),
+    help="decode batch sizes n",
+)
+@click.option(
+    "--chunks",
+    default="0,16,64,128,256,512,1024",
+    show_default=True,
+    callback=_whole_numbers(TOKEN_COUNT),
+    help="prefill chunk sizes c",
+)
+@click.option(
+    "--contexts",
+    default="64,256,1024",
+    show_default=True,
+    callback=_whole_numbers(TOKEN_COUNT),
+    help="per-decode KV contexts (tokens)",
+)
 @click.option("--repeats", type=REPEATS.option(), default=3, show_default=True)
-@click.option("--holdout", "holdout_per_state", type=Range(0, MAX_REPEATS, whole=True).option(), default=3, show_default=True, help="off-grid held-out steps per (context, n)")
+@click.option(
+    "--holdout",
+    "holdout_per_state",
+    type=Range(0, MAX_REPEATS, whole=True).option(),
+    default=3,
+    show_default=True,
+    help="off-grid held-out steps per (context, n)",
+)
 @click.option("--threads", type=REPEATS.option(), default=1, show_default=True, help="torch threads")
 @click.option("--seed", type=SEED.option(), default=0, show_default=True)
 def profile(model, out_path, decodes, chunks, contexts, repeats, holdout_per_state, threads, seed) -> None:
@@ -111,11 +157,30 @@ def profile(model, out_path, decodes, chunks, contexts, repeats, holdout_per_sta
 
 @click.command(name="fit")
 @click.argument("profile_path", type=click.Path(exists=True, dir_okay=False, path_type=Path))
-@click.option("--out", "out_path", type=click.Path(dir_okay=False, path_type=Path), default=None, help="write the fitted models as JSON")
-@click.option("--monotone-tolerance-ms", type=MARGIN_MS.option(), default=5.0, show_default=True, help="a drop along c or n smaller than this (or than 25 %) is noise, not a broken profile")
-@click.option("--max-holdout-error", type=HOLDOUT_ERROR.option(), default=MAX_HOLDOUT_ERROR, show_default=True,
-              help="refuse a fitted kind whose median relative error on held-out steps is above this (0.5: 50 %)")
-def fit_command(profile_path: Path, out_path: Path | None, monotone_tolerance_ms: float, max_holdout_error: float) -> None:
+@click.option(
+    "--out",
+    "out_path",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="write the fitted models as JSON",
+)
+@click.option(
+    "--monotone-tolerance-ms",
+    type=MARGIN_MS.option(),
+    default=5.0,
+    show_default=True,
+    help="a drop along c or n smaller than this (or than 25 %) is noise, not a broken profile",
+)
+@click.option(
+    "--max-holdout-error",
+    type=HOLDOUT_ERROR.option(),
+    default=MAX_HOLDOUT_ERROR,
+    show_default=True,
+    help="refuse a fitted kind whose median relative error on held-out steps is above this (0.5: 50 %)",
+)
+def fit_command(
+    profile_path: Path, out_path: Path | None, monotone_tolerance_ms: float, max_holdout_error: float
+) -> None:
     """Fit the lookup table, the context-aware regression and the P99 margin from a profile."""
     if out_path is not None:
         check_writable(out_path, "--out", is_file=True)
@@ -129,34 +194,102 @@ def fit_command(profile_path: Path, out_path: Path | None, monotone_tolerance_ms
 
 
 @click.command(name="run")
-@click.option("--model", default="small", show_default=True, help="packaged model (tiny, small) or a local model directory")
-@click.option("--profile", "profile_path", type=click.Path(exists=True, dir_okay=False, path_type=Path), required=True, help="profile from `sloweave profile`")
+@click.option(
+    "--model", default="small", show_default=True, help="packaged model (tiny, small) or a local model directory"
+)
+@click.option(
+    "--profile",
+    "profile_path",
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    required=True,
+    help="profile from `sloweave profile`",
+)
 @click.option("--workload", type=click.Choice(list(WORKLOADS)), default="mixed", show_default=True)
 @click.option("--requests", "num_requests", type=REQUESTS, default=80, show_default=True)
-@click.option("--rate-scale", type=SCALE.option(), default=0.25, show_default=True, help="multiplies the workload's arrival rate")
+@click.option(
+    "--rate-scale", type=SCALE.option(), default=0.25, show_default=True, help="multiplies the workload's arrival rate"
+)
 @click.option("--prompt-scale", type=SCALE.option(), default=0.25, show_default=True, help="multiplies prompt lengths")
 @click.option("--output-scale", type=SCALE.option(), default=0.1, show_default=True, help="multiplies output lengths")
 @click.option("--max-prompt", type=TOKENS.option(), default=1536, show_default=True)
 @click.option("--max-output", type=TOKENS.option(), default=48, show_default=True)
 @click.option("--policies", default="sloweave,fixed-32,fixed-64,fixed-128,fixed-256,fixed-512,full", show_default=True)
-@click.option("--tpot-ms", type=DURATION_MS.option(), default=100.0, show_default=True, help="TPOT target; 100 ms suits the small model on one CPU thread")
+@click.option(
+    "--tpot-ms",
+    type=DURATION_MS.option(),
+    default=100.0,
+    show_default=True,
+    help="TPOT target; 100 ms suits the small model on one CPU thread",
+)
 @click.option("--ttft-ms", type=DURATION_MS.option(), default=None, help="TTFT target; default: the workload's own")
-@click.option("--cost", "cost_kind", type=click.Choice(["regression", "table"]), default="regression", show_default=True)
+@click.option(
+    "--cost", "cost_kind", type=click.Choice(["regression", "table"]), default="regression", show_default=True
+)
 @click.option("--margin/--no-margin", default=True, show_default=True)
 @click.option("--calibrate/--no-calibrate", default=True, show_default=True, help="online recalibration (SLOWeave)")
-@click.option("--stale-factor", type=SCALE.option(), default=1.0, show_default=True, help="scale the fitted cost (drift experiment)")
+@click.option(
+    "--stale-factor",
+    type=SCALE.option(),
+    default=1.0,
+    show_default=True,
+    help="scale the fitted cost (drift experiment)",
+)
 @click.option("--max-chunk", type=TOKENS.option(), default=1024, show_default=True, help="SLOWeave's C_max")
-@click.option("--aging-ms", type=DURATION_MS.option(), default=None,
-              help="starvation control for every policy, as the vLLM plug-in's aging_ms (2000 there): after this wait without "
-                   "progress the oldest prompt gets a chunk (an SLO exception); off by default, as in `sloweave simulate`")
-@click.option("--aging-chunk-tokens", type=TOKENS.option(), default=256, show_default=True, help="the chunk aging forces")
+@click.option(
+    "--aging-ms",
+    type=DURATION_MS.option(),
+    default=None,
+    help="starvation control for every policy, as the vLLM plug-in's aging_ms (2000 there): after this wait without "
+    "progress the oldest prompt gets a chunk (an SLO exception); off by default, as in `sloweave simulate`",
+)
+@click.option(
+    "--aging-chunk-tokens", type=TOKENS.option(), default=256, show_default=True, help="the chunk aging forces"
+)
 @click.option("--seeds", default="0", show_default=True, callback=_whole_numbers(SEED))
 @click.option("--horizon-s", type=DURATION_S.option(), default=None, help="stop a run after this long")
 @click.option("--threads", type=REPEATS.option(), default=1, show_default=True)
-@click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), default=Path("results/cpu-run"), show_default=True)
+@click.option(
+    "--out",
+    "out_dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=Path("results/cpu-run"),
+    show_default=True,
+)
 @result_folder_options()
-@click.option("--monotone-tolerance-ms", type=MARGIN_MS.option(), default=5.0, show_default=True, help="a drop along c or n smaller than this (or than 25 %) is noise, not a broken profile")
-def run_command(model, profile_path, workload, num_requests, rate_scale, prompt_scale, output_scale, max_prompt, max_output, policies, tpot_ms, ttft_ms, cost_kind, margin, calibrate, stale_factor, max_chunk, aging_ms, aging_chunk_tokens, seeds, horizon_s, threads, out_dir, monotone_tolerance_ms, force) -> None:
+@click.option(
+    "--monotone-tolerance-ms",
+    type=MARGIN_MS.option(),
+    default=5.0,
+    show_default=True,
+    help="a drop along c or n smaller than this (or than 25 %) is noise, not a broken profile",
+)
+def run_command(
+    model,
+    profile_path,
+    workload,
+    num_requests,
+    rate_scale,
+    prompt_scale,
+    output_scale,
+    max_prompt,
+    max_output,
+    policies,
+    tpot_ms,
+    ttft_ms,
+    cost_kind,
+    margin,
+    calibrate,
+    stale_factor,
+    max_chunk,
+    aging_ms,
+    aging_chunk_tokens,
+    seeds,
+    horizon_s,
+    threads,
+    out_dir,
+    monotone_tolerance_ms,
+    force,
+) -> None:
     """Serve a workload on the real CPU model under each policy; report measured and simulated metrics."""
     check_writable(out_dir, "--out")
     _need_runtime("run")
@@ -179,12 +312,15 @@ def run_command(model, profile_path, workload, num_requests, rate_scale, prompt_
     if context is not None and max_prompt + max_output > context:
         raise click.BadParameter(
             f"--max-prompt {max_prompt} + --max-output {max_output} tokens exceed the model's context of {context} tokens "
-            "(max_position_embeddings)", param_hint="--max-prompt",
+            "(max_position_embeddings)",
+            param_hint="--max-prompt",
         )
     with result_folder(out_dir, force) as folder:  # the folder is complete or absent
         rows = []
         for seed in seeds:
-            wl = scaled_workload(workload, num_requests, seed, rate_scale, prompt_scale, output_scale, max_prompt, max_output)
+            wl = scaled_workload(
+                workload, num_requests, seed, rate_scale, prompt_scale, output_scale, max_prompt, max_output
+            )
             engine = Engine(
                 model_obj,
                 max_batch_tokens=int(wl.prompt_tokens.max()) + 128,
@@ -192,26 +328,56 @@ def run_command(model, profile_path, workload, num_requests, rate_scale, prompt_
                 threads=threads,
             )
             for name in names:
-                row, run = run_policy(engine, wl, name, fit, tpot_ms, ttft_ms, cost_kind, margin, calibrate, max_chunk, stale_factor if name == "sloweave" else 1.0, seed, horizon_s,
-                                      aging_ms=aging_ms, aging_chunk_tokens=aging_chunk_tokens)
+                row, run = run_policy(
+                    engine,
+                    wl,
+                    name,
+                    fit,
+                    tpot_ms,
+                    ttft_ms,
+                    cost_kind,
+                    margin,
+                    calibrate,
+                    max_chunk,
+                    stale_factor if name == "sloweave" else 1.0,
+                    seed,
+                    horizon_s,
+                    aging_ms=aging_ms,
+                    aging_chunk_tokens=aging_chunk_tokens,
+                )
                 row.update(seed=seed, workload=wl.name, tpot_target_ms=tpot_ms, ttft_target_ms=ttft_ms)
                 rows.append(row)
-                tag = f"{row['policy']}-seed{seed}".replace("+", "_").replace("(", "_").replace(")", "").replace(" ", "")
+                tag = (
+                    f"{row['policy']}-seed{seed}".replace("+", "_").replace("(", "_").replace(")", "").replace(" ", "")
+                )
                 run.requests.to_csv(folder.path / f"requests-{tag}.csv", index=False)
                 run.steps.to_csv(folder.path / f"steps-{tag}.csv", index=False)
                 # the controller's decisions under the names the simulator and the vLLM plug-in use
-                decisions = {"source": "cpu-runtime", "policy": row["policy"], "seed": seed, "tpot_ms": tpot_ms, "metrics": run.decision_metrics}
+                decisions = {
+                    "source": "cpu-runtime",
+                    "policy": row["policy"],
+                    "seed": seed,
+                    "tpot_ms": tpot_ms,
+                    "metrics": run.decision_metrics,
+                }
                 write_result_json(folder.path / f"decision_metrics-{tag}.json", decisions)
                 click.echo(
                     f"{row['policy']:>28s} seed {seed}: goodput {row['measured_goodput_rps']:.3f} req/s, "
                     f"attainment {row['measured_attainment']:.2f}, P99 TPOT {row['measured_p99_tpot_ms']:.1f} ms, "
                     f"P99 TTFT {row['measured_p99_ttft_ms']:.0f} ms, overran {row['overran_prediction_plus_margin_share']:.1%} of steps"
                 )
-        frame = pd.concat([add_ratios(pd.DataFrame([r for r in rows if r["seed"] == s])) for s in seeds], ignore_index=True)
+        frame = pd.concat(
+            [add_ratios(pd.DataFrame([r for r in rows if r["seed"] == s])) for s in seeds], ignore_index=True
+        )
         frame.to_csv(folder.path / "summary.csv", index=False)
-        write_result_json(folder.path / "summary.json", {"command": "run", "settings": command_settings(), "runs": frame.to_dict(orient="records")})
+        write_result_json(
+            folder.path / "summary.json",
+            {"command": "run", "settings": command_settings(), "runs": frame.to_dict(orient="records")},
+        )
         _plot(frame, folder.path / "summary.png", tpot_ms)
-    click.echo(f"wrote {out_dir}/summary.csv, summary.json, summary.png (per run: requests-, steps-, decision_metrics-*)")
+    click.echo(
+        f"wrote {out_dir}/summary.csv, summary.json, summary.png (per run: requests-, steps-, decision_metrics-*)"
+    )
 
 
 def _plot(frame, path: Path, tpot_ms: float) -> None:

@@ -50,7 +50,14 @@ class StepRecord:
 class Engine:
     """One model, one paged KV pool, the ``sloweave`` scheduler, stepped by the caller."""
 
-    def __init__(self, model, max_batch_tokens: int, num_blocks: int, page_tokens: int = DEFAULT_PAGE_TOKENS, threads: int | None = 1):
+    def __init__(
+        self,
+        model,
+        max_batch_tokens: int,
+        num_blocks: int,
+        page_tokens: int = DEFAULT_PAGE_TOKENS,
+        threads: int | None = 1,
+    ):
         if threads is not None:
             # One thread by default: on a shared 2-core machine two threads were slower and
             # far noisier (INTEGRATION-NOTES), and a cost model needs repeatable steps.
@@ -167,6 +174,8 @@ class Engine:
         )
 
 
-def blocks_needed(max_tokens_in_flight: int, max_requests_in_flight: int, page_tokens: int = DEFAULT_PAGE_TOKENS) -> int:
+def blocks_needed(
+    max_tokens_in_flight: int, max_requests_in_flight: int, page_tokens: int = DEFAULT_PAGE_TOKENS
+) -> int:
     """KV blocks for a workload: its peak KV tokens plus one partly filled page per request."""
     return -(-max_tokens_in_flight // page_tokens) + max_requests_in_flight + 4

@@ -38,8 +38,16 @@ def scaled_workload(
     base = get_workload_spec(name).generate(num_requests, seed, rate_scale)
     prompt = np.clip(np.round(base.prompt_tokens * prompt_scale), 1, max_prompt_tokens).astype(np.int64)
     output = np.clip(np.round(base.output_tokens * output_scale), 1, max_output_tokens).astype(np.int64)
-    params = dict(base.params, prompt_scale=prompt_scale, output_scale=output_scale, max_prompt_tokens=max_prompt_tokens, max_output_tokens=max_output_tokens)
-    return Workload(name=f"{name}-cpu", arrival_s=base.arrival_s, prompt_tokens=prompt, output_tokens=output, params=params)
+    params = dict(
+        base.params,
+        prompt_scale=prompt_scale,
+        output_scale=output_scale,
+        max_prompt_tokens=max_prompt_tokens,
+        max_output_tokens=max_output_tokens,
+    )
+    return Workload(
+        name=f"{name}-cpu", arrival_s=base.arrival_s, prompt_tokens=prompt, output_tokens=output, params=params
+    )
 
 
 def mean_context_tokens(workload: Workload) -> float:
@@ -98,7 +106,17 @@ def _zero(n_decodes: int, chunk_tokens: int) -> float:
     return 0.0
 
 
-def simulated_metrics(workload: Workload, name: str, fit: FitResult, tpot_ms: float, ttft_ms: float, cost_kind: str = "regression", use_margin: bool = True, max_chunk_tokens: int = 1024, aging: Aging | None = None) -> dict:
+def simulated_metrics(
+    workload: Workload,
+    name: str,
+    fit: FitResult,
+    tpot_ms: float,
+    ttft_ms: float,
+    cost_kind: str = "regression",
+    use_margin: bool = True,
+    max_chunk_tokens: int = 1024,
+    aging: Aging | None = None,
+) -> dict:
     """The simulator's prediction of the same run, on the fitted cost at the workload's mean context."""
     cost = FixedContextCost(fit.cost(cost_kind), mean_context_tokens(workload))
     margin = ResidualMargin(cost, fit.margin_fractions) if use_margin else None

@@ -15,12 +15,19 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 PACKAGED_MODELS = ("tiny", "small")
-WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin", "model.safetensors.index.json", "pytorch_model.bin.index.json")
+WEIGHT_FILES = (
+    "model.safetensors",
+    "pytorch_model.bin",
+    "model.safetensors.index.json",
+    "pytorch_model.bin.index.json",
+)
 
 
 def packaged_config(name: str) -> dict:
     if name not in PACKAGED_MODELS:
-        raise ValueError(f"unknown packaged model {name!r}: choose one of {', '.join(PACKAGED_MODELS)} or a local directory")
+        raise ValueError(
+            f"unknown packaged model {name!r}: choose one of {', '.join(PACKAGED_MODELS)} or a local directory"
+        )
     with resources.files("sloweave.runtime.models").joinpath(f"{name}.json").open() as f:
         config = json.load(f)
     config.pop("_comment", None)
@@ -42,7 +49,9 @@ def load_model(name_or_path: str, seed: int = 0) -> torch.nn.Module:
             config._attn_implementation = "sdpa"
             model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
     else:
-        raise ValueError(f"model {name_or_path!r} is neither a packaged model ({', '.join(PACKAGED_MODELS)}) nor a directory with a config.json")
+        raise ValueError(
+            f"model {name_or_path!r} is neither a packaged model ({', '.join(PACKAGED_MODELS)}) nor a directory with a config.json"
+        )
     return model.to(torch.float32).eval()
 
 

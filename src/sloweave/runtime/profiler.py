@@ -44,7 +44,9 @@ def run_profile(
 ) -> pd.DataFrame:
     decodes, chunks, contexts = sorted(set(decodes)), sorted(set(chunks)), sorted(set(contexts))
     if max(decodes) + max(chunks) > engine.max_batch_tokens:
-        raise ValueError(f"the grid needs max_batch_tokens >= {max(decodes) + max(chunks)}, engine has {engine.max_batch_tokens}")
+        raise ValueError(
+            f"the grid needs max_batch_tokens >= {max(decodes) + max(chunks)}, engine has {engine.max_batch_tokens}"
+        )
     rng = np.random.default_rng(seed)
     rows: list[dict] = []
     counter = iter(range(10**9))
@@ -55,7 +57,9 @@ def run_profile(
         return f"p{next(counter)}"
 
     def run_step(chunk: int):
-        record = engine.step(lambda shape, start_ms: min(chunk, shape.waiting_tokens, shape.token_capacity - shape.n_decodes))
+        record = engine.step(
+            lambda shape, start_ms: min(chunk, shape.waiting_tokens, shape.token_capacity - shape.n_decodes)
+        )
         if record is None or record.ran_chunk_tokens != record.asked_chunk_tokens:
             raise RuntimeError(f"profiling step did not run the requested chunk {chunk}: {record}")
         return record

@@ -110,11 +110,15 @@ class MeasuredRun:
             "p50_overrun_ms": float(np.percentile(over[over > 0], 50)) if np.any(over > 0) else 0.0,
             "p99_overrun_ms": float(np.percentile(over[over > 0], 99)) if np.any(over > 0) else 0.0,
             "max_overrun_ms": float(over.max()) if len(s) else float("nan"),
-            "median_abs_rel_prediction_error": float(np.median(np.abs(s["predicted_ms"] / s["step_ms"] - 1))) if len(s) else float("nan"),
+            "median_abs_rel_prediction_error": float(np.median(np.abs(s["predicted_ms"] / s["step_ms"] - 1)))
+            if len(s)
+            else float("nan"),
             "steps_with_deadline": int(decided.sum()),
             "deadline_missed_share": float(late.sum() / max(1, decided.sum())),
             "infeasible_steps": int(s["infeasible"].sum()),
-            "mean_chunk_tokens": float(s.loc[s["chunk_tokens"] > 0, "chunk_tokens"].mean()) if (s["chunk_tokens"] > 0).any() else 0.0,
+            "mean_chunk_tokens": float(s.loc[s["chunk_tokens"] > 0, "chunk_tokens"].mean())
+            if (s["chunk_tokens"] > 0).any()
+            else 0.0,
         }
 
 
@@ -153,7 +157,9 @@ def run_requests(
     controller.recorder = summary if recorder is None else Recorders(summary, recorder)
     run = RuntimeRun(engine, spec, controller, np.random.default_rng(seed))
     horizon_ms = math.inf if horizon_s is None else float(spec.arrival_ms[0]) + horizon_s * 1000.0
-    bar = tqdm(total=len(spec), desc=label or getattr(policy, "name", "run"), unit="req", disable=not progress, leave=False)
+    bar = tqdm(
+        total=len(spec), desc=label or getattr(policy, "name", "run"), unit="req", disable=not progress, leave=False
+    )
     while run.unfinished:
         now_ms = engine.now_ms()
         if now_ms >= horizon_ms:
@@ -234,7 +240,9 @@ def step_row(record: StepRecord, plan: StepPlan) -> dict:
 class RuntimeRun:
     """One run's state: the requests admitted, their token times, the steps' rows."""
 
-    def __init__(self, engine: Engine, spec: RequestSpec, controller: BudgetController, rng: np.random.Generator) -> None:
+    def __init__(
+        self, engine: Engine, spec: RequestSpec, controller: BudgetController, rng: np.random.Generator
+    ) -> None:
         self.engine, self.spec, self.controller, self.rng = engine, spec, controller, rng
         self.ids = [request_id(i) for i in range(len(spec))]
         self.index = {rid: i for i, rid in enumerate(self.ids)}

@@ -67,7 +67,9 @@ class SLOWeaveScheduler(Scheduler):
     def _oldest_prompt(self):
         prefilling = [s for s in self.active_requests.values() if s.status == RequestStatus.PREFILLING]
         if len(prefilling) > 1:
-            raise RuntimeError(f"{len(prefilling)} prompts are half-prefilled; this scheduler runs one prefill at a time")
+            raise RuntimeError(
+                f"{len(prefilling)} prompts are half-prefilled; this scheduler runs one prefill at a time"
+            )
         if prefilling:
             return prefilling[0]
         if self.block_new_requests or not self.waiting_requests_order:

@@ -42,8 +42,14 @@ class AdmissionGate(AdmitAll):
         r = engine.requests
         ttft = None if self.ttft_of is None else self.ttft_of[request]
         return self.control.refusal(
-            self.policy, self.predicted_ms, engine.batch.n + len(engine.queue), engine.queue.queued_tokens,
-            r.prompt[request], engine.now_ms - r.arrival_ms[request], engine.deadlines.target(request), ttft,
+            self.policy,
+            self.predicted_ms,
+            engine.batch.n + len(engine.queue),
+            engine.queue.queued_tokens,
+            r.prompt[request],
+            engine.now_ms - r.arrival_ms[request],
+            engine.deadlines.target(request),
+            ttft,
         )
 
     def refuse(self, engine, request: int, reason: str) -> None:
@@ -60,13 +66,22 @@ class AdmissionGate(AdmitAll):
         while self.ttft_of is not None and waiting:
             head = waiting[0]
             best_effort = r.deferred_reason[head] != ""  # came from the deferred lane: served anyway
-            if r.started(head) or best_effort or not self.control.expired(engine.now_ms - r.arrival_ms[head], self.ttft_of[head]):
+            if (
+                r.started(head)
+                or best_effort
+                or not self.control.expired(engine.now_ms - r.arrival_ms[head], self.ttft_of[head])
+            ):
                 break
             self.refuse(engine, queue.pop_head(), TTFT_EXPIRED)
         # The best-effort lane runs only when nothing else waits and decodes have room.
         n = engine.batch.n
-        if self.deferred and not waiting and (
-            n == 0 or self.control.decode_room(self.predicted_ms(n + 1, 0), engine.deadlines.target(self.deferred[0]))
+        if (
+            self.deferred
+            and not waiting
+            and (
+                n == 0
+                or self.control.decode_room(self.predicted_ms(n + 1, 0), engine.deadlines.target(self.deferred[0]))
+            )
         ):
             queue.append(self.deferred.popleft())
 

@@ -24,8 +24,12 @@ class IterationClock:
         self.duration = duration
         self.correction = correction
         self._corrected = policy_cost
-        if correction is not None and not (isinstance(policy_cost, Calibrated) and policy_cost.calibrator is correction):
-            raise ValueError("online correction needs the policy's cost to be a CalibratedCost built on that calibrator")
+        if correction is not None and not (
+            isinstance(policy_cost, Calibrated) and policy_cost.calibrator is correction
+        ):
+            raise ValueError(
+                "online correction needs the policy's cost to be a CalibratedCost built on that calibrator"
+            )
         # Costs that read the KV context get it before every decision (each model once); costs
         # that price the prefill piece by piece also get the prompts on offer. Sorted once, here.
         inner = duration.cost if isinstance(duration, Wrapper) else None

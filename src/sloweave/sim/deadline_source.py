@@ -127,7 +127,9 @@ class TrackedDeadlines:
 
     def __init__(self, source: SharedTarget) -> None:
         if source.banked:
-            raise ValueError("check_deadlines compares with the per-token DeadlineTracker; use deadline_form='per-token'")
+            raise ValueError(
+                "check_deadlines compares with the per-token DeadlineTracker; use deadline_form='per-token'"
+            )
         self.source = source
         self.banked = False
         self.per_token_updates = True

@@ -36,7 +36,9 @@ class AgingDecider:
         head = engine.queue.waiting[0] if waiting_tokens else None
         decision = self._lookahead(engine, n, waiting_tokens, budget_ms, head) if self.lookahead else None
         waited_ms = engine.now_ms - engine.requests.progress_ms[head] if head is not None else 0.0
-        chunk, infeasible, aged = decide_step(self.policy, n, waiting_tokens, budget_ms, self.aging, waited_ms, decision)
+        chunk, infeasible, aged = decide_step(
+            self.policy, n, waiting_tokens, budget_ms, self.aging, waited_ms, decision
+        )
         if aged:
             self._record(engine, head, chunk, budget_ms)
         return Decision(chunk, infeasible)

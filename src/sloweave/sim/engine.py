@@ -66,7 +66,22 @@ DEADLINE_FORMS = ("per-token", "cumulative")
 class Engine:
     """The engine state and its step. Build it with ``build_engine`` (or ``simulate``)."""
 
-    def __init__(self, workload, policy, requests, arrivals, queue, packing, batch, memory, deadlines, clock, decide, batch_cap, horizon_ms) -> None:
+    def __init__(
+        self,
+        workload,
+        policy,
+        requests,
+        arrivals,
+        queue,
+        packing,
+        batch,
+        memory,
+        deadlines,
+        clock,
+        decide,
+        batch_cap,
+        horizon_ms,
+    ) -> None:
         self.workload, self.policy, self.requests = workload, policy, requests
         self.arrivals, self.queue, self.packing, self.batch = arrivals, queue, packing, batch
         self.memory, self.kv, self.deadlines, self.clock = memory, KVLedger(), deadlines, clock
@@ -107,7 +122,9 @@ class Engine:
                 self.clock.set_offer(self.queue.offer(waiting_tokens))
         chunk, infeasible = self.decide(n, waiting_tokens, budget_ms)
         if chunk < 0 or chunk > waiting_tokens:
-            raise RuntimeError(f"policy {self.policy.name} chose chunk {chunk} with {waiting_tokens} prompt tokens waiting")
+            raise RuntimeError(
+                f"policy {self.policy.name} chose chunk {chunk} with {waiting_tokens} prompt tokens waiting"
+            )
         self.end_ms = end_ms = now_ms + self.clock.iteration_ms(n, chunk)
         self.recorder.iteration(now_ms, end_ms, n, chunk, budget_ms, infeasible)
         self._emit_decodes()
@@ -191,14 +208,38 @@ def simulate(
     Every option works with every policy.
     """
     return build_engine(
-        workload, policy, tpot_ms, actual_cost, horizon_s, max_batch_size, check_deadlines,
-        deadline_form=deadline_form, aging=aging, admission=admission, ttft_ms=ttft_ms,
-        kv_capacity_tokens=kv_capacity_tokens, correction=correction,
+        workload,
+        policy,
+        tpot_ms,
+        actual_cost,
+        horizon_s,
+        max_batch_size,
+        check_deadlines,
+        deadline_form=deadline_form,
+        aging=aging,
+        admission=admission,
+        ttft_ms=ttft_ms,
+        kv_capacity_tokens=kv_capacity_tokens,
+        correction=correction,
     ).run()
 
 
-def build_engine(workload, policy, tpot_ms=25.0, actual_cost=None, horizon_s=None, max_batch_size=None, check_deadlines=False, *,
-                 deadline_form="per-token", aging=None, admission=None, ttft_ms=None, kv_capacity_tokens=None, correction=None) -> Engine:
+def build_engine(
+    workload,
+    policy,
+    tpot_ms=25.0,
+    actual_cost=None,
+    horizon_s=None,
+    max_batch_size=None,
+    check_deadlines=False,
+    *,
+    deadline_form="per-token",
+    aging=None,
+    admission=None,
+    ttft_ms=None,
+    kv_capacity_tokens=None,
+    correction=None,
+) -> Engine:
     """The engine for ``simulate``'s options, each option turned into its part."""
     tpot_ms = positive_ms(tpot_ms, "tpot_ms")
     if not isinstance(workload, Workload):
@@ -230,13 +271,24 @@ def build_engine(workload, policy, tpot_ms=25.0, actual_cost=None, horizon_s=Non
     deadlines = _deadline_source(tpot_ms, requests.tpot_ms, deadline_form, check_deadlines)
     queue = PrefillQueue(requests)
     # One prefill per iteration (the paper) or several, first-fit in FCFS order (Sarathi-Serve).
-    packing = OnePrompt(queue) if getattr(policy, "max_prefills", 1) == 1 else FcfsPrompts(queue, policy.max_prefill_tokens)
+    packing = (
+        OnePrompt(queue) if getattr(policy, "max_prefills", 1) == 1 else FcfsPrompts(queue, policy.max_prefill_tokens)
+    )
     gate = AdmitAll() if admission is None else AdmissionGate(admission, policy, predicted, ttft_of)
     memory = UnlimitedKV() if kv_capacity_tokens is None else KVCapacity(int(kv_capacity_tokens))
     clock = IterationClock(duration, getattr(policy, "cost", None), correction)
     return Engine(
-        workload, policy, requests, Arrivals(requests.arrival_ms, gate), queue, packing, DecodeBatch(requests), memory,
-        deadlines, clock, chunk_decider(policy, aging, predicted),
+        workload,
+        policy,
+        requests,
+        Arrivals(requests.arrival_ms, gate),
+        queue,
+        packing,
+        DecodeBatch(requests),
+        memory,
+        deadlines,
+        clock,
+        chunk_decider(policy, aging, predicted),
         math.inf if max_batch_size is None else max_batch_size,
         math.inf if horizon_s is None else horizon_s * 1000.0,
     )
@@ -245,7 +297,9 @@ def build_engine(workload, policy, tpot_ms=25.0, actual_cost=None, horizon_s=Non
 def _deadline_source(tpot_ms: float, targets: list[float] | None, form: str, checked: bool):
     if form == "cumulative":
         if checked:
-            raise ValueError("check_deadlines compares with the per-token DeadlineTracker; use deadline_form='per-token'")
+            raise ValueError(
+                "check_deadlines compares with the per-token DeadlineTracker; use deadline_form='per-token'"
+            )
         return CumulativeTargets(tpot_ms, targets)
     source = SharedTarget(tpot_ms) if targets is None else PerRequestTargets(tpot_ms, targets)
     return TrackedDeadlines(source) if checked else source
@@ -254,7 +308,13 @@ def _deadline_source(tpot_ms: float, targets: list[float] | None, form: str, che
 def _per_request_ttft(ttft_ms, num_requests: int) -> list[float] | None:
     if ttft_ms is None:
         return None
-    values = np.broadcast_to(np.asarray(ttft_ms, dtype=np.float64), (num_requests,)) if np.ndim(ttft_ms) == 0 else np.asarray(ttft_ms, dtype=np.float64)
+    values = (
+        np.broadcast_to(np.asarray(ttft_ms, dtype=np.float64), (num_requests,))
+        if np.ndim(ttft_ms) == 0
+        else np.asarray(ttft_ms, dtype=np.float64)
+    )
     if values.shape != (num_requests,) or not np.all(np.isfinite(values)) or np.any(values <= 0):
-        raise ValueError(f"ttft_ms must be one finite target > 0 ms or one per request ({num_requests}), got {ttft_ms!r}")
+        raise ValueError(
+            f"ttft_ms must be one finite target > 0 ms or one per request ({num_requests}), got {ttft_ms!r}"
+        )
     return values.tolist()

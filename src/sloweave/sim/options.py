@@ -47,7 +47,9 @@ class EngineOptions:
         if self.max_batch_size is not None:
             BATCH_SIZE.check(self.max_batch_size, "max_batch_size")
         if self.admission is not None and self.admission not in ADMISSION_ACTIONS:
-            raise ValueError(f"admission must be one of {', '.join(ADMISSION_ACTIONS)} (or None), got {self.admission!r}")
+            raise ValueError(
+                f"admission must be one of {', '.join(ADMISSION_ACTIONS)} (or None), got {self.admission!r}"
+            )
         if self.aging_ms is not None:
             positive_ms(self.aging_ms, "aging_ms")
         positive_tokens(self.aging_chunk_tokens, "aging_chunk_tokens")
@@ -77,7 +79,15 @@ class EngineOptions:
             return cost
         return NoisyCost(cost, self.noise_sigma, seed=NOISE_SEED_OFFSET + noise_seed, bias=self.bias)
 
-    def simulate(self, workload: Workload, policy: Policy, tpot_ms: float, ttft_ms: float | np.ndarray, cost: CostModel, noise_seed: int = 0) -> SimResult:
+    def simulate(
+        self,
+        workload: Workload,
+        policy: Policy,
+        tpot_ms: float,
+        ttft_ms: float | np.ndarray,
+        cost: CostModel,
+        noise_seed: int = 0,
+    ) -> SimResult:
         """Run ``policy`` on ``workload`` in this engine; ``cost`` is the machine's model.
 
         The policy predicts with its own cost (normally ``cost``); the iteration really
@@ -118,14 +128,55 @@ def engine_options(dest: str = "engine"):
 
     defaults = {f.name: f.default for f in fields(EngineOptions)}
     flags = {  # EngineOptions field: (the flag, or None for --<field>, its click settings); aging_chunk_tokens has no flag
-        "max_batch_size": ("--max-batch", {"type": BATCH_SIZE.option(), "help": "cap on started requests, every policy (vLLM's max_num_seqs)"}),
-        "admission": (None, {"type": click.Choice(ADMISSION_ACTIONS), "help": "admission control for every policy: reject or defer (a best-effort lane)"}),
-        "aging_ms": (None, {"type": DURATION_MS.option(), "help": "starvation control for every policy: after this wait the oldest prompt gets a chunk"}),
-        "kv_capacity_tokens": (None, {"type": TOKENS.option(), "help": "KV cache capacity in tokens (admission by memory, preemption with recompute)"}),
+        "max_batch_size": (
+            "--max-batch",
+            {"type": BATCH_SIZE.option(), "help": "cap on started requests, every policy (vLLM's max_num_seqs)"},
+        ),
+        "admission": (
+            None,
+            {
+                "type": click.Choice(ADMISSION_ACTIONS),
+                "help": "admission control for every policy: reject or defer (a best-effort lane)",
+            },
+        ),
+        "aging_ms": (
+            None,
+            {
+                "type": DURATION_MS.option(),
+                "help": "starvation control for every policy: after this wait the oldest prompt gets a chunk",
+            },
+        ),
+        "kv_capacity_tokens": (
+            None,
+            {
+                "type": TOKENS.option(),
+                "help": "KV cache capacity in tokens (admission by memory, preemption with recompute)",
+            },
+        ),
         "deadline_form": (None, {"type": click.Choice(DEADLINE_FORMS), "show_default": True}),
-        "noise_sigma": (None, {"type": NOISE_SIGMA.option(), "show_default": True, "help": "prediction error: actual step = model x lognormal(0, sigma) x bias (seeded)"}),
-        "bias": (None, {"type": SCALE.option(), "show_default": True, "help": "systematic prediction error: the machine is this many times slower than the model"}),
-        "correction": ("--correction/--no-correction", {"show_default": True, "help": "deadline-aware policies correct the model online and keep an adaptive P99.7 margin (no hand-set margin)"}),
+        "noise_sigma": (
+            None,
+            {
+                "type": NOISE_SIGMA.option(),
+                "show_default": True,
+                "help": "prediction error: actual step = model x lognormal(0, sigma) x bias (seeded)",
+            },
+        ),
+        "bias": (
+            None,
+            {
+                "type": SCALE.option(),
+                "show_default": True,
+                "help": "systematic prediction error: the machine is this many times slower than the model",
+            },
+        ),
+        "correction": (
+            "--correction/--no-correction",
+            {
+                "show_default": True,
+                "help": "deadline-aware policies correct the model online and keep an adaptive P99.7 margin (no hand-set margin)",
+            },
+        ),
     }
 
     def decorate(command):
@@ -139,7 +190,9 @@ def engine_options(dest: str = "engine"):
             return command(*args, **kwargs)
 
         for name, (flag, settings) in reversed(flags.items()):
-            wrapper = click.option(flag or "--" + name.replace("_", "-"), name, default=defaults[name], **settings)(wrapper)
+            wrapper = click.option(flag or "--" + name.replace("_", "-"), name, default=defaults[name], **settings)(
+                wrapper
+            )
         return wrapper
 
     return decorate

@@ -18,7 +18,9 @@ class Recorder:
         self.piece_request: list[int] = []
         self.piece_tokens: list[int] = []
 
-    def iteration(self, start_ms: float, end_ms: float, n_decodes: int, chunk_tokens: int, budget_ms: float, infeasible: bool) -> None:
+    def iteration(
+        self, start_ms: float, end_ms: float, n_decodes: int, chunk_tokens: int, budget_ms: float, infeasible: bool
+    ) -> None:
         self.starts.append(start_ms)
         self.ends.append(end_ms)
         self.decodes.append(n_decodes)

@@ -46,7 +46,12 @@ class Requests:
     @classmethod
     def from_workload(cls, workload: Workload) -> Requests:
         tpot = None if workload.tpot_ms is None else workload.tpot_ms.tolist()
-        return cls((workload.arrival_s * 1000.0).tolist(), workload.prompt_tokens.tolist(), workload.output_tokens.tolist(), tpot)
+        return cls(
+            (workload.arrival_s * 1000.0).tolist(),
+            workload.prompt_tokens.tolist(),
+            workload.output_tokens.tolist(),
+            tpot,
+        )
 
     def __len__(self) -> int:
         return len(self.arrival_ms)

@@ -57,7 +57,9 @@ class SimResult:
         """Iterations at whose end ``request`` emitted its tokens (first token first)."""
         segments = self.token_segments.get(request)
         if segments is not None:
-            return np.concatenate([np.arange(a, b + 1) for a, b in segments]) if segments else np.empty(0, dtype=np.int64)
+            return (
+                np.concatenate([np.arange(a, b + 1) for a, b in segments]) if segments else np.empty(0, dtype=np.int64)
+            )
         first = int(self.first_token_iter[request])
         if first == NOT_STARTED:
             return np.empty(0, dtype=np.int64)

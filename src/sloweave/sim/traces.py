@@ -35,7 +35,22 @@ import numpy as np
 import pandas as pd
 
 from sloweave.core.csv_shape import check_csv_shape, located, not_text
-from sloweave.core.validate import DEFAULT_MAX_MODEL_LEN_TOKENS, DURATION_S, MAX_SECONDS, MAX_TOKENS, RATE_RPS, SCALE, SEED, TIME_S, TOKENS, Range, RepeatedKeyError, max_model_len, one_value_per_key, over_context
+from sloweave.core.validate import (
+    DEFAULT_MAX_MODEL_LEN_TOKENS,
+    DURATION_S,
+    MAX_SECONDS,
+    MAX_TOKENS,
+    RATE_RPS,
+    SCALE,
+    SEED,
+    TIME_S,
+    TOKENS,
+    Range,
+    RepeatedKeyError,
+    max_model_len,
+    one_value_per_key,
+    over_context,
+)
 from sloweave.sim.workloads import Workload, WorkloadError, poisson_arrivals
 
 # Columns that identify each CSV format, in the order they are tried.
@@ -151,7 +166,11 @@ def _parse_seconds(path: Path, raw: pd.Series, column: str, lines: np.ndarray, p
     for i in np.flatnonzero(values < 0):
         raise _fail(path, lines[i], f"{column} is {text.iloc[i]}; arrival times must be >= 0")
     for i in np.flatnonzero(values > MAX_SECONDS * per_second):  # a float clock there cannot add a millisecond
-        raise _fail(path, lines[i], f"{column} is {text.iloc[i]}; arrival times must be <= {MAX_SECONDS * per_second:g} ({MAX_SECONDS:g} s)")
+        raise _fail(
+            path,
+            lines[i],
+            f"{column} is {text.iloc[i]}; arrival times must be <= {MAX_SECONDS * per_second:g} ({MAX_SECONDS:g} s)",
+        )
     return values
 
 
@@ -216,7 +235,9 @@ def _load_csv(path: Path, fmt: str, limit: int) -> Trace:
     needed = CSV_FORMATS[fmt]
     missing = [c for c in needed if c not in columns]
     if missing:
-        raise _fail(path, 1, f"missing column(s) {', '.join(missing)} for the {fmt} format (found {list(frame.columns)})")
+        raise _fail(
+            path, 1, f"missing column(s) {', '.join(missing)} for the {fmt} format (found {list(frame.columns)})"
+        )
     if len(frame) == 0:
         raise _fail(path, None, "no requests (the file has a header only)")
     # Line 1 is the header, so data row i (0-based) sits on line i + 2.
@@ -289,7 +310,9 @@ def _load_jsonl(path: Path, limit: int) -> Trace:
     prompt, output = _lengths_within(
         path, *(_parse_lengths(path, frame[c], c, lines) for c in LENGTH_COLUMNS["mooncake"]), lines, limit
     )
-    arrival = _parse_seconds(path, frame["timestamp"], "timestamp", lines, per_second=1000.0) / 1000.0  # Mooncake stamps are ms
+    arrival = (
+        _parse_seconds(path, frame["timestamp"], "timestamp", lines, per_second=1000.0) / 1000.0
+    )  # Mooncake stamps are ms
     _check_sorted(path, arrival, lines, "timestamp")
     return Trace(path.stem, str(path), "mooncake", _rebased(arrival), prompt, output, limit)
 
@@ -366,7 +389,9 @@ class ReplayOptions:
         if self.arrivals == "poisson":
             rate = self.poisson_rate_rps
             if rate is None or not (math.isfinite(rate) and rate > 0):
-                raise TraceError("generated Poisson arrivals need a rate in requests/s > 0 (poisson_rate_rps / --rate-rps)")
+                raise TraceError(
+                    "generated Poisson arrivals need a rate in requests/s > 0 (poisson_rate_rps / --rate-rps)"
+                )
 
 
 @dataclass(frozen=True)

@@ -52,7 +52,9 @@ class Workload:
         for label, values in (("prompt_tokens", prompt), ("output_tokens", output)):
             # booleans and strings are not lengths (True would silently read as 1 token)
             if values.dtype == np.bool_ or not np.issubdtype(values.dtype, np.number):
-                raise WorkloadError(f"workload {self.name!r}: {label} must be numbers of tokens, got dtype {values.dtype}")
+                raise WorkloadError(
+                    f"workload {self.name!r}: {label} must be numbers of tokens, got dtype {values.dtype}"
+                )
             if not np.issubdtype(values.dtype, np.integer):
                 if not np.all(np.isfinite(values)) or not np.all(values == np.round(values)):
                     raise WorkloadError(f"workload {self.name!r}: {label} must be whole numbers")
@@ -85,7 +87,9 @@ class Workload:
         if self.tpot_ms is not None:
             tpot = np.asarray(self.tpot_ms, dtype=np.float64)
             if tpot.shape != (n,) or not np.all(np.isfinite(tpot)) or np.any(tpot <= 0) or np.any(tpot > MAX_MS):
-                raise WorkloadError(f"workload {self.name!r}: tpot_ms must hold one finite target > 0 and <= {MAX_MS:g} ms per request")
+                raise WorkloadError(
+                    f"workload {self.name!r}: tpot_ms must hold one finite target > 0 and <= {MAX_MS:g} ms per request"
+                )
             object.__setattr__(self, "tpot_ms", tpot)
 
     def __len__(self) -> int:
@@ -293,7 +297,9 @@ class PhasedSpec:
     def generate(self, num_requests: int, seed: int, rate_scale: float = 1.0) -> Workload:
         _check_seed(self.name, seed)
         if num_requests < len(self.phases):
-            raise WorkloadError(f"workload {self.name!r}: needs at least one request per phase ({len(self.phases)}), got {num_requests!r}")
+            raise WorkloadError(
+                f"workload {self.name!r}: needs at least one request per phase ({len(self.phases)}), got {num_requests!r}"
+            )
         # Each phase draws from its own stream (seed, phase): phases do not share draws.
         parts = [
             spec.generate(n, int(np.random.SeedSequence([seed, i]).generate_state(1)[0]), rate_scale)

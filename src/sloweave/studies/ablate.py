@@ -77,17 +77,67 @@ class Config:
 CONFIGS: tuple[Config, ...] = (
     Config("greedy", "SLOWeave as in the paper: one prefill, per-token deadlines, admit all", "greedy"),
     Config("multi", "fill the budget with further waiting prompts, FCFS first-fit", "greedy", max_prefills=None),
-    Config("lookahead", "shrink the chunk so the next iteration can still run decode-only in time", "greedy", lookahead=True),
-    Config("cumulative", "deadlines t_first + k D (slack banked by running ahead is spent)", "greedy", deadline_form="cumulative"),
-    Config("aging", f"after {AGING_MS:g} ms without progress the oldest prompt gets {AGING_CHUNK_TOKENS} tokens", "greedy", aging=True),
-    Config("admit-reject", "reject arrivals when decodes near the TPOT target or the TTFT is unreachable", "greedy", admission="reject"),
-    Config("admit-defer", "as admit-reject, but refused requests go to a best-effort lane", "greedy", admission="defer"),
+    Config(
+        "lookahead",
+        "shrink the chunk so the next iteration can still run decode-only in time",
+        "greedy",
+        lookahead=True,
+    ),
+    Config(
+        "cumulative",
+        "deadlines t_first + k D (slack banked by running ahead is spent)",
+        "greedy",
+        deadline_form="cumulative",
+    ),
+    Config(
+        "aging",
+        f"after {AGING_MS:g} ms without progress the oldest prompt gets {AGING_CHUNK_TOKENS} tokens",
+        "greedy",
+        aging=True,
+    ),
+    Config(
+        "admit-reject",
+        "reject arrivals when decodes near the TPOT target or the TTFT is unreachable",
+        "greedy",
+        admission="reject",
+    ),
+    Config(
+        "admit-defer", "as admit-reject, but refused requests go to a best-effort lane", "greedy", admission="defer"
+    ),
     Config("best", "multi + admit-reject (the options that helped)", "greedy", max_prefills=None, admission="reject"),
-    Config("ctx-blind", "iteration time grows with KV context; policy predicts without it", "greedy", context_world=True),
-    Config("ctx-aware", "as ctx-blind, but the policy predicts with the context-aware cost", "ctx-blind", context_world=True, context_aware=True),
-    Config("ctx-best", "ctx-aware + multi + admit-reject", "ctx-aware", max_prefills=None, admission="reject", context_world=True, context_aware=True),
-    Config("kv", f"KV cache of {KV_CAPACITY_TOKENS:,} tokens: admission by memory, preemption with recompute", "greedy", kv_capacity_tokens=KV_CAPACITY_TOKENS),
-    Config("kv-best", "kv + multi + admit-reject", "kv", max_prefills=None, admission="reject", kv_capacity_tokens=KV_CAPACITY_TOKENS),
+    Config(
+        "ctx-blind", "iteration time grows with KV context; policy predicts without it", "greedy", context_world=True
+    ),
+    Config(
+        "ctx-aware",
+        "as ctx-blind, but the policy predicts with the context-aware cost",
+        "ctx-blind",
+        context_world=True,
+        context_aware=True,
+    ),
+    Config(
+        "ctx-best",
+        "ctx-aware + multi + admit-reject",
+        "ctx-aware",
+        max_prefills=None,
+        admission="reject",
+        context_world=True,
+        context_aware=True,
+    ),
+    Config(
+        "kv",
+        f"KV cache of {KV_CAPACITY_TOKENS:,} tokens: admission by memory, preemption with recompute",
+        "greedy",
+        kv_capacity_tokens=KV_CAPACITY_TOKENS,
+    ),
+    Config(
+        "kv-best",
+        "kv + multi + admit-reject",
+        "kv",
+        max_prefills=None,
+        admission="reject",
+        kv_capacity_tokens=KV_CAPACITY_TOKENS,
+    ),
 )
 CONFIG_NAMES = tuple(c.name for c in CONFIGS)
 
@@ -114,7 +164,9 @@ def trace_source(path: Path, seeds: int, window_s: float, rate_scale: float) -> 
     return Source("azure-trace", TRACE_TTFT_MS, tuple(workloads))
 
 
-def run_config(config: Config, workload: Workload, tpot_ms: float, ttft_ms: float, resolved: ResolvedCost | None = None):
+def run_config(
+    config: Config, workload: Workload, tpot_ms: float, ttft_ms: float, resolved: ResolvedCost | None = None
+):
     """One configuration's run; ``resolved`` is the machine model (None or analytic: the paper's)."""
     if resolved is None or resolved.is_analytic:
         cost = ContextAnalyticCost() if config.context_world else None
@@ -139,7 +191,11 @@ def run_config(config: Config, workload: Workload, tpot_ms: float, ttft_ms: floa
 
 
 def run_ablation(
-    sources: list[Source], configs: tuple[Config, ...], tpot_targets: tuple[float, ...], progress: bool = True, cost: ResolvedCost | None = None,
+    sources: list[Source],
+    configs: tuple[Config, ...],
+    tpot_targets: tuple[float, ...],
+    progress: bool = True,
+    cost: ResolvedCost | None = None,
     runner: Runner = SERIAL,
     store=None,
 ) -> tuple[pd.DataFrame, pd.DataFrame]:
@@ -148,7 +204,9 @@ def run_ablation(
     One task per (source, seed), run where ``runner`` says; rows come back in task order.
     ``store`` keeps the finished tasks (--resume)."""
     tasks = [(source, seed) for source in sources for seed in range(len(source.workloads))]
-    outcomes = run_tasks(_source_seed_runs, tasks, (configs, tuple(tpot_targets), cost), runner, "ablation", progress, store)
+    outcomes = run_tasks(
+        _source_seed_runs, tasks, (configs, tuple(tpot_targets), cost), runner, "ablation", progress, store
+    )
     rows = [row for task_rows, _ in outcomes for row in task_rows]
     tier_rows = [row for _, task_tiers in outcomes for row in task_tiers]
     return pd.DataFrame(rows), pd.DataFrame(tier_rows)
@@ -162,7 +220,15 @@ def _source_seed_runs(context, source: Source, seed: int) -> tuple[list[dict], l
     for tpot in tpot_targets:
         for config in configs:
             result = run_config(config, workload, tpot, source.ttft_ms, cost)
-            rows.append({"source": source.name, "seed": seed, "tpot_ms": tpot, "config": config.name, **evaluate_run(result, source.ttft_ms, tpot)})
+            rows.append(
+                {
+                    "source": source.name,
+                    "seed": seed,
+                    "tpot_ms": tpot,
+                    "config": config.name,
+                    **evaluate_run(result, source.ttft_ms, tpot),
+                }
+            )
     return rows, _tier_runs(source, seed, workload, cost)
 
 
@@ -209,7 +275,9 @@ def ablation_table(runs: pd.DataFrame, configs: tuple[Config, ...]) -> pd.DataFr
     by_name = {c.name: c for c in configs}
     lookup = means.set_index(["config", "source", "tpot_ms"])["goodput_rps"]
     means["reference"] = [by_name[c].reference for c in means["config"]]
-    ref_goodput = [lookup.get((r, s, t), np.nan) for r, s, t in zip(means["reference"], means["source"], means["tpot_ms"])]
+    ref_goodput = [
+        lookup.get((r, s, t), np.nan) for r, s, t in zip(means["reference"], means["source"], means["tpot_ms"])
+    ]
     means["goodput_vs_reference"] = means["goodput_rps"] / np.where(np.asarray(ref_goodput) > 0, ref_goodput, np.nan)
     means["what"] = [by_name[c].what for c in means["config"]]
     return means
@@ -219,7 +287,10 @@ def wide_goodput(table: pd.DataFrame, column: str = "goodput_rps", ratios: bool 
     """One row per configuration; per (source, TPOT): mean goodput (x ratio to reference)."""
     table = table.copy()
     if ratios:
-        table["cell"] = [f"{g:.1f} ({r:.2f}x)" if np.isfinite(r) else f"{g:.1f}" for g, r in zip(table[column], table["goodput_vs_reference"])]
+        table["cell"] = [
+            f"{g:.1f} ({r:.2f}x)" if np.isfinite(r) else f"{g:.1f}"
+            for g, r in zip(table[column], table["goodput_vs_reference"])
+        ]
     else:
         table["cell"] = [f"{g:.1f}" for g in table[column]]
     table["column"] = [f"{s} {t:g}ms" for s, t in zip(table["source"], table["tpot_ms"])]
@@ -242,7 +313,17 @@ def goal_check(table: pd.DataFrame) -> list[dict]:
                 continue
             ratio = cell["best"] / cell["greedy"] if cell["greedy"] > 0 else float("inf")
             need = 1.10 if tpot == 10.0 else 1.0
-            rows.append({"source": source, "tpot_ms": tpot, "greedy_rps": cell["greedy"], "best_rps": cell["best"], "ratio": ratio, "needed": need, "met": bool(ratio >= need - 1e-9)})
+            rows.append(
+                {
+                    "source": source,
+                    "tpot_ms": tpot,
+                    "greedy_rps": cell["greedy"],
+                    "best_rps": cell["best"],
+                    "ratio": ratio,
+                    "needed": need,
+                    "met": bool(ratio >= need - 1e-9),
+                }
+            )
     return rows
 
 
@@ -272,16 +353,29 @@ def plot_ablation(table: pd.DataFrame, path: Path) -> None:
     plt.close(fig)
 
 
-def write_ablation(runs: pd.DataFrame, tiers: pd.DataFrame, configs: tuple[Config, ...], out_dir: Path, meta: dict, cost: ResolvedCost | None = None) -> dict:
+def write_ablation(
+    runs: pd.DataFrame,
+    tiers: pd.DataFrame,
+    configs: tuple[Config, ...],
+    out_dir: Path,
+    meta: dict,
+    cost: ResolvedCost | None = None,
+) -> dict:
     """Every output file; ``cost`` (None: analytic) is recorded in ablation.json and named in ablation.md."""
     out_dir.mkdir(parents=True, exist_ok=True)
     analytic = cost is None or cost.is_analytic
-    cost_text = "analytic cost unless a ctx row says otherwise" if analytic else f"cost {cost.label} (context-aware; see the module docstring for the ctx rows)"
+    cost_text = (
+        "analytic cost unless a ctx row says otherwise"
+        if analytic
+        else f"cost {cost.label} (context-aware; see the module docstring for the ctx rows)"
+    )
     cost_lines = [] if analytic else [f"- {line}" for line in cost.summary_lines()] + [""]
     meta = {**meta, "cost": analytic_description() if cost is None else cost.description}
     table = ablation_table(runs, configs)
     wide = wide_goodput(table)
-    tier_means = tiers.groupby(["source", "setup", "tier"], sort=False)[["attainment", "goodput_rps"]].mean().reset_index()
+    tier_means = (
+        tiers.groupby(["source", "setup", "tier"], sort=False)[["attainment", "goodput_rps"]].mean().reset_index()
+    )
     goal = goal_check(table)
     runs.to_csv(out_dir / "runs.csv", index=False)
     table.to_csv(out_dir / "ablation.csv", index=False)
@@ -320,27 +414,90 @@ def write_ablation(runs: pd.DataFrame, tiers: pd.DataFrame, configs: tuple[Confi
         "",
     ]
     (out_dir / "ablation.md").write_text("\n".join(lines))
-    summary = {**meta, "configs": [c.__dict__ | {"options": None} for c in configs], "goal": goal, "table": table.to_dict(orient="records"), "tiers": tier_means.to_dict(orient="records")}
+    summary = {
+        **meta,
+        "configs": [c.__dict__ | {"options": None} for c in configs],
+        "goal": goal,
+        "table": table.to_dict(orient="records"),
+        "tiers": tier_means.to_dict(orient="records"),
+    }
     write_result_json(out_dir / "ablation.json", summary)
     plot_ablation(table, out_dir / "ablation.png")
     return {"table": table, "wide": wide, "goal": goal, "tiers": tier_means}
 
 
 @click.command()
-@click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), default=Path("results/ablation"), show_default=True)
+@click.option(
+    "--out",
+    "out_dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=Path("results/ablation"),
+    show_default=True,
+)
 @result_folder_options(resumable=True)
-@click.option("--seeds", type=REPEATS.option(), default=DEFAULT_SEEDS, show_default=True, help="seeds per workload (trace: disjoint windows)")
-@click.option("--requests", "num_requests", type=REQUESTS, default=None, help=f"requests per synthetic seed [default: {DEFAULT_REQUESTS}, --quick: {QUICK_REQUESTS}]")
-@click.option("--quick", is_flag=True, help=f"{QUICK_REQUESTS} requests per seed, {QUICK_TRACE_WINDOW_S:g} s trace windows")
-@click.option("--workload", "workloads", multiple=True, type=click.Choice(list(WORKLOADS)), callback=once_each, help="repeatable; default: all four")
-@click.option("--config", "config_names", multiple=True, type=click.Choice(list(CONFIG_NAMES)), callback=once_each, help="repeatable; default: all (greedy is always run)")
-@click.option("--trace", "trace_path", type=click.Path(dir_okay=False, path_type=Path), default=DEFAULT_TRACE, show_default=True)
+@click.option(
+    "--seeds",
+    type=REPEATS.option(),
+    default=DEFAULT_SEEDS,
+    show_default=True,
+    help="seeds per workload (trace: disjoint windows)",
+)
+@click.option(
+    "--requests",
+    "num_requests",
+    type=REQUESTS,
+    default=None,
+    help=f"requests per synthetic seed [default: {DEFAULT_REQUESTS}, --quick: {QUICK_REQUESTS}]",
+)
+@click.option(
+    "--quick", is_flag=True, help=f"{QUICK_REQUESTS} requests per seed, {QUICK_TRACE_WINDOW_S:g} s trace windows"
+)
+@click.option(
+    "--workload",
+    "workloads",
+    multiple=True,
+    type=click.Choice(list(WORKLOADS)),
+    callback=once_each,
+    help="repeatable; default: all four",
+)
+@click.option(
+    "--config",
+    "config_names",
+    multiple=True,
+    type=click.Choice(list(CONFIG_NAMES)),
+    callback=once_each,
+    help="repeatable; default: all (greedy is always run)",
+)
+@click.option(
+    "--trace", "trace_path", type=click.Path(dir_okay=False, path_type=Path), default=DEFAULT_TRACE, show_default=True
+)
 @click.option("--no-trace", is_flag=True, help="skip the real trace")
 @click.option("--trace-rate-scale", type=SCALE.option(), default=TRACE_RATE_SCALE, show_default=True)
-@click.option("--trace-window-s", type=DURATION_S.option(), default=None, help=f"[default: {TRACE_WINDOW_S:g}, --quick: {QUICK_TRACE_WINDOW_S:g}]")
+@click.option(
+    "--trace-window-s",
+    type=DURATION_S.option(),
+    default=None,
+    help=f"[default: {TRACE_WINDOW_S:g}, --quick: {QUICK_TRACE_WINDOW_S:g}]",
+)
 @cost_option()
 @parallel_options()
-def ablate(out_dir, seeds, num_requests, quick, workloads, config_names, trace_path, no_trace, trace_rate_scale, trace_window_s, cost: ResolvedCost, jobs, ray_address, force, resume) -> None:
+def ablate(
+    out_dir,
+    seeds,
+    num_requests,
+    quick,
+    workloads,
+    config_names,
+    trace_path,
+    no_trace,
+    trace_rate_scale,
+    trace_window_s,
+    cost: ResolvedCost,
+    jobs,
+    ray_address,
+    force,
+    resume,
+) -> None:
     """Ablation of the options beyond the paper: CSV, Markdown, JSON and a plot under --out."""
     from sloweave.sim.traces import TraceError
 
@@ -363,13 +520,17 @@ def ablate(out_dir, seeds, num_requests, quick, workloads, config_names, trace_p
         except TraceError as err:
             raise click.UsageError(f"{err} (pass --no-trace to run without the real trace)") from None
     with result_folder(out_dir, force, resume, resumable=True) as folder:
-        runs, tiers = run_ablation(sources, configs, TPOT_TARGETS_MS, cost=cost, runner=runner_of(jobs, ray_address), store=folder.store)
+        runs, tiers = run_ablation(
+            sources, configs, TPOT_TARGETS_MS, cost=cost, runner=runner_of(jobs, ray_address), store=folder.store
+        )
         meta = {
             "command": "ablate",
             "settings": command_settings(),
             "seeds": seeds,
             "num_requests": num_requests,
-            "trace": None if no_trace else f"{trace_path} x{trace_rate_scale:g}, {seeds} windows of {trace_window_s:g} s",
+            "trace": None
+            if no_trace
+            else f"{trace_path} x{trace_rate_scale:g}, {seeds} windows of {trace_window_s:g} s",
             "tpot_targets_ms": list(TPOT_TARGETS_MS),
             "elapsed_s": time.perf_counter() - started,
         }
@@ -379,5 +540,7 @@ def ablate(out_dir, seeds, num_requests, quick, workloads, config_names, trace_p
             click.echo(line)
     click.echo(markdown_table(out["wide"]))
     for row in out["goal"]:
-        click.echo(f"goal {row['source']} {row['tpot_ms']:g} ms: best/greedy = {row['ratio']:.2f}x (need >= {row['needed']:.2f}x): {'met' if row['met'] else 'NOT met'}")
+        click.echo(
+            f"goal {row['source']} {row['tpot_ms']:g} ms: best/greedy = {row['ratio']:.2f}x (need >= {row['needed']:.2f}x): {'met' if row['met'] else 'NOT met'}"
+        )
     click.echo(f"wrote {out_dir}/ablation.csv, ablation.md, ablation.json, ablation.png ({meta['elapsed_s']:.0f} s)")

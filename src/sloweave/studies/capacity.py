@@ -27,7 +27,7 @@ from sloweave.sim.traces import FORMATS, TraceError, load_trace
 from sloweave.sim.workloads import ALL_WORKLOADS, WorkloadError
 from sloweave.studies.inputs import REQUESTS, max_model_len_option, model_len_or_default, once_each, parallel_options
 from sloweave.studies.outputs import check_writable, command_settings, write_result_json
-from sloweave.studies.parallel import Runner, local_cores, run_tasks
+from sloweave.studies.parallel import Runner, local_cores
 from sloweave.studies.pictures import pyplot
 from sloweave.studies.replay import DEFAULT_TRACE_TTFT_MS, plot_cdfs, policy_style
 from sloweave.studies.result_folders import result_folder, result_folder_options
@@ -61,7 +61,16 @@ from sloweave.studies.sources import (  # noqa: F401  (re-exported: the names' e
 # measured (Fixed-64 is never close and is the slowest to simulate; pass --policy fixed-64 to add it).
 DEFAULT_POLICIES = ("sloweave", "full", "fixed-256", "fixed-512", "fixed-1024", "fixed-2048", "fixed-4096")
 DEFAULT_TPOT_TARGETS_MS = (10.0, 25.0, 50.0)
-CAPACITY_COLUMNS = ["source", "policy", "tpot_ms", "ttft_ms", "attainment_target", "capacity_scale", "capacity_rps", "tuned_to"]
+CAPACITY_COLUMNS = [
+    "source",
+    "policy",
+    "tpot_ms",
+    "ttft_ms",
+    "attainment_target",
+    "capacity_scale",
+    "capacity_rps",
+    "tuned_to",
+]
 
 # The comparisons made like for like: SLOWeave with one prompt per iteration against the
 # fixed chunk (and the one-prompt token budget); with several prompts, against vLLM's rule.
@@ -132,7 +141,12 @@ def _pair_row(ours: Capacity, best: Capacity, rule: str, swept: int) -> dict:
 
 
 def plot_curves(
-    curves: pd.DataFrame, column: str, ylabel: str, path: Path, target: float | None = None, upper_bound: float | None = None
+    curves: pd.DataFrame,
+    column: str,
+    ylabel: str,
+    path: Path,
+    target: float | None = None,
+    upper_bound: float | None = None,
 ) -> None:
     plt = pyplot()
     targets = sorted(curves["tpot_ms"].unique())
@@ -144,7 +158,16 @@ def plot_curves(
             # +-1 std over seeds, clipped to the range the quantity can take.
             upper = np.minimum(std, upper_bound - mean) if upper_bound is not None else std
             lower = np.minimum(std, mean)
-            ax.errorbar(rows["rate_rps"], mean, yerr=[lower, upper], marker="o", markersize=3, capsize=2, label=policy, **policy_style(policy, index))
+            ax.errorbar(
+                rows["rate_rps"],
+                mean,
+                yerr=[lower, upper],
+                marker="o",
+                markersize=3,
+                capsize=2,
+                label=policy,
+                **policy_style(policy, index),
+            )
         if target is not None:
             ax.axhline(target, color="grey", linestyle="--", linewidth=1)
         ax.set_xscale("log")
@@ -162,7 +185,9 @@ def plot_curves(
 # --------------------------------------------------------------------------- command
 
 
-def run_capacity(study: CapacityStudy, out_dir: Path, meta: dict, cost: ResolvedCost | None = None, curves: bool = True) -> dict:
+def run_capacity(
+    study: CapacityStudy, out_dir: Path, meta: dict, cost: ResolvedCost | None = None, curves: bool = True
+) -> dict:
     """Search (and, unless ``curves`` is off, load curves and CDFs); write every output file
     under ``out_dir``; return the JSON payload.
 
@@ -205,7 +230,14 @@ def _write_curves(study: CapacityStudy, capacities: list[Capacity], out_dir: Pat
     shown += list(dict.fromkeys(c.tuned_to for c in capacities if c.tuned_to))
     curves = study.curves(study.curve_lattice(capacities), shown)
     curves.to_csv(out_dir / "curves.csv", index=False)
-    plot_curves(curves, "attainment", "SLO attainment", out_dir / "attainment_vs_load.png", study.attainment_target, upper_bound=1.0)
+    plot_curves(
+        curves,
+        "attainment",
+        "SLO attainment",
+        out_dir / "attainment_vs_load.png",
+        study.attainment_target,
+        upper_bound=1.0,
+    )
     plot_curves(curves, "goodput_rps", "goodput (req/s)", out_dir / "goodput_vs_load.png")
     # CDFs at SLOWeave's capacity for each target (or the middle of the curve without it):
     # the load where the comparison matters. Requests of all seeds are pooled for the plot.
@@ -224,7 +256,14 @@ def _write_curves(study: CapacityStudy, capacities: list[Capacity], out_dir: Pat
             cdf_frames.append(frame)
         per_policy = {p: f for p, f in pd.concat(cdf_frames).query("tpot_ms == @tpot").groupby("policy", sort=False)}
         title = f"{study.source.name}, load x{study.scale(k):.3g}, TPOT {tpot:g} ms"
-        plot_cdfs({p: f["ttft_ms"].to_numpy() for p, f in per_policy.items()}, out_dir / f"cdf_ttft_tpot{tpot:g}.png", "TTFT (ms)", title, study.ttft_ms, log_x=True)
+        plot_cdfs(
+            {p: f["ttft_ms"].to_numpy() for p, f in per_policy.items()},
+            out_dir / f"cdf_ttft_tpot{tpot:g}.png",
+            "TTFT (ms)",
+            title,
+            study.ttft_ms,
+            log_x=True,
+        )
         plot_cdfs(
             {p: f["p99_tpot_ms"].to_numpy() for p, f in per_policy.items()},
             out_dir / f"cdf_p99_tpot_tpot{tpot:g}.png",
@@ -237,34 +276,131 @@ def _write_curves(study: CapacityStudy, capacities: list[Capacity], out_dir: Pat
 
 
 @click.command()
-@click.option("--trace", "trace_paths", multiple=True, type=click.Path(dir_okay=False, path_type=Path), help="request trace file; repeat to replay several back to back (each seed: one window of each, in order)")
-@click.option("--workload", type=click.Choice(list(ALL_WORKLOADS)), default=None, help="synthetic workload or scenario instead of a trace")
+@click.option(
+    "--trace",
+    "trace_paths",
+    multiple=True,
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="request trace file; repeat to replay several back to back (each seed: one window of each, in order)",
+)
+@click.option(
+    "--workload",
+    type=click.Choice(list(ALL_WORKLOADS)),
+    default=None,
+    help="synthetic workload or scenario instead of a trace",
+)
 @click.option("--format", "fmt", type=click.Choice(FORMATS), default="auto", show_default=True)
-@click.option("--policy", "policies", multiple=True, callback=once_each, help=f"repeat for several; fixed-tuned / budget-tuned / sarathi-tuned: that rule at its best budget per target, from a refined sweep [default: {', '.join(DEFAULT_POLICIES)}]")
-@click.option("--tpot-ms", "tpot_targets", type=DURATION_MS.option(), multiple=True, callback=once_each, help="repeat for several [default: 10, 25, 50]")
-@click.option("--tpot-change-ms", type=DURATION_MS.option(), default=None, help="the TPOT target changes to this for requests arriving in the second half of each run")
-@click.option("--ttft-ms", type=DURATION_MS.option(), default=None, help=f"TTFT target [default: the workload's; {DEFAULT_TRACE_TTFT_MS:g} for a trace]")
+@click.option(
+    "--policy",
+    "policies",
+    multiple=True,
+    callback=once_each,
+    help=f"repeat for several; fixed-tuned / budget-tuned / sarathi-tuned: that rule at its best budget per target, from a refined sweep [default: {', '.join(DEFAULT_POLICIES)}]",
+)
+@click.option(
+    "--tpot-ms",
+    "tpot_targets",
+    type=DURATION_MS.option(),
+    multiple=True,
+    callback=once_each,
+    help="repeat for several [default: 10, 25, 50]",
+)
+@click.option(
+    "--tpot-change-ms",
+    type=DURATION_MS.option(),
+    default=None,
+    help="the TPOT target changes to this for requests arriving in the second half of each run",
+)
+@click.option(
+    "--ttft-ms",
+    type=DURATION_MS.option(),
+    default=None,
+    help=f"TTFT target [default: the workload's; {DEFAULT_TRACE_TTFT_MS:g} for a trace]",
+)
 @click.option("--attainment", type=ATTAINMENT.option(), default=DEFAULT_ATTAINMENT, show_default=True)
 @click.option("--seeds", type=REPEATS.option(), default=None, help="seeds / trace windows [default: 5; --quick 3]")
-@click.option("--window-s", type=DURATION_S.option(), default=DEFAULT_WINDOW_S, show_default=True, help="trace window length; windows are spread evenly over the trace")
+@click.option(
+    "--window-s",
+    type=DURATION_S.option(),
+    default=DEFAULT_WINDOW_S,
+    show_default=True,
+    help="trace window length; windows are spread evenly over the trace",
+)
 @click.option("--whole-trace", is_flag=True, help="cut the whole trace into --seeds equal consecutive windows instead")
-@click.option("--requests", "num_requests", type=REQUESTS, default=None, help="requests per seed for workloads and length-only files [default: 2000; --quick 800]")
+@click.option(
+    "--requests",
+    "num_requests",
+    type=REQUESTS,
+    default=None,
+    help="requests per seed for workloads and length-only files [default: 2000; --quick 800]",
+)
 @click.option("--max-prompt-tokens", type=TOKENS.option(), default=None, help="cap prompts (the count is reported)")
-@click.option("--arrivals", type=click.Choice(["trace", "poisson"]), default="trace", show_default=True, help="poisson: generate arrivals (length-only files)")
+@click.option(
+    "--arrivals",
+    type=click.Choice(["trace", "poisson"]),
+    default="trace",
+    show_default=True,
+    help="poisson: generate arrivals (length-only files)",
+)
 @click.option("--rate-rps", type=RATE_RPS.option(), default=None, help="base rate of generated arrivals (load scale 1)")
-@click.option("--steps-per-doubling", type=REPEATS.option(), default=None, help="load lattice resolution [default: 16 (4.4%); --quick 8 (9%)]")
+@click.option(
+    "--steps-per-doubling",
+    type=REPEATS.option(),
+    default=None,
+    help="load lattice resolution [default: 16 (4.4%); --quick 8 (9%)]",
+)
 @click.option("--min-scale", type=SCALE.option(), default=1.0 / 16.0, show_default=True)
 @click.option("--max-scale", type=SCALE.option(), default=256.0, show_default=True)
 @click.option("--max-chunk", type=TOKENS.option(), default=DEFAULT_MAX_CHUNK_TOKENS, show_default=True)
-@click.option("--quick", is_flag=True, help="3 seeds instead of 5, a lattice of 8 instead of 16 steps per doubling, fewer curve points")
+@click.option(
+    "--quick",
+    is_flag=True,
+    help="3 seeds instead of 5, a lattice of 8 instead of 16 steps per doubling, fewer curve points",
+)
 @parallel_options()
 @click.option("--no-curves", is_flag=True, help="capacities only: skip the load curves and CDFs")
 @max_model_len_option()
 @engine_options()
 @cost_option()
-@click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), default=Path("results/capacity"), show_default=True)
+@click.option(
+    "--out",
+    "out_dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=Path("results/capacity"),
+    show_default=True,
+)
 @result_folder_options(resumable=True)
-def capacity(trace_paths, workload, fmt, policies, tpot_targets, tpot_change_ms, ttft_ms, attainment, seeds, window_s, whole_trace, num_requests, max_prompt_tokens, arrivals, rate_rps, max_model_len_tokens, steps_per_doubling, min_scale, max_scale, max_chunk, quick, jobs, ray_address, no_curves, engine: EngineOptions, cost: ResolvedCost, out_dir, force, resume) -> None:
+def capacity(
+    trace_paths,
+    workload,
+    fmt,
+    policies,
+    tpot_targets,
+    tpot_change_ms,
+    ttft_ms,
+    attainment,
+    seeds,
+    window_s,
+    whole_trace,
+    num_requests,
+    max_prompt_tokens,
+    arrivals,
+    rate_rps,
+    max_model_len_tokens,
+    steps_per_doubling,
+    min_scale,
+    max_scale,
+    max_chunk,
+    quick,
+    jobs,
+    ray_address,
+    no_curves,
+    engine: EngineOptions,
+    cost: ResolvedCost,
+    out_dir,
+    force,
+    resume,
+) -> None:
     """Highest load (arrival-rate scale) at which each policy keeps SLO attainment >= the target."""
     if bool(trace_paths) == (workload is not None):
         raise click.UsageError("give --trace PATH (one or more) or --workload NAME, not both and not neither")
@@ -272,12 +408,36 @@ def capacity(trace_paths, workload, fmt, policies, tpot_targets, tpot_change_ms,
     policies = list(policies) or list(DEFAULT_POLICIES)
     seeds = seeds or (3 if quick else 5)
     try:
-        source, ttft_ms = _cli_source(trace_paths, workload, fmt, seeds, window_s, whole_trace, num_requests, max_prompt_tokens, arrivals, rate_rps, quick, ttft_ms, max_model_len_tokens)
-        lattice = SearchLattice(attainment, steps_per_doubling or (8 if quick else 16), min_scale, max_scale, 2 if quick else 4)
+        source, ttft_ms = _cli_source(
+            trace_paths,
+            workload,
+            fmt,
+            seeds,
+            window_s,
+            whole_trace,
+            num_requests,
+            max_prompt_tokens,
+            arrivals,
+            rate_rps,
+            quick,
+            ttft_ms,
+            max_model_len_tokens,
+        )
+        lattice = SearchLattice(
+            attainment, steps_per_doubling or (8 if quick else 16), min_scale, max_scale, 2 if quick else 4
+        )
         study = CapacityStudy(
-            source, policies, list(tpot_targets) or list(DEFAULT_TPOT_TARGETS_MS), ttft_ms, lattice,
-            cost=cost.model, max_chunk_tokens=max_chunk, options=engine, tpot_change_ms=tpot_change_ms,
-            runner=Runner(jobs or default_jobs(), ray_address), progress=True,
+            source,
+            policies,
+            list(tpot_targets) or list(DEFAULT_TPOT_TARGETS_MS),
+            ttft_ms,
+            lattice,
+            cost=cost.model,
+            max_chunk_tokens=max_chunk,
+            options=engine,
+            tpot_change_ms=tpot_change_ms,
+            runner=Runner(jobs or default_jobs(), ray_address),
+            progress=True,
         )
     except (TraceError, WorkloadError, ValueError) as err:
         raise click.UsageError(str(err)) from None
@@ -292,11 +452,33 @@ def capacity(trace_paths, workload, fmt, policies, tpot_targets, tpot_change_ms,
 default_jobs = local_cores  # the name tune and the benchmarks import
 
 
-def _cli_source(trace_paths, workload, fmt, seeds, window_s, whole_trace, num_requests, max_prompt_tokens, arrivals, rate_rps, quick, ttft_ms, max_model_len_tokens=None):
+def _cli_source(
+    trace_paths,
+    workload,
+    fmt,
+    seeds,
+    window_s,
+    whole_trace,
+    num_requests,
+    max_prompt_tokens,
+    arrivals,
+    rate_rps,
+    quick,
+    ttft_ms,
+    max_model_len_tokens=None,
+):
     """The load source the options describe, and the TTFT target (the source's default unless given)."""
     if workload is not None:
-        if whole_trace or max_prompt_tokens is not None or arrivals != "trace" or rate_rps is not None or max_model_len_tokens is not None:
-            raise click.UsageError("--whole-trace, --max-prompt-tokens, --arrivals, --rate-rps and --max-model-len apply to --trace only")
+        if (
+            whole_trace
+            or max_prompt_tokens is not None
+            or arrivals != "trace"
+            or rate_rps is not None
+            or max_model_len_tokens is not None
+        ):
+            raise click.UsageError(
+                "--whole-trace, --max-prompt-tokens, --arrivals, --rate-rps and --max-model-len apply to --trace only"
+            )
         spec = ALL_WORKLOADS[workload]
         return SpecSource(spec, num_requests or (800 if quick else 2000), tuple(range(seeds))), ttft_ms or spec.ttft_ms
     if arrivals == "trace" and rate_rps is not None:
@@ -320,9 +502,14 @@ def _cli_source(trace_paths, workload, fmt, seeds, window_s, whole_trace, num_re
 
 def _print_notes(description: dict, rate_rps, trace_paths, max_prompt_tokens) -> None:
     if "GENERATED" in str(description.get("kind", "")):
-        click.echo(f"NOTE: arrivals are GENERATED (Poisson, {rate_rps:g} req/s at scale 1), not read from {', '.join(map(str, trace_paths))}", err=True)
+        click.echo(
+            f"NOTE: arrivals are GENERATED (Poisson, {rate_rps:g} req/s at scale 1), not read from {', '.join(map(str, trace_paths))}",
+            err=True,
+        )
     if description.get("num_prompts_capped"):
-        click.echo(f"NOTE: {description['num_prompts_capped']} prompt(s) capped at {max_prompt_tokens} tokens", err=True)
+        click.echo(
+            f"NOTE: {description['num_prompts_capped']} prompt(s) capped at {max_prompt_tokens} tokens", err=True
+        )
 
 
 def _print_results(payload: dict, cost: ResolvedCost, out_dir: Path, study: CapacityStudy) -> None:
@@ -331,19 +518,45 @@ def _print_results(payload: dict, cost: ResolvedCost, out_dir: Path, study: Capa
         for line in cost.summary_lines():
             click.echo(line)
     shown = table[~table["policy"].map(lambda p: any(budget_of(p, r) is not None for r in study.tuned_rules))]
-    columns = ["policy", "tuned_to", "tpot_ms", "capacity_scale", "capacity_scale_std", "capacity_rps", "capacity_rps_std", "censored"]
+    columns = [
+        "policy",
+        "tuned_to",
+        "tpot_ms",
+        "capacity_scale",
+        "capacity_scale_std",
+        "capacity_rps",
+        "capacity_rps_std",
+        "censored",
+    ]
     click.echo(shown[columns].to_string(index=False, float_format=lambda v: f"{v:.3f}"))
-    short = sorted({f"{r['policy']} at TPOT {r['tpot_ms']:g} ms" for r in payload["capacity"] if TOO_SHORT in r["censored"]})
+    short = sorted(
+        {f"{r['policy']} at TPOT {r['tpot_ms']:g} ms" for r in payload["capacity"] if TOO_SHORT in r["censored"]}
+    )
     if short:
         click.echo(
             f"WARNING: the run is too short to measure capacity for {len(short)} cell(s) ({'; '.join(short[:4])}"
             f"{'; ...' if len(short) > 4 else ''}): at the highest passing load every request arrives within one TTFT "
-            "target, so no queue forms; use more --requests or a longer --window-s", err=True,
+            "target, so no queue forms; use more --requests or a longer --window-s",
+            err=True,
         )
     relative = pd.DataFrame(payload["pairwise"])
     if not relative.empty:
         click.echo("like for like (each with the same engine options):")
-        click.echo(relative[["tpot_ms", "policy", "capacity_rps", "best_baseline", "best_baseline_capacity_rps", "ratio", "ratio_seed_min", "ratio_seed_max"]].to_string(index=False, float_format=lambda v: f"{v:.3f}"))
+        click.echo(
+            relative[
+                [
+                    "tpot_ms",
+                    "policy",
+                    "capacity_rps",
+                    "best_baseline",
+                    "best_baseline_capacity_rps",
+                    "ratio",
+                    "ratio_seed_min",
+                    "ratio_seed_max",
+                ]
+            ].to_string(index=False, float_format=lambda v: f"{v:.3f}")
+        )
     curves = "curves.csv, cdf_requests.csv, PNG plots, " if payload["cdf_rate_scale"] else ""
-    click.echo(f"wrote {out_dir}/capacity.csv (+ capacity_detail.csv, capacity_seeds.csv, relative.csv, {curves}capacity.json) from {study.simulations} simulations")
-
+    click.echo(
+        f"wrote {out_dir}/capacity.csv (+ capacity_detail.csv, capacity_seeds.csv, relative.csv, {curves}capacity.json) from {study.simulations} simulations"
+    )

@@ -39,7 +39,9 @@ def once_each(ctx, param, values: tuple) -> tuple:
     for value in values:
         key = value.strip().lower() if isinstance(value, str) else value
         if key in seen:
-            raise click.BadParameter(f"{value!r} is given more than once (each value is run once)", ctx=ctx, param=param)
+            raise click.BadParameter(
+                f"{value!r} is given more than once (each value is run once)", ctx=ctx, param=param
+            )
         seen.add(key)
     return values
 
@@ -63,12 +65,18 @@ def parallel_options():
 
     def decorate(command):
         command = click.option(
-            "--ray", "ray_address", default=None, callback=_ray_address, metavar="local|auto|ADDRESS",
+            "--ray",
+            "ray_address",
+            default=None,
+            callback=_ray_address,
+            metavar="local|auto|ADDRESS",
             help="run the simulations as Ray tasks: 'local' starts a private Ray instance on loopback with --jobs CPUs, "
             "'auto' joins the cluster Ray finds (RAY_ADDRESS, `ray start`), or give its address; results are the serial run's",
         )(command)
         return click.option(
-            "--jobs", type=REPEATS.option(), default=None,
+            "--jobs",
+            type=REPEATS.option(),
+            default=None,
             help="parallel simulation processes on this machine [default: all local cores]; results are the serial run's",
         )(command)
 

@@ -70,7 +70,9 @@ def check_writable(out: Path, label: str, is_file: bool = False) -> None:
     while not probe.exists() and probe.parent != probe:
         probe = probe.parent
     if probe.exists() and (not probe.is_dir() or not os.access(probe, os.W_OK | os.X_OK)):
-        raise click.BadParameter(f"cannot write results under {out} ({probe} is not a writable folder)", param_hint=label)
+        raise click.BadParameter(
+            f"cannot write results under {out} ({probe} is not a writable folder)", param_hint=label
+        )
     if probe.is_dir():
         trial = sibling_name(probe / "x", "write-check")
         try:
@@ -78,7 +80,8 @@ def check_writable(out: Path, label: str, is_file: bool = False) -> None:
             trial.rmdir()
         except OSError as err:
             raise click.BadParameter(
-                f"cannot write results under {out} ({probe} is not a writable folder: {err.strerror or err})", param_hint=label
+                f"cannot write results under {out} ({probe} is not a writable folder: {err.strerror or err})",
+                param_hint=label,
             ) from None
 
 

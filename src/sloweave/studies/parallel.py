@@ -145,7 +145,12 @@ _FORK_CONTEXT = None
 
 
 def run_tasks(
-    fn: Callable, tasks: Sequence[tuple], context=None, runner: Runner = SERIAL, desc: str = "tasks", progress: bool = False,
+    fn: Callable,
+    tasks: Sequence[tuple],
+    context=None,
+    runner: Runner = SERIAL,
+    desc: str = "tasks",
+    progress: bool = False,
     store: TaskStore | None = None,
 ) -> list:
     """``[fn(context, *task) for task in tasks]``, computed where ``runner`` says.
@@ -171,7 +176,9 @@ def run_tasks(
             store.save(paths[todo[j]], result)
 
     pending = [tasks[i] for i in todo]
-    bar = tqdm(total=len(tasks), initial=len(tasks) - len(todo), desc=desc, unit="task", disable=not progress, file=sys.stderr)
+    bar = tqdm(
+        total=len(tasks), initial=len(tasks) - len(todo), desc=desc, unit="task", disable=not progress, file=sys.stderr
+    )
     try:
         if runner.ray is not None:
             computed = _on_ray(fn, pending, context, runner, bar, on_result)
@@ -227,7 +234,9 @@ def _on_pool(fn, tasks, context, jobs, bar, on_result=None) -> list:
 
     global _FORK_CONTEXT
     _FORK_CONTEXT = context
-    pool = ProcessPoolExecutor(min(jobs, len(tasks)), mp_context=multiprocessing.get_context("fork"), initializer=_leave_sigint_to_the_parent)
+    pool = ProcessPoolExecutor(
+        min(jobs, len(tasks)), mp_context=multiprocessing.get_context("fork"), initializer=_leave_sigint_to_the_parent
+    )
     try:
         futures = [pool.submit(_in_fork, fn, task) for task in tasks]
         index = {future: i for i, future in enumerate(futures)}
@@ -243,7 +252,8 @@ def _on_pool(fn, tasks, context, jobs, bar, on_result=None) -> list:
                 unfinished = [t for t, f in zip(tasks, futures) if f.exception() is not None]
                 raise TaskFailed(
                     f"a worker process died (killed, or out of memory); {len(unfinished)} task(s) did not finish: "
-                    + "; ".join(f"{fn.__name__}{t!r}" for t in unfinished[:5]) + ("; ..." if len(unfinished) > 5 else "")
+                    + "; ".join(f"{fn.__name__}{t!r}" for t in unfinished[:5])
+                    + ("; ..." if len(unfinished) > 5 else "")
                 ) from None
             except Exception as err:
                 raise _failed(fn, task, err) from err
@@ -292,7 +302,9 @@ def _on_ray(fn, tasks, context, runner: Runner, bar, on_result=None) -> list:
             except ray.exceptions.RayTaskError as err:
                 raise _failed(fn, tasks[i], err.cause if err.cause is not None else err) from None
             except (ray.exceptions.WorkerCrashedError, ray.exceptions.NodeDiedError) as err:
-                raise TaskFailed(f"{fn.__name__}{tasks[i]!r}: its worker died {runner.retries + 1} time(s) ({type(err).__name__})") from None
+                raise TaskFailed(
+                    f"{fn.__name__}{tasks[i]!r}: its worker died {runner.retries + 1} time(s) ({type(err).__name__})"
+                ) from None
             if on_result is not None:
                 on_result(i, results[i])
             bar.update()

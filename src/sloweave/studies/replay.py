@@ -37,8 +37,13 @@ def build_policy(name: str, cost: CostModel, max_chunk_tokens: int = DEFAULT_MAX
 
 
 def run_policy(
-    workload: Workload, policy: Policy, tpot_ms: float, cost: CostModel, options: EngineOptions = DEFAULT_OPTIONS,
-    ttft_ms: float | None = None, noise_seed: int = 0,
+    workload: Workload,
+    policy: Policy,
+    tpot_ms: float,
+    cost: CostModel,
+    options: EngineOptions = DEFAULT_OPTIONS,
+    ttft_ms: float | None = None,
+    noise_seed: int = 0,
 ) -> tuple[pd.DataFrame, float]:
     """Simulate and return (per-request frame, run duration in ms).
 
@@ -71,7 +76,9 @@ def plot_cdfs(
         finite = np.sort(values[np.isfinite(values)])
         if values.size == 0 or finite.size == 0:
             continue
-        ax.step(finite, np.arange(1, finite.size + 1) / values.size, where="post", label=label, **policy_style(label, index))
+        ax.step(
+            finite, np.arange(1, finite.size + 1) / values.size, where="post", label=label, **policy_style(label, index)
+        )
     if target is not None:
         ax.axvline(target, color="grey", linestyle=":", linewidth=1, label=f"target {target:g}", zorder=1)
     if log_x:
@@ -131,7 +138,9 @@ def _replayed(context, workload_index: int, policy) -> tuple[pd.DataFrame, RunMe
     return frame, metrics
 
 
-def _options_from_cli(start_s, end_s, duration_s, rate_scale, max_prompt_tokens, max_requests, arrivals, rate_rps, seed):
+def _options_from_cli(
+    start_s, end_s, duration_s, rate_scale, max_prompt_tokens, max_requests, arrivals, rate_rps, seed
+):
     if end_s is not None and duration_s is not None:
         raise click.UsageError("give --end-s or --duration-s, not both")
     if duration_s is not None:
@@ -165,18 +174,57 @@ def describe_report(report: ReplayReport) -> str:
 
 
 @click.command()
-@click.argument("trace_paths", metavar="TRACE...", nargs=-1, required=True, type=click.Path(dir_okay=False, path_type=Path))
+@click.argument(
+    "trace_paths", metavar="TRACE...", nargs=-1, required=True, type=click.Path(dir_okay=False, path_type=Path)
+)
 @click.option("--format", "fmt", type=click.Choice(FORMATS), default="auto", show_default=True)
-@click.option("--start-s", type=TIME_S.option(), default=0.0, show_default=True, help="window start, seconds after the first request")
-@click.option("--end-s", type=DURATION_S.option(), default=None, help="window end (exclusive), seconds; default: end of the trace")
+@click.option(
+    "--start-s",
+    type=TIME_S.option(),
+    default=0.0,
+    show_default=True,
+    help="window start, seconds after the first request",
+)
+@click.option(
+    "--end-s", type=DURATION_S.option(), default=None, help="window end (exclusive), seconds; default: end of the trace"
+)
 @click.option("--duration-s", type=DURATION_S.option(), default=None, help="window length instead of --end-s")
-@click.option("--rate-scale", type=SCALE.option(), default=1.0, show_default=True, help="time-scale factor: arrivals are divided by it (2 = twice as fast)")
-@click.option("--max-prompt-tokens", type=TOKENS.option(), default=None, help="cap prompts at this length (the count is reported)")
-@click.option("--max-requests", type=Range(1, MAX_TOKENS, " of requests", whole=True).option(), default=None, help="keep the first N requests of the window")
-@click.option("--arrivals", type=click.Choice(["trace", "poisson"]), default="trace", show_default=True, help="poisson: generate arrivals (needed for length-only files)")
-@click.option("--rate-rps", type=RATE_RPS.option(), default=None, help="rate of generated Poisson arrivals (before --rate-scale)")
+@click.option(
+    "--rate-scale",
+    type=SCALE.option(),
+    default=1.0,
+    show_default=True,
+    help="time-scale factor: arrivals are divided by it (2 = twice as fast)",
+)
+@click.option(
+    "--max-prompt-tokens", type=TOKENS.option(), default=None, help="cap prompts at this length (the count is reported)"
+)
+@click.option(
+    "--max-requests",
+    type=Range(1, MAX_TOKENS, " of requests", whole=True).option(),
+    default=None,
+    help="keep the first N requests of the window",
+)
+@click.option(
+    "--arrivals",
+    type=click.Choice(["trace", "poisson"]),
+    default="trace",
+    show_default=True,
+    help="poisson: generate arrivals (needed for length-only files)",
+)
+@click.option(
+    "--rate-rps", type=RATE_RPS.option(), default=None, help="rate of generated Poisson arrivals (before --rate-scale)"
+)
 @click.option("--seed", type=SEED.option(), default=0, show_default=True, help="seed of generated arrivals")
-@click.option("--policy", "policies", multiple=True, callback=once_each, default=DEFAULT_REPLAY_POLICIES, show_default=True, help="repeat for several")
+@click.option(
+    "--policy",
+    "policies",
+    multiple=True,
+    callback=once_each,
+    default=DEFAULT_REPLAY_POLICIES,
+    show_default=True,
+    help="repeat for several",
+)
 @click.option("--tpot-ms", type=DURATION_MS.option(), default=25.0, show_default=True)
 @click.option("--ttft-ms", type=DURATION_MS.option(), default=DEFAULT_TRACE_TTFT_MS, show_default=True)
 @click.option("--max-chunk", type=TOKENS.option(), default=DEFAULT_MAX_CHUNK_TOKENS, show_default=True)
@@ -184,9 +232,39 @@ def describe_report(report: ReplayReport) -> str:
 @parallel_options()
 @engine_options()
 @cost_option()
-@click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), default=Path("results/replay"), show_default=True)
+@click.option(
+    "--out",
+    "out_dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=Path("results/replay"),
+    show_default=True,
+)
 @result_folder_options(resumable=True)
-def replay(trace_paths, fmt, start_s, end_s, duration_s, rate_scale, max_prompt_tokens, max_requests, arrivals, rate_rps, seed, max_model_len_tokens, jobs, ray_address, policies, tpot_ms, ttft_ms, max_chunk, engine: EngineOptions, cost: ResolvedCost, out_dir, force, resume) -> None:
+def replay(
+    trace_paths,
+    fmt,
+    start_s,
+    end_s,
+    duration_s,
+    rate_scale,
+    max_prompt_tokens,
+    max_requests,
+    arrivals,
+    rate_rps,
+    seed,
+    max_model_len_tokens,
+    jobs,
+    ray_address,
+    policies,
+    tpot_ms,
+    ttft_ms,
+    max_chunk,
+    engine: EngineOptions,
+    cost: ResolvedCost,
+    out_dir,
+    force,
+    resume,
+) -> None:
     """Replay request traces under each policy; write requests.csv, metrics.csv/json and CDF plots.
 
     One trace writes under --out; several write one folder per trace (named by its file)
@@ -195,10 +273,18 @@ def replay(trace_paths, fmt, start_s, end_s, duration_s, rate_scale, max_prompt_
     stems = [path.stem for path in trace_paths]
     repeated = sorted({stem for stem in stems if stems.count(stem) > 1})
     if repeated:
-        raise click.BadParameter(f"two traces would write the same folder {', '.join(repeated)}: give files of different names", param_hint="TRACE")
+        raise click.BadParameter(
+            f"two traces would write the same folder {', '.join(repeated)}: give files of different names",
+            param_hint="TRACE",
+        )
     try:
-        options = _options_from_cli(start_s, end_s, duration_s, rate_scale, max_prompt_tokens, max_requests, arrivals, rate_rps, seed)
-        replays = [replay_workload(load_trace(path, fmt, model_len_or_default(max_model_len_tokens)), options) for path in trace_paths]
+        options = _options_from_cli(
+            start_s, end_s, duration_s, rate_scale, max_prompt_tokens, max_requests, arrivals, rate_rps, seed
+        )
+        replays = [
+            replay_workload(load_trace(path, fmt, model_len_or_default(max_model_len_tokens)), options)
+            for path in trace_paths
+        ]
         for _, report in replays:
             click.echo(describe_report(report), err=True)
     except (TraceError, ValueError) as err:
@@ -206,7 +292,19 @@ def replay(trace_paths, fmt, start_s, end_s, duration_s, rate_scale, max_prompt_
     tables = []
     with result_folder(out_dir, force, resume, resumable=True) as folder:
         try:
-            results = replay_many([w for w, _ in replays], list(policies), tpot_ms, ttft_ms, cost.model, max_chunk, True, engine, seed, runner_of(jobs, ray_address), folder.store)
+            results = replay_many(
+                [w for w, _ in replays],
+                list(policies),
+                tpot_ms,
+                ttft_ms,
+                cost.model,
+                max_chunk,
+                True,
+                engine,
+                seed,
+                runner_of(jobs, ray_address),
+                folder.store,
+            )
         except (TraceError, ValueError) as err:
             raise click.UsageError(str(err)) from None
         for stem, (_, report), (requests, metrics) in zip(stems, replays, results):
@@ -224,10 +322,22 @@ def replay(trace_paths, fmt, start_s, end_s, duration_s, rate_scale, max_prompt_
         click.echo(f"wrote {where}/metrics.csv, replay.json, requests.csv, cdf_ttft.png, cdf_p99_tpot.png")
 
 
-def _write_replay(out_dir: Path, report: ReplayReport, requests: pd.DataFrame, metrics: dict, tpot_ms, ttft_ms, max_chunk, engine, cost) -> pd.DataFrame:
+def _write_replay(
+    out_dir: Path,
+    report: ReplayReport,
+    requests: pd.DataFrame,
+    metrics: dict,
+    tpot_ms,
+    ttft_ms,
+    max_chunk,
+    engine,
+    cost,
+) -> pd.DataFrame:
     """One trace's files: metrics.csv, requests.csv, replay.json, the two CDF plots."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    table = pd.DataFrame([{"policy": name, "tpot_ms": tpot_ms, "ttft_ms": ttft_ms, **m.as_dict()} for name, m in metrics.items()])
+    table = pd.DataFrame(
+        [{"policy": name, "tpot_ms": tpot_ms, "ttft_ms": ttft_ms, **m.as_dict()} for name, m in metrics.items()]
+    )
     table.to_csv(out_dir / "metrics.csv", index=False)
     requests.to_csv(out_dir / "requests.csv", index=False)
     payload = {
@@ -245,7 +355,14 @@ def _write_replay(out_dir: Path, report: ReplayReport, requests: pd.DataFrame, m
     by_policy = {name: frame for name, frame in requests.groupby("policy", sort=False)}
     arrivals_text = "generated arrivals" if report.arrivals_generated else f"x{report.rate_scale:g}"
     title = f"{Path(report.source).name} ({arrivals_text}, {report.offered_rate_rps:.1f} req/s)"
-    plot_cdfs({k: v["ttft_ms"].to_numpy() for k, v in by_policy.items()}, out_dir / "cdf_ttft.png", "TTFT (ms)", title, ttft_ms, log_x=True)
+    plot_cdfs(
+        {k: v["ttft_ms"].to_numpy() for k, v in by_policy.items()},
+        out_dir / "cdf_ttft.png",
+        "TTFT (ms)",
+        title,
+        ttft_ms,
+        log_x=True,
+    )
     plot_cdfs(
         {k: v["p99_tpot_ms"].to_numpy() for k, v in by_policy.items()},
         out_dir / "cdf_p99_tpot.png",

@@ -110,7 +110,9 @@ def _metric_row(workload: str, policy: str, tpot_ms: float, seed: int, metrics: 
     return {"workload": workload, "policy": policy, "tpot_ms": tpot_ms, "seed": seed, **metrics.as_dict()}
 
 
-def run_study(config: StudyConfig, progress: bool = True, runner: Runner = SERIAL, store=None) -> tuple[pd.DataFrame, dict[str, SimResult]]:
+def run_study(
+    config: StudyConfig, progress: bool = True, runner: Runner = SERIAL, store=None
+) -> tuple[pd.DataFrame, dict[str, SimResult]]:
     """Every (workload, seed, policy, TPOT target) run; returns per-seed rows and sample runs.
 
     One task per (workload, seed), run where ``runner`` says; rows come back in task order,
@@ -134,7 +136,9 @@ def _workload_seed_runs(config: StudyConfig, workload_name: str, seed: int) -> t
         result = simulate(workload, policy, tpot_ms=TABLE3_TPOT_MS, actual_cost=config.cost)
         frame, duration = per_request_frame(result), run_duration_ms(result)
         for tpot in config.tpot_targets_ms:
-            rows.append(_metric_row(workload_name, policy.name, tpot, seed, summarize(frame, duration, spec.ttft_ms, tpot)))
+            rows.append(
+                _metric_row(workload_name, policy.name, tpot, seed, summarize(frame, duration, spec.ttft_ms, tpot))
+            )
     for tpot in config.tpot_targets_ms:
         result = simulate(workload, sloweave, tpot_ms=tpot, actual_cost=config.cost)
         metrics = summarize(per_request_frame(result), run_duration_ms(result), spec.ttft_ms, tpot)
@@ -179,7 +183,9 @@ def table4(means: pd.DataFrame, static_policies: tuple[str, ...]) -> pd.DataFram
 def _with_paper_table3(t3: pd.DataFrame) -> pd.DataFrame:
     out = t3.copy()
     for column in ("p99_ttft_ms", "p99_tpot_ms", "goodput_rps", "attainment"):
-        out[f"paper_{column}"] = [PAPER_TABLE3.get((w, p), {}).get(column, np.nan) for w, p in zip(out["workload"], out["policy"])]
+        out[f"paper_{column}"] = [
+            PAPER_TABLE3.get((w, p), {}).get(column, np.nan) for w, p in zip(out["workload"], out["policy"])
+        ]
     return out
 
 
@@ -227,7 +233,12 @@ def plot_chunk_timeline(result: SimResult, path: Path, window_s: float = 5.0) ->
 
 
 def write_study(
-    runs: pd.DataFrame, samples: dict[str, SimResult], config: StudyConfig, out_dir: Path, elapsed_s: float, cost: ResolvedCost | None = None
+    runs: pd.DataFrame,
+    samples: dict[str, SimResult],
+    config: StudyConfig,
+    out_dir: Path,
+    elapsed_s: float,
+    cost: ResolvedCost | None = None,
 ) -> dict[str, pd.DataFrame]:
     """Every output file; ``cost`` is what made the runs (None: the analytic model of ``config``)."""
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -264,20 +275,27 @@ def write_study(
         markdown_table(t4x_paper),
         "",
     ]
-    for name, text in (("table3.md", markdown_table(t3_paper)), ("table4.md", markdown_table(t4_paper)), ("table4_extended.md", markdown_table(t4x_paper))):
+    for name, text in (
+        ("table3.md", markdown_table(t3_paper)),
+        ("table4.md", markdown_table(t4_paper)),
+        ("table4_extended.md", markdown_table(t4x_paper)),
+    ):
         (out_dir / name).write_text(text + "\n")
     (out_dir / "report.md").write_text("\n".join(report))
     write_result_json(
         out_dir / "summary.json",
         {
-                "seeds": config.seeds,
-                "num_requests": config.num_requests,
-                "workloads": {w: {"rate_rps": get_workload_spec(w).rate_rps, "ttft_ms": get_workload_spec(w).ttft_ms} for w in config.workloads},
-                "tpot_targets_ms": list(config.tpot_targets_ms),
-                "elapsed_s": elapsed_s,
-                "cost": cost.description if cost is not None else describe_cost(config.cost),
-                "table4": t4.to_dict(orient="records"),
-                "table4_extended": t4x.to_dict(orient="records"),
+            "seeds": config.seeds,
+            "num_requests": config.num_requests,
+            "workloads": {
+                w: {"rate_rps": get_workload_spec(w).rate_rps, "ttft_ms": get_workload_spec(w).ttft_ms}
+                for w in config.workloads
+            },
+            "tpot_targets_ms": list(config.tpot_targets_ms),
+            "elapsed_s": elapsed_s,
+            "cost": cost.description if cost is not None else describe_cost(config.cost),
+            "table4": t4.to_dict(orient="records"),
+            "table4_extended": t4x.to_dict(orient="records"),
         },
     )
     plot_goodput_vs_tpot(means, out_dir / "goodput_vs_tpot.png")
@@ -286,7 +304,9 @@ def write_study(
     return {"table3": t3_paper, "table4": t4_paper, "table4_extended": t4x_paper}
 
 
-def write_single_run(result: SimResult, requests: pd.DataFrame, metrics: RunMetrics, out_dir: Path, extra: dict | None = None) -> None:
+def write_single_run(
+    result: SimResult, requests: pd.DataFrame, metrics: RunMetrics, out_dir: Path, extra: dict | None = None
+) -> None:
     """``requests.csv``, ``iterations.csv``, ``prefills.csv`` and ``metrics.json`` (with ``extra``: what made the run)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     requests.to_csv(out_dir / "requests.csv", index=False)
@@ -307,20 +327,52 @@ def write_single_run(result: SimResult, requests: pd.DataFrame, metrics: RunMetr
 
 
 @click.command()
-@click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), default=Path("results/reproduce"), show_default=True)
+@click.option(
+    "--out",
+    "out_dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=Path("results/reproduce"),
+    show_default=True,
+)
 @result_folder_options(resumable=True)
 @click.option("--seeds", type=REPEATS.option(), default=DEFAULT_SEEDS, show_default=True)
-@click.option("--requests", "num_requests", type=REQUESTS, default=None, help=f"requests per workload and seed [default: {DEFAULT_REQUESTS}, --quick: {QUICK_REQUESTS}]")
+@click.option(
+    "--requests",
+    "num_requests",
+    type=REQUESTS,
+    default=None,
+    help=f"requests per workload and seed [default: {DEFAULT_REQUESTS}, --quick: {QUICK_REQUESTS}]",
+)
 @click.option("--quick", is_flag=True, help=f"{QUICK_REQUESTS} requests per run instead of {DEFAULT_REQUESTS}")
-@click.option("--workload", "workloads", multiple=True, type=click.Choice(list(WORKLOADS)), callback=once_each, help="repeatable; default: all four")
+@click.option(
+    "--workload",
+    "workloads",
+    multiple=True,
+    type=click.Choice(list(WORKLOADS)),
+    callback=once_each,
+    help="repeatable; default: all four",
+)
 @cost_option()
 @parallel_options()
-def reproduce(out_dir: Path, seeds: int, num_requests: int | None, quick: bool, workloads: tuple[str, ...], cost: ResolvedCost, jobs, ray_address, force, resume) -> None:
+def reproduce(
+    out_dir: Path,
+    seeds: int,
+    num_requests: int | None,
+    quick: bool,
+    workloads: tuple[str, ...],
+    cost: ResolvedCost,
+    jobs,
+    ray_address,
+    force,
+    resume,
+) -> None:
     """Reproduce the paper's study: Table 3 (25 ms) and Table 4 (10/25/50 ms), with plots."""
     check_writable(out_dir, "--out")
     if num_requests is None:
         num_requests = QUICK_REQUESTS if quick else DEFAULT_REQUESTS
-    config = StudyConfig(workloads=workloads or tuple(WORKLOADS), seeds=seeds, num_requests=num_requests, cost=cost.model)
+    config = StudyConfig(
+        workloads=workloads or tuple(WORKLOADS), seeds=seeds, num_requests=num_requests, cost=cost.model
+    )
     started = time.perf_counter()
     with result_folder(out_dir, force, resume, resumable=True) as folder:
         runs, samples = run_study(config, runner=runner_of(jobs, ray_address), store=folder.store)
@@ -334,4 +386,6 @@ def reproduce(out_dir: Path, seeds: int, num_requests: int | None, quick: bool, 
     for name, frame in tables.items():
         click.echo(f"\n== {name} ==")
         click.echo(frame.to_string(index=False, float_format=lambda v: f"{v:.3f}"))
-    click.echo(f"\nwrote {out_dir}/ (table3.csv, table4.csv, table4_extended.csv, report.md, runs.csv, plots) in {elapsed:.1f} s")
+    click.echo(
+        f"\nwrote {out_dir}/ (table3.csv, table4.csv, table4_extended.csv, report.md, runs.csv, plots) in {elapsed:.1f} s"
+    )

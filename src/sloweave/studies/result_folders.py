@@ -43,11 +43,14 @@ def result_folder_options(resumable: bool = False):
     def decorate(command):
         if resumable:
             command = click.option(
-                "--resume", is_flag=True,
+                "--resume",
+                is_flag=True,
                 help="go on with an interrupted run: reuse the finished tasks it kept in OUT.incomplete, compute the rest "
                 "(the results are an uninterrupted run's, byte for byte)",
             )(command)
-        return click.option("--force", is_flag=True, help="replace --out if it holds an earlier result (once this run is complete)")(command)
+        return click.option(
+            "--force", is_flag=True, help="replace --out if it holds an earlier result (once this run is complete)"
+        )(command)
 
     return decorate
 
@@ -114,7 +117,11 @@ def result_folder(
             yield ResultFolder(out, staged, store)
         except BaseException as err:
             kept = _abandon(staged, store, incomplete, err)
-            where = f"; {kept} finished task(s) kept in {incomplete}: run the same command with --resume to go on" if kept else ""
+            where = (
+                f"; {kept} finished task(s) kept in {incomplete}: run the same command with --resume to go on"
+                if kept
+                else ""
+            )
             if isinstance(err, KeyboardInterrupt):
                 raise Interrupted(f"interrupted: nothing written to {out}{where}") from None
             if kept:
@@ -146,7 +153,9 @@ class _FolderLock:
             try:
                 fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
             except OSError as err:
-                raise click.BadParameter(f"cannot lock {out} ({path}: {err.strerror or err})", param_hint=label) from None
+                raise click.BadParameter(
+                    f"cannot lock {out} ({path}: {err.strerror or err})", param_hint=label
+                ) from None
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
@@ -177,15 +186,22 @@ def _refuse_existing(out: Path, force: bool, label: str, inputs: dict[str, Path]
     if not out.is_dir() or not any(out.iterdir()):
         return
     if not force:
-        raise click.BadParameter(f"{out} exists and is not empty (an earlier result?); --force replaces it once this run is complete", param_hint=label)
+        raise click.BadParameter(
+            f"{out} exists and is not empty (an earlier result?); --force replaces it once this run is complete",
+            param_hint=label,
+        )
     # --force deletes the old folder: never one that holds what the run reads or where it runs
     target = out.resolve()
     if target == Path.home().resolve() or target == Path(target.anchor):
-        raise click.BadParameter(f"{out} is not a result folder --force may replace; name a new folder", param_hint=label)
+        raise click.BadParameter(
+            f"{out} is not a result folder --force may replace; name a new folder", param_hint=label
+        )
     guarded = {"the working directory": Path.cwd(), **(_path_inputs(label) if inputs is None else inputs)}
     for what, path in guarded.items():
         if Path(path).resolve().is_relative_to(target):
-            raise click.BadParameter(f"{out} holds {what} ({path}), which --force would delete; name a new folder", param_hint=label)
+            raise click.BadParameter(
+                f"{out} holds {what} ({path}), which --force would delete; name a new folder", param_hint=label
+            )
 
 
 def _path_inputs(label: str) -> dict[str, Path]:
@@ -201,7 +217,13 @@ def _path_inputs(label: str) -> dict[str, Path]:
         value = ctx.params.get(param.name)
         for i, item in enumerate(value if isinstance(value, (tuple, list)) else (value,)):
             spec = getattr(item, "spec", None)  # a resolved --cost that names a file or folder
-            path = item if isinstance(item, Path) else Path(spec) if isinstance(spec, str) and Path(spec).exists() else None
+            path = (
+                item
+                if isinstance(item, Path)
+                else Path(spec)
+                if isinstance(spec, str) and Path(spec).exists()
+                else None
+            )
             if path is not None:
                 found[f"{name} {path}" if i else name] = path
     return found
@@ -243,7 +265,9 @@ def _publish(staged: Path, out: Path) -> None:
     except OSError as err:
         if old is not None:
             old.rename(out)
-        raise click.ClickException(f"cannot move the results into {out} ({err.strerror or err}); they are in {staged}") from None
+        raise click.ClickException(
+            f"cannot move the results into {out} ({err.strerror or err}); they are in {staged}"
+        ) from None
     if old is not None:
         _delete(old)  # a symlink given as --out: the link is replaced, never what it pointed to
 
@@ -270,8 +294,14 @@ def _abandon(staged: Path, store, incomplete: Path, err: BaseException) -> int:
             return 0
         kept = store.finished()
         if kept:
-            why = "interrupted (Ctrl-C)" if isinstance(err, KeyboardInterrupt) else f"stopped by an error ({type(err).__name__}: {err})"
-            _write_note(incomplete, f"{why} at {time.strftime('%Y-%m-%d %H:%M:%S')}, after {kept} task(s) had finished", store)
+            why = (
+                "interrupted (Ctrl-C)"
+                if isinstance(err, KeyboardInterrupt)
+                else f"stopped by an error ({type(err).__name__}: {err})"
+            )
+            _write_note(
+                incomplete, f"{why} at {time.strftime('%Y-%m-%d %H:%M:%S')}, after {kept} task(s) had finished", store
+            )
         else:
             shutil.rmtree(incomplete, ignore_errors=True)
         return kept
@@ -294,12 +324,20 @@ def _open_store(out: Path, incomplete: Path, force: bool, resume: bool, label: s
     store = TaskStore(tasks, fingerprint or command_fingerprint())
     dropped = store.drop_others()
     if resume:
-        note = f"resuming: {store.finished()} finished task(s) in {incomplete} are reused" if found else f"nothing to resume ({incomplete} does not exist): starting from the beginning"
+        note = (
+            f"resuming: {store.finished()} finished task(s) in {incomplete} are reused"
+            if found
+            else f"nothing to resume ({incomplete} does not exist): starting from the beginning"
+        )
         if dropped:
             note += f"; {dropped} made with other settings or inputs were deleted"
         click.echo(note, err=True)
-    _write_note(incomplete, f"in progress (pid {os.getpid()}, started {time.strftime('%Y-%m-%d %H:%M:%S')}); "
-                "if that process is gone, the run was killed", store)
+    _write_note(
+        incomplete,
+        f"in progress (pid {os.getpid()}, started {time.strftime('%Y-%m-%d %H:%M:%S')}); "
+        "if that process is gone, the run was killed",
+        store,
+    )
     return store
 
 
@@ -324,7 +362,9 @@ def command_fingerprint(ignore: tuple[str, ...] = ("jobs", "ray_address")) -> st
     ctx = click.get_current_context()
     digest = hashlib.sha256()
     settings = {k: v for k, v in command_settings().items() if k not in ignore}
-    digest.update(strict_json({"version": package_version(), "command": ctx.command.name, "settings": settings}).encode())
+    digest.update(
+        strict_json({"version": package_version(), "command": ctx.command.name, "settings": settings}).encode()
+    )
     for key in sorted(ctx.params):
         if key in WRITING_OPTIONS or key in ignore:
             continue

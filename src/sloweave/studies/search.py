@@ -78,7 +78,11 @@ class SearchLattice:
         return 2.0 ** (k / self.steps_per_doubling)
 
     def describe(self) -> dict:
-        return {"steps_per_doubling": self.steps_per_doubling, "min_scale": self.scale(self.min_k), "max_scale": self.scale(self.max_k)}
+        return {
+            "steps_per_doubling": self.steps_per_doubling,
+            "min_scale": self.scale(self.min_k),
+            "max_scale": self.scale(self.max_k),
+        }
 
 
 DEFAULT_LATTICE = SearchLattice()
@@ -94,7 +98,9 @@ def with_changes(lattice: SearchLattice, runner: Runner, changes: dict, caller: 
         raise TypeError(f"{caller}() got an unexpected keyword argument {unknown[0]!r}")
     lattice_changes = {k: v for k, v in changes.items() if k in lattice_fields}
     runner_changes = {k: v for k, v in changes.items() if k in _RUNNER_FIELDS}
-    return (replace(lattice, **lattice_changes) if lattice_changes else lattice), (replace(runner, **runner_changes) if runner_changes else runner)
+    return (replace(lattice, **lattice_changes) if lattice_changes else lattice), (
+        replace(runner, **runner_changes) if runner_changes else runner
+    )
 
 
 @dataclass(frozen=True)
@@ -288,7 +294,9 @@ class CapacityStudy:
             workload = self.source.workload(seed, self.scale(k))
             if self.tpot_change_ms is not None:
                 workload = replace(workload, tpot_ms=self._targets(len(workload), tpot_ms))
-            frame, duration_ms = run_policy(workload, self.policies[policy], tpot_ms, self.cost, self.options, self.ttft_ms, noise_seed=seed)
+            frame, duration_ms = run_policy(
+                workload, self.policies[policy], tpot_ms, self.cost, self.options, self.ttft_ms, noise_seed=seed
+            )
             self._runs[key] = _Run(frame[["request", "ttft_ms", "p99_tpot_ms", "status"]], duration_ms)
         return self._runs[key]
 
@@ -298,7 +306,11 @@ class CapacityStudy:
 
     def metrics(self, policy: str, seed: int, k: int, tpot_ms: float) -> RunMetrics:
         run = self.run(policy, seed, k, tpot_ms)
-        targets = tpot_ms if self.tpot_change_ms is None else self._targets(len(run.requests), tpot_ms)[run.requests["request"].to_numpy()]
+        targets = (
+            tpot_ms
+            if self.tpot_change_ms is None
+            else self._targets(len(run.requests), tpot_ms)[run.requests["request"].to_numpy()]
+        )
         return summarize(run.requests, run.duration_ms, self.ttft_ms, targets)
 
     def _targets(self, num_requests: int, tpot_ms: float) -> np.ndarray:
@@ -312,7 +324,9 @@ class CapacityStudy:
 
     def _map(self, method: str, tasks: list[tuple], desc: str) -> list:
         """``getattr(self, method)(*task)`` for every task, in task order, where the runner says."""
-        outcomes = run_tasks(_study_task, [(method, *task) for task in tasks], self, self.runner, desc, self.progress, self.store)
+        outcomes = run_tasks(
+            _study_task, [(method, *task) for task in tasks], self, self.runner, desc, self.progress, self.store
+        )
         for _, runs in outcomes:
             self._runs.update(runs)
         return [result for result, _ in outcomes]
@@ -387,7 +401,9 @@ class CapacityStudy:
 
     def _search(self, cells: dict[str, tuple[float, ...]]) -> dict[tuple[str, float], list[SeedCapacity]]:
         """Per-seed capacities of each policy at its targets (loosest first)."""
-        tasks = [(p, s, tuple(sorted(ts, reverse=True))) for p, ts in cells.items() for s in range(self.source.num_seeds)]
+        tasks = [
+            (p, s, tuple(sorted(ts, reverse=True))) for p, ts in cells.items() for s in range(self.source.num_seeds)
+        ]
         found: dict[tuple[str, float], list[SeedCapacity]] = {}
         for (policy, _, targets), results in zip(tasks, self._map("search_targets", tasks, "capacity search")):
             for tpot, result in zip(targets, results):
@@ -415,7 +431,10 @@ class CapacityStudy:
 
     def _capacities(self, found: dict[tuple[str, float], list[SeedCapacity]]) -> list[Capacity]:
         step = 2.0 ** (1.0 / self.steps)
-        return [Capacity(self.source.name, p, t, self.ttft_ms, self.attainment_target, tuple(seeds), step) for (p, t), seeds in found.items()]
+        return [
+            Capacity(self.source.name, p, t, self.ttft_ms, self.attainment_target, tuple(seeds), step)
+            for (p, t), seeds in found.items()
+        ]
 
     # ---- curves
 
@@ -449,15 +468,21 @@ class CapacityStudy:
         self.prefetch(points)
         for policy, k, tpot in points:
             per_seed = [self.metrics(policy, s, k, tpot) for s in seeds]
-            rows.append({
-                "source": self.source.name, "policy": policy, "tpot_ms": tpot, "ttft_ms": self.ttft_ms,
-                "rate_scale": self.scale(k), "rate_rps": float(np.mean([self.scale(k) * r for r in base_rates])),
-                **_mean_std("attainment", [m.attainment for m in per_seed]),
-                **_mean_std("goodput_rps", [m.goodput_rps for m in per_seed]),
-                "p99_ttft_ms": float(np.mean([m.p99_ttft_ms for m in per_seed])),
-                "p99_tpot_ms": float(np.mean([m.p99_tpot_ms for m in per_seed])),
-                "seeds": len(per_seed),
-            })
+            rows.append(
+                {
+                    "source": self.source.name,
+                    "policy": policy,
+                    "tpot_ms": tpot,
+                    "ttft_ms": self.ttft_ms,
+                    "rate_scale": self.scale(k),
+                    "rate_rps": float(np.mean([self.scale(k) * r for r in base_rates])),
+                    **_mean_std("attainment", [m.attainment for m in per_seed]),
+                    **_mean_std("goodput_rps", [m.goodput_rps for m in per_seed]),
+                    "p99_ttft_ms": float(np.mean([m.p99_ttft_ms for m in per_seed])),
+                    "p99_tpot_ms": float(np.mean([m.p99_tpot_ms for m in per_seed])),
+                    "seeds": len(per_seed),
+                }
+            )
         return pd.DataFrame(rows)
 
     def requests_at(self, policy: str, k: int, tpot_ms: float) -> pd.DataFrame:
@@ -481,7 +506,9 @@ def _expand_tuned(policies) -> tuple[list[str], list[str]]:
         head, _, tail = str(name).strip().lower().rpartition("-")
         if tail == "tuned":
             if head not in TUNED_RULES:
-                raise ValueError(f"unknown tuned policy {name!r}: expected one of {', '.join(r + '-tuned' for r in TUNED_RULES)}")
+                raise ValueError(
+                    f"unknown tuned policy {name!r}: expected one of {', '.join(r + '-tuned' for r in TUNED_RULES)}"
+                )
             rules.append(head)
             names += [f"{head}-{b}" for b in TUNING_GRID_TOKENS]
         else:

@@ -70,7 +70,12 @@ class ScaledWorkloads:
 
     def describe(self) -> dict:
         seeds = [
-            {"seed": i, "label": self.seed_labels[i] if self.seed_labels else str(i), "requests": len(wl), "base_rate_rps": rate}
+            {
+                "seed": i,
+                "label": self.seed_labels[i] if self.seed_labels else str(i),
+                "requests": len(wl),
+                "base_rate_rps": rate,
+            }
             for i, (wl, rate) in enumerate(zip(self.base, self.base_rates_rps))
         ]
         return {"name": self.name, **self.info, "seeds": seeds}
@@ -125,7 +130,9 @@ def trace_source(
             # Same refusal as replay_workload, raised before any window is cut.
             replay_workload(trace, ReplayOptions())
         for start_s, end_s in split_windows(trace, num_seeds, window_s):
-            options = ReplayOptions(start_s=start_s, end_s=end_s, max_prompt_tokens=max_prompt_tokens, max_requests=requests_per_seed)
+            options = ReplayOptions(
+                start_s=start_s, end_s=end_s, max_prompt_tokens=max_prompt_tokens, max_requests=requests_per_seed
+            )
             wl, report = replay_workload(trace, options)
             base.append(wl)
             rates.append(report.base_rate_rps)
@@ -137,8 +144,12 @@ def trace_source(
         for seed in range(num_seeds):
             rng = np.random.default_rng(seed)
             rows = np.sort(rng.choice(len(trace), size=n, replace=False))
-            sub = replace(trace, arrival_s=None, prompt_tokens=trace.prompt_tokens[rows], output_tokens=trace.output_tokens[rows])
-            options = ReplayOptions(arrivals="poisson", poisson_rate_rps=rate_rps, seed=seed, max_prompt_tokens=max_prompt_tokens)
+            sub = replace(
+                trace, arrival_s=None, prompt_tokens=trace.prompt_tokens[rows], output_tokens=trace.output_tokens[rows]
+            )
+            options = ReplayOptions(
+                arrivals="poisson", poisson_rate_rps=rate_rps, seed=seed, max_prompt_tokens=max_prompt_tokens
+            )
             wl, report = replay_workload(sub, options)
             base.append(wl)
             rates.append(report.base_rate_rps)
@@ -168,7 +179,9 @@ def back_to_back(sources: list[ScaledWorkloads]) -> ScaledWorkloads:
         wl = back_to_back_workloads([s.base[seed] for s in sources], name)
         base.append(wl)
         rates.append(len(wl) / wl.span_s if wl.span_s > 0 else float("nan"))
-    labels = tuple(" then ".join(s.seed_labels[i] if s.seed_labels else str(i) for s in sources) for i in range(len(base)))
+    labels = tuple(
+        " then ".join(s.seed_labels[i] if s.seed_labels else str(i) for s in sources) for i in range(len(base))
+    )
     info = {"kind": "traces back to back; seed i is window i of each", "parts": [s.describe() for s in sources]}
     return ScaledWorkloads(name, tuple(base), tuple(rates), labels, info)
 
@@ -183,4 +196,3 @@ def check_scalable(source: LoadSource) -> None:
                 "the load (which divides arrival times) cannot change it and capacity is undefined; use a trace "
                 "(window) whose arrivals are spread in time, more requests, or generated arrivals (--arrivals poisson)"
             )
-

@@ -37,7 +37,16 @@ import numpy as np
 import pandas as pd
 
 from sloweave.sim.options import DEFAULT_OPTIONS, EngineOptions, engine_options
-from sloweave.studies.search import DEFAULT_ATTAINMENT, DEFAULT_LATTICE, CapacityStudy, SearchLattice, best_of_rule, budget_of, refined_budgets, with_changes
+from sloweave.studies.search import (
+    DEFAULT_ATTAINMENT,
+    DEFAULT_LATTICE,
+    CapacityStudy,
+    SearchLattice,
+    best_of_rule,
+    budget_of,
+    refined_budgets,
+    with_changes,
+)
 from sloweave.core.validate import ATTAINMENT, DURATION_MS, DURATION_S, MAX_TOKENS, REPEATS, SCALE, TOKENS, Range
 from sloweave.studies.inputs import REQUESTS, max_model_len_option, model_len_or_default, once_each, parallel_options
 from sloweave.studies.outputs import check_writable, command_settings, write_result_json
@@ -58,7 +67,10 @@ ENGINES = {
     # engine: (how the value is set, the rule that matches the engine's semantics)
     "vllm": ("--max-num-batched-tokens {n}", "sarathi"),
     "sglang": ("--chunked-prefill-size {n}", "fixed"),
-    "trtllm": ("max_num_tokens: {n}  (LLM API / trtllm-serve config; --max_num_tokens {n} for trtllm-build)", "sarathi"),
+    "trtllm": (
+        "max_num_tokens: {n}  (LLM API / trtllm-serve config; --max_num_tokens {n} for trtllm-build)",
+        "sarathi",
+    ),
 }
 # Powers of two and the 1.5x points between them: every value a multiple of 64 tokens.
 DEFAULT_BUDGETS_TOKENS = (256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096, 6144, 8192)
@@ -104,7 +116,11 @@ class RuleOfThumb:
 
     @classmethod
     def of(cls, mean_prompt_tokens: float) -> RuleOfThumb:
-        return cls(float(mean_prompt_tokens), nearest_power_of_two(mean_prompt_tokens / 4), nearest_power_of_two(mean_prompt_tokens / 2))
+        return cls(
+            float(mean_prompt_tokens),
+            nearest_power_of_two(mean_prompt_tokens / 4),
+            nearest_power_of_two(mean_prompt_tokens / 2),
+        )
 
     @property
     def budgets_tokens(self) -> tuple[int, ...]:
@@ -162,8 +178,15 @@ class TuneResult:
             )
         return {
             "best_capacity": {"budget_tokens": self.best_capacity_tokens, "capacity_rps": best["capacity_rps"]},
-            "best_goodput_at_load": {"budget_tokens": self.best_goodput_tokens, "goodput_rps": best_goodput["goodput_rps"]},
-            "sloweave": {"policy": ours["policy"], "capacity_rps": ours["capacity_rps"], "goodput_rps": ours["goodput_rps"]},
+            "best_goodput_at_load": {
+                "budget_tokens": self.best_goodput_tokens,
+                "goodput_rps": best_goodput["goodput_rps"],
+            },
+            "sloweave": {
+                "policy": ours["policy"],
+                "capacity_rps": ours["capacity_rps"],
+                "goodput_rps": ours["goodput_rps"],
+            },
             "sloweave_capacity_over_best": ratio(ours["capacity_rps"], best["capacity_rps"]),
             "sloweave_goodput_over_best": ratio(ours["goodput_rps"], best_goodput["goodput_rps"]),
             "rule_of_thumb": {
@@ -269,9 +292,13 @@ def tune(
             "p99_tpot_ms": float(np.mean([m.p99_tpot_ms for m in per_seed])),
         }
 
-    rows = [{"budget_tokens": b, **describe(n), "rule_of_thumb": b in thumb.budgets_tokens} for b, n in zip(budgets, names)]
+    rows = [
+        {"budget_tokens": b, **describe(n), "rule_of_thumb": b in thumb.budgets_tokens} for b, n in zip(budgets, names)
+    ]
     table = pd.DataFrame(rows)[RESULT_COLUMNS]
-    best_goodput = int(table.sort_values(["goodput_rps", "budget_tokens"], ascending=[False, True]).iloc[0]["budget_tokens"])
+    best_goodput = int(
+        table.sort_values(["goodput_rps", "budget_tokens"], ascending=[False, True]).iloc[0]["budget_tokens"]
+    )
     return TuneResult(
         source=source.describe(),
         rule=rule,
@@ -342,7 +369,9 @@ def recommendation(result: TuneResult, engine: str) -> list[str]:
         )
     swept = result.table["budget_tokens"]
     if best["capacity_rps"] > 0 and best["budget_tokens"] in (swept.min(), swept.max()):
-        lines.append(f"NOTE: the best budget is at the edge of the sweep ({swept.min()}-{swept.max()}); extend it with --budget")
+        lines.append(
+            f"NOTE: the best budget is at the edge of the sweep ({swept.min()}-{swept.max()}); extend it with --budget"
+        )
     lines += [
         f"best fixed budget: {best['budget_tokens']} tokens ({result.rule} rule), capacity {best['capacity_rps']:.1f} req/s "
         f"at TPOT {result.tpot_ms:g} ms, TTFT {result.ttft_ms:g} ms, attainment >= {result.attainment_target:.0%}",
@@ -394,7 +423,15 @@ def plot(result: TuneResult, path: Path) -> None:
     for ax, (column, label, target, log_y) in zip(axes, panels):
         ax.plot(t["budget_tokens"], t[column], marker="o", color="C0", label=f"{result.rule}-B")
         thumb = t[t["rule_of_thumb"]]
-        ax.scatter(thumb["budget_tokens"], thumb[column], s=90, facecolors="none", edgecolors="C1", zorder=5, label="rule of thumb")
+        ax.scatter(
+            thumb["budget_tokens"],
+            thumb[column],
+            s=90,
+            facecolors="none",
+            edgecolors="C1",
+            zorder=5,
+            label="rule of thumb",
+        )
         ax.axhline(result.sloweave[column], color="black", linewidth=2, label=result.sloweave["policy"])
         if target is not None:
             ax.axhline(target, color="grey", linestyle="--", linewidth=1, label="target")
@@ -411,20 +448,30 @@ def plot(result: TuneResult, path: Path) -> None:
     axes[0].set_title(f"at load x{result.load_scale:.3g}", fontsize=9)
     axes[1].set_title(f"at load x{result.load_scale:.3g}", fontsize=9)
     axes[2].set_title(f"attainment >= {result.attainment_target:.0%}", fontsize=9)
-    fig.suptitle(f"{result.source.get('name')}: {result.rule} rule, TPOT {result.tpot_ms:g} ms, TTFT {result.ttft_ms:g} ms", fontsize=10)
+    fig.suptitle(
+        f"{result.source.get('name')}: {result.rule} rule, TPOT {result.tpot_ms:g} ms, TTFT {result.ttft_ms:g} ms",
+        fontsize=10,
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
 
 
-def write_outputs(result: TuneResult, engine: str, out_dir: Path, meta: dict | None = None, notes: list[str] | tuple[str, ...] = ()) -> dict:
+def write_outputs(
+    result: TuneResult, engine: str, out_dir: Path, meta: dict | None = None, notes: list[str] | tuple[str, ...] = ()
+) -> dict:
     """tune.csv, tune.md (``notes`` under its title: e.g. the cost model's), tune.png and tune.json."""
     out_dir.mkdir(parents=True, exist_ok=True)
     full = pd.concat([result.table, pd.DataFrame([{**result.sloweave, "rule_of_thumb": False}])], ignore_index=True)
     full.to_csv(out_dir / "tune.csv", index=False)
     advice = recommendation(result, engine)
     (out_dir / "tune.md").write_text(
-        f"# sloweave tune: {result.source.get('name')}\n\n" + "".join(f"{line}\n\n" for line in notes) + markdown_table(result) + "\n" + "\n".join(f"- {line}" for line in advice) + "\n"
+        f"# sloweave tune: {result.source.get('name')}\n\n"
+        + "".join(f"{line}\n\n" for line in notes)
+        + markdown_table(result)
+        + "\n"
+        + "\n".join(f"- {line}" for line in advice)
+        + "\n"
     )
     plot(result, out_dir / "tune.png")
     payload = {
@@ -460,13 +507,17 @@ def mean_context_tokens(source: LoadSource) -> float:
     return float(prompts.mean() + outputs.mean() / 2)
 
 
-def step_profile_cost(resolved: ResolvedCost, kind: str, context_tokens: float | None, source: LoadSource) -> ResolvedCost:
+def step_profile_cost(
+    resolved: ResolvedCost, kind: str, context_tokens: float | None, source: LoadSource
+) -> ResolvedCost:
     """A step-time profile as tune has always used it: the fitted ``kind`` at a fixed KV context
     per decode (by default the workload's mean context, the advice in sloweave.core.costs.fitted)."""
     return resolved.step_profile(kind, mean_context_tokens(source) if context_tokens is None else context_tokens)
 
 
-def _cost_from_profile(path: Path, kind: str, context_tokens: float | None, source: LoadSource) -> tuple[CostModel, dict]:
+def _cost_from_profile(
+    path: Path, kind: str, context_tokens: float | None, source: LoadSource
+) -> tuple[CostModel, dict]:
     from sloweave.core.costs.resolve import resolve_cost
 
     resolved = step_profile_cost(resolve_cost(str(path)), kind, context_tokens, source)
@@ -475,31 +526,127 @@ def _cost_from_profile(path: Path, kind: str, context_tokens: float | None, sour
 
 @click.command()
 @click.option("--workload", type=click.Choice(list(ALL_WORKLOADS)), default=None, help="synthetic workload or scenario")
-@click.option("--trace", "trace_path", type=click.Path(dir_okay=False, path_type=Path), default=None, help="request trace file instead")
+@click.option(
+    "--trace",
+    "trace_path",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="request trace file instead",
+)
 @click.option("--format", "fmt", type=click.Choice(FORMATS), default="auto", show_default=True)
-@click.option("--engine", type=click.Choice(list(ENGINES)), default="vllm", show_default=True, help="whose flag to print")
-@click.option("--rule", type=click.Choice(RULES), default=None, help="the engine's budget rule [default: the engine's: vllm/trtllm sarathi, sglang fixed]")
+@click.option(
+    "--engine", type=click.Choice(list(ENGINES)), default="vllm", show_default=True, help="whose flag to print"
+)
+@click.option(
+    "--rule",
+    type=click.Choice(RULES),
+    default=None,
+    help="the engine's budget rule [default: the engine's: vllm/trtllm sarathi, sglang fixed]",
+)
 @click.option("--tpot-ms", type=DURATION_MS.option(), default=25.0, show_default=True)
-@click.option("--ttft-ms", type=DURATION_MS.option(), default=None, help=f"TTFT target [default: the workload's; {DEFAULT_TRACE_TTFT_MS:g} for a trace]")
+@click.option(
+    "--ttft-ms",
+    type=DURATION_MS.option(),
+    default=None,
+    help=f"TTFT target [default: the workload's; {DEFAULT_TRACE_TTFT_MS:g} for a trace]",
+)
 @click.option("--attainment", type=ATTAINMENT.option(), default=DEFAULT_ATTAINMENT, show_default=True)
-@click.option("--budget", "budgets", type=TOKENS.option(), multiple=True, callback=once_each, help="repeat for a custom sweep [default: 256 ... 8192, powers of two and 1.5x between]")
-@click.option("--load-scale", type=SCALE.option(), default=None, help="load for the goodput comparison, as a rate scale [default: the best budget's capacity]")
+@click.option(
+    "--budget",
+    "budgets",
+    type=TOKENS.option(),
+    multiple=True,
+    callback=once_each,
+    help="repeat for a custom sweep [default: 256 ... 8192, powers of two and 1.5x between]",
+)
+@click.option(
+    "--load-scale",
+    type=SCALE.option(),
+    default=None,
+    help="load for the goodput comparison, as a rate scale [default: the best budget's capacity]",
+)
 @cost_option()
-@click.option("--cost-kind", type=click.Choice(["regression", "table"]), default="regression", show_default=True, help="model fitted from a step-time profile file")
-@click.option("--context-tokens", type=Range(0, MAX_TOKENS, " of tokens", low_open=True).option(), default=None, help="KV context per decode for a step-time profile file [default: mean prompt + half the mean output]")
+@click.option(
+    "--cost-kind",
+    type=click.Choice(["regression", "table"]),
+    default="regression",
+    show_default=True,
+    help="model fitted from a step-time profile file",
+)
+@click.option(
+    "--context-tokens",
+    type=Range(0, MAX_TOKENS, " of tokens", low_open=True).option(),
+    default=None,
+    help="KV context per decode for a step-time profile file [default: mean prompt + half the mean output]",
+)
 @click.option("--seeds", type=REPEATS.option(), default=None, help="seeds / trace windows [default: 5; --quick 3]")
-@click.option("--requests", "num_requests", type=REQUESTS, default=None, help="requests per seed of a workload [default: 2000; --quick 800]")
-@click.option("--window-s", type=DURATION_S.option(), default=DEFAULT_WINDOW_S, show_default=True, help="trace window length")
-@click.option("--min-scale", type=SCALE.option(), default=1.0 / 16.0, show_default=True, help="lowest load searched (rate scale); lower it for slow cost models")
-@click.option("--max-chunk", type=TOKENS.option(), default=DEFAULT_MAX_CHUNK_TOKENS, show_default=True, help="SLOWeave's C_max")
-@click.option("--refine/--no-refine", default=True, show_default=True, help="one more round between the best budget and its neighbours")
+@click.option(
+    "--requests",
+    "num_requests",
+    type=REQUESTS,
+    default=None,
+    help="requests per seed of a workload [default: 2000; --quick 800]",
+)
+@click.option(
+    "--window-s", type=DURATION_S.option(), default=DEFAULT_WINDOW_S, show_default=True, help="trace window length"
+)
+@click.option(
+    "--min-scale",
+    type=SCALE.option(),
+    default=1.0 / 16.0,
+    show_default=True,
+    help="lowest load searched (rate scale); lower it for slow cost models",
+)
+@click.option(
+    "--max-chunk", type=TOKENS.option(), default=DEFAULT_MAX_CHUNK_TOKENS, show_default=True, help="SLOWeave's C_max"
+)
+@click.option(
+    "--refine/--no-refine",
+    default=True,
+    show_default=True,
+    help="one more round between the best budget and its neighbours",
+)
 @click.option("--quick", is_flag=True, help="3 seeds, 800 requests, 6 budgets (powers of two), lattice step 9 %")
 @parallel_options()
 @max_model_len_option()
 @engine_options(dest="engine_opts")
-@click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), default=Path("results/tune"), show_default=True)
+@click.option(
+    "--out",
+    "out_dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=Path("results/tune"),
+    show_default=True,
+)
 @result_folder_options(resumable=True)
-def tune_command(workload, trace_path, fmt, engine, rule, tpot_ms, ttft_ms, attainment, budgets, load_scale, cost, cost_kind, context_tokens, seeds, num_requests, window_s, min_scale, max_chunk, refine, quick, jobs, ray_address, max_model_len_tokens, engine_opts, out_dir, force, resume) -> None:
+def tune_command(
+    workload,
+    trace_path,
+    fmt,
+    engine,
+    rule,
+    tpot_ms,
+    ttft_ms,
+    attainment,
+    budgets,
+    load_scale,
+    cost,
+    cost_kind,
+    context_tokens,
+    seeds,
+    num_requests,
+    window_s,
+    min_scale,
+    max_chunk,
+    refine,
+    quick,
+    jobs,
+    ray_address,
+    max_model_len_tokens,
+    engine_opts,
+    out_dir,
+    force,
+    resume,
+) -> None:
     """Sweep the fixed token budget of an engine and print the value to set."""
     if (trace_path is None) == (workload is None):
         raise click.UsageError("give exactly one of --workload NAME or --trace PATH")
@@ -510,14 +657,18 @@ def tune_command(workload, trace_path, fmt, engine, rule, tpot_ms, ttft_ms, atta
         given = click.get_current_context().get_parameter_source
         for name, label in (("cost_kind", "--cost-kind"), ("context_tokens", "--context-tokens")):
             if given(name) == click.core.ParameterSource.COMMANDLINE:
-                raise click.BadParameter(f"applies to a step-time profile file only, not --cost {cost.spec}", param_hint=label)
+                raise click.BadParameter(
+                    f"applies to a step-time profile file only, not --cost {cost.spec}", param_hint=label
+                )
     rule = rule or ENGINES[engine][1]
     seeds = seeds or (3 if quick else 5)
     budgets = tuple(budgets) or (QUICK_BUDGETS_TOKENS if quick else DEFAULT_BUDGETS_TOKENS)
     try:
         if trace_path is not None:
             trace = load_trace(trace_path, fmt, model_len_or_default(max_model_len_tokens))
-            source = trace_source(trace, seeds, window_s if trace.has_arrivals else None, requests_per_seed=num_requests)
+            source = trace_source(
+                trace, seeds, window_s if trace.has_arrivals else None, requests_per_seed=num_requests
+            )
             ttft_ms = ttft_ms or DEFAULT_TRACE_TTFT_MS
         else:
             spec = ALL_WORKLOADS[workload]
@@ -549,7 +700,9 @@ def tune_command(workload, trace_path, fmt, engine, rule, tpot_ms, ttft_ms, atta
             raise click.UsageError(str(err)) from None
         options = command_settings()
         notes = [] if cost.is_analytic else cost.summary_lines()
-        payload = write_outputs(result, engine, folder.path, {"command": "tune", "options": options, "cost": cost.description}, notes)
+        payload = write_outputs(
+            result, engine, folder.path, {"command": "tune", "options": options, "cost": cost.description}, notes
+        )
     for line in notes:
         click.echo(line)
     click.echo(markdown_table(result))

@@ -111,11 +111,19 @@ class PluginConfig:
         _checked(TOKENS.check, self.max_chunk_tokens, "max_chunk_tokens")
         _checked(TOKENS.check, self.aging_chunk_tokens, "aging_chunk_tokens")
         # past these a margin is no margin but another model (and 1e308 overflowed at start-up)
-        for name, limits in (("margin_ms", MARGIN_RANGE_MS), ("margin_fraction", MARGIN_FRACTION), ("aging_ms", MARGIN_MS)):
+        for name, limits in (
+            ("margin_ms", MARGIN_RANGE_MS),
+            ("margin_fraction", MARGIN_FRACTION),
+            ("aging_ms", MARGIN_MS),
+        ):
             object.__setattr__(self, name, _checked(limits.check, getattr(self, name), name))
         if self.cost_kind not in ("regression", "table"):
-            raise PluginConfigError(f"sloweave config: cost_kind must be 'regression' or 'table', got {self.cost_kind!r}")
-        if not isinstance(self.cost, str) or not (self.cost == "analytic" or self.cost in _presets() or os.path.exists(self.cost)):
+            raise PluginConfigError(
+                f"sloweave config: cost_kind must be 'regression' or 'table', got {self.cost_kind!r}"
+            )
+        if not isinstance(self.cost, str) or not (
+            self.cost == "analytic" or self.cost in _presets() or os.path.exists(self.cost)
+        ):
             raise PluginConfigError(
                 f"sloweave config: cost must be 'analytic', a preset ({', '.join(_presets())}), an operator-profile folder "
                 f"or an existing profile file, got {self.cost!r}"
@@ -142,7 +150,9 @@ class PluginConfig:
                 "by itself; drop profile_margin"
             )
         if not isinstance(self.analytic, dict):
-            raise PluginConfigError(f"sloweave config: analytic must be an object of coefficients, got {self.analytic!r}")
+            raise PluginConfigError(
+                f"sloweave config: analytic must be an object of coefficients, got {self.analytic!r}"
+            )
         _whole(self.step_log_max_steps, "step_log_max_steps")
         _check_step_log(self.step_log)
 
@@ -162,7 +172,9 @@ class PluginConfig:
             if variable in environ:
                 values[f.name] = _parse_env(f.name, environ[variable], f.type)
         if additional_config is not None and not isinstance(additional_config, Mapping):
-            raise PluginConfigError(f"additional_config must be an object (a JSON object on the command line), got {additional_config!r}")
+            raise PluginConfigError(
+                f"additional_config must be an object (a JSON object on the command line), got {additional_config!r}"
+            )
         section = (additional_config or {}).get(CONFIG_KEY, {})
         if not isinstance(section, Mapping):
             raise PluginConfigError(f"additional_config['{CONFIG_KEY}'] must be an object, got {section!r}")
@@ -213,7 +225,13 @@ class PluginConfig:
     def resolved_cost(self):
         """The ``cost`` spec resolved by the core (``sloweave.core.costs.resolve.ResolvedCost``): its model,
         label and the description a result records (which profiles; whether attention is derived)."""
-        from sloweave.core.costs.resolve import ANALYTIC, KIND_ANALYTIC, ResolvedCost, analytic_description, resolve_cost
+        from sloweave.core.costs.resolve import (
+            ANALYTIC,
+            KIND_ANALYTIC,
+            ResolvedCost,
+            analytic_description,
+            resolve_cost,
+        )
 
         if self.cost == ANALYTIC:
             try:
@@ -288,7 +306,9 @@ def _check_step_log(path) -> None:
     if os.path.isdir(path):
         raise PluginConfigError(f"sloweave config: step_log {path!r} is a folder; name a file in it")
     if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
-        raise PluginConfigError(f"sloweave config: step_log {path!r}: its folder {folder} does not exist or is not writable")
+        raise PluginConfigError(
+            f"sloweave config: step_log {path!r}: its folder {folder} does not exist or is not writable"
+        )
 
 
 def step_log_path(path: str, data_parallel_rank: int) -> str:

@@ -70,7 +70,9 @@ def scheduler_of(engine):
     return engine.engine_core.engine_core.scheduler
 
 
-def generate(engine, prompts: dict[str, list[int]], max_tokens: int, extra_args: dict[str, dict] | None = None) -> dict[str, list[int]]:
+def generate(
+    engine, prompts: dict[str, list[int]], max_tokens: int, extra_args: dict[str, dict] | None = None
+) -> dict[str, list[int]]:
     """Greedy outputs (token ids) of ``prompts`` (request id -> prompt token ids), all queued at once."""
     from vllm.inputs import TokensPrompt
     from vllm.sampling_params import RequestOutputKind, SamplingParams
@@ -78,7 +80,11 @@ def generate(engine, prompts: dict[str, list[int]], max_tokens: int, extra_args:
     extra_args = extra_args or {}
     for request_id, prompt in prompts.items():
         params = SamplingParams(
-            max_tokens=max_tokens, temperature=0.0, ignore_eos=True, output_kind=RequestOutputKind.DELTA, detokenize=False,
+            max_tokens=max_tokens,
+            temperature=0.0,
+            ignore_eos=True,
+            output_kind=RequestOutputKind.DELTA,
+            detokenize=False,
             extra_args=extra_args.get(request_id),
         )
         engine.add_request(request_id, TokensPrompt(prompt_token_ids=prompt), params)
@@ -96,7 +102,9 @@ class MeasuredRun:
     wall_s: float
 
 
-def run_workload(engine, workload: Workload, vocab_size: int, seed: int = 0, tpot_ms: float | None = None, timeout_s: float = 300.0) -> MeasuredRun:
+def run_workload(
+    engine, workload: Workload, vocab_size: int, seed: int = 0, tpot_ms: float | None = None, timeout_s: float = 300.0
+) -> MeasuredRun:
     """Replay ``workload`` in real time: add each request at its arrival, step until done.
 
     Token times are taken when ``step()`` returns new tokens for a request (what a
@@ -145,10 +153,14 @@ def run_workload(engine, workload: Workload, vocab_size: int, seed: int = 0, tpo
             token_ms[i].extend([end] * len(out.outputs[0].token_ids))
             finished[i] |= out.finished
     requests = frame_from_token_times(arrival_ms, workload.prompt_tokens, workload.output_tokens, token_ms)
-    return MeasuredRun(requests, pd.DataFrame(steps, columns=["start_ms", "end_ms", "requests_out"]), time.perf_counter() - t0)
+    return MeasuredRun(
+        requests, pd.DataFrame(steps, columns=["start_ms", "end_ms", "requests_out"]), time.perf_counter() - t0
+    )
 
 
-def profile_steps(engine, vocab_size: int, decode_counts, chunk_sizes, contexts, repeats: int = 3, seed: int = 0) -> pd.DataFrame:
+def profile_steps(
+    engine, vocab_size: int, decode_counts, chunk_sizes, contexts, repeats: int = 3, seed: int = 0
+) -> pd.DataFrame:
     """Measure steps of ``n`` decodes at ``context`` tokens each plus one ``c``-token chunk.
 
     For each grid point: start ``n`` requests with ``context``-token prompts and let them
@@ -166,8 +178,12 @@ def profile_steps(engine, vocab_size: int, decode_counts, chunk_sizes, contexts,
 
     def add(tokens: int, max_tokens: int) -> str:
         request_id = f"p{next(ids)}"
-        params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, output_kind=RequestOutputKind.DELTA, detokenize=False)
-        engine.add_request(request_id, TokensPrompt(prompt_token_ids=rng.integers(10, vocab_size - 10, tokens).tolist()), params)
+        params = SamplingParams(
+            max_tokens=max_tokens, ignore_eos=True, output_kind=RequestOutputKind.DELTA, detokenize=False
+        )
+        engine.add_request(
+            request_id, TokensPrompt(prompt_token_ids=rng.integers(10, vocab_size - 10, tokens).tolist()), params
+        )
         return request_id
 
     for context in contexts:

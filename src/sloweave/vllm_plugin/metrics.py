@@ -46,14 +46,18 @@ class PrometheusRecorder:
         registry = REGISTRY if registry is None else registry
 
         def histogram(spec: names.MetricSpec) -> Histogram:
-            return Histogram(spec.name, spec.help, ["engine"], buckets=spec.buckets, registry=registry).labels(engine=engine)
+            return Histogram(spec.name, spec.help, ["engine"], buckets=spec.buckets, registry=registry).labels(
+                engine=engine
+            )
 
         def counter(spec: names.MetricSpec) -> Counter:
             return Counter(spec.name, spec.help, ["engine"], registry=registry).labels(engine=engine)
 
         def gauge(spec: names.MetricSpec) -> Gauge:
             # one value per engine, not per process, when several processes write (multiprocess mode)
-            return Gauge(spec.name, spec.help, ["engine"], registry=registry, multiprocess_mode="max").labels(engine=engine)
+            return Gauge(spec.name, spec.help, ["engine"], registry=registry, multiprocess_mode="max").labels(
+                engine=engine
+            )
 
         self.registry = registry
         self.engine = engine
@@ -74,7 +78,9 @@ class PrometheusRecorder:
         # The plug-in's own health (no simulator counterpart): bad per-request targets served
         # with the default, and failures of its bookkeeping that fell back to vLLM's budget.
         self.request_target_errors = counter(names.REQUEST_TARGET_ERRORS)
-        self._plugin_errors = Counter(names.PLUGIN_ERRORS.name, names.PLUGIN_ERRORS.help, ["engine", "where"], registry=registry)
+        self._plugin_errors = Counter(
+            names.PLUGIN_ERRORS.name, names.PLUGIN_ERRORS.help, ["engine", "where"], registry=registry
+        )
         for where in names.PLUGIN_ERROR_PLACES:  # present at 0 from the start: a rate and an alert see every place
             self._plugin_errors.labels(engine=engine, where=where)
 
@@ -128,7 +134,10 @@ def _warn_if_invisible() -> None:
     multiproc = MULTIPROC_ENV in os.environ
     if multiproc and values.ValueClass is values.MutexValue:
         # prometheus_client picks its value store when first imported; the variable came later.
-        logger.warning("sloweave metrics: %s was set after prometheus_client was imported; they will not reach /metrics", MULTIPROC_ENV)
+        logger.warning(
+            "sloweave metrics: %s was set after prometheus_client was imported; they will not reach /metrics",
+            MULTIPROC_ENV,
+        )
     elif in_child and not multiproc:
         logger.warning(
             "sloweave metrics are registered in the engine-core process; set %s (an empty directory) before "

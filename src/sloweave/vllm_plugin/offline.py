@@ -58,7 +58,11 @@ def build_scheduler(
     """
     async_scheduling = issubclass(scheduler_cls, AsyncScheduler)
     model_config = ModelConfig(
-        model=str(model_dir or tiny_model_dir()), skip_tokenizer_init=True, dtype="float32", seed=0, max_model_len=max_model_len
+        model=str(model_dir or tiny_model_dir()),
+        skip_tokenizer_init=True,
+        dtype="float32",
+        seed=0,
+        max_model_len=max_model_len,
     )
     scheduler_config = SchedulerConfig(
         max_num_seqs=max_num_seqs,
@@ -69,7 +73,9 @@ def build_scheduler(
         async_scheduling=async_scheduling,
         is_encoder_decoder=False,
     )
-    cache_config = CacheConfig(block_size=BLOCK_SIZE, gpu_memory_utilization=0.9, cache_dtype="auto", enable_prefix_caching=prefix_caching)
+    cache_config = CacheConfig(
+        block_size=BLOCK_SIZE, gpu_memory_utilization=0.9, cache_dtype="auto", enable_prefix_caching=prefix_caching
+    )
     vllm_config = VllmConfig(
         scheduler_config=scheduler_config,
         model_config=model_config,
@@ -83,7 +89,11 @@ def build_scheduler(
     kv_cache_config = KVCacheConfig(
         num_blocks=num_blocks,
         kv_cache_tensors=[],
-        kv_cache_groups=[KVCacheGroupSpec(["layer"], FullAttentionSpec(block_size=BLOCK_SIZE, num_kv_heads=1, head_size=1, dtype=torch.float32))],
+        kv_cache_groups=[
+            KVCacheGroupSpec(
+                ["layer"], FullAttentionSpec(block_size=BLOCK_SIZE, num_kv_heads=1, head_size=1, dtype=torch.float32)
+            )
+        ],
     )
     cache_config.num_gpu_blocks = num_blocks
     return scheduler_cls(
@@ -187,7 +197,11 @@ class OfflineEngine:
 
     def _schedule(self) -> _InFlight | None:
         scheduler = self.scheduler
-        was_decoding = {r.request_id for r in scheduler.running if r.num_output_tokens > 0 or r.num_computed_tokens >= r.num_prompt_tokens}
+        was_decoding = {
+            r.request_id
+            for r in scheduler.running
+            if r.num_output_tokens > 0 or r.num_computed_tokens >= r.num_prompt_tokens
+        }
         output = scheduler.schedule()
         if not output.total_num_scheduled_tokens:
             return None
@@ -199,9 +213,18 @@ class OfflineEngine:
         req_ids = list(output.num_scheduled_tokens)
         # vLLM advanced num_computed_tokens in schedule(): a request not left mid-prompt samples.
         sampled = [[] if scheduler.requests[rid].is_prefill_chunk else [SAMPLED_TOKEN] for rid in req_ids]
-        runner_output = ModelRunnerOutput(req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)}, sampled_token_ids=sampled)
+        runner_output = ModelRunnerOutput(
+            req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)}, sampled_token_ids=sampled
+        )
         plan = getattr(scheduler, "last_plan", None)
-        record = StepRecord(start, end, dict(output.num_scheduled_tokens), plan.token_budget if plan else None, prefill_tokens, decode_tokens)
+        record = StepRecord(
+            start,
+            end,
+            dict(output.num_scheduled_tokens),
+            plan.token_budget if plan else None,
+            prefill_tokens,
+            decode_tokens,
+        )
         self.steps.append(record)
         return _InFlight(output, runner_output, record)
 
@@ -211,7 +234,9 @@ class OfflineEngine:
         for outputs in engine_outputs.values():
             for out in outputs.outputs:
                 if out.new_token_ids:
-                    self.token_times_ms.setdefault(out.request_id, []).extend([self.clock.now_ms] * len(out.new_token_ids))
+                    self.token_times_ms.setdefault(out.request_id, []).extend(
+                        [self.clock.now_ms] * len(out.new_token_ids)
+                    )
                 if out.finish_reason is not None:
                     self.finished.add(out.request_id)
 

@@ -103,7 +103,9 @@ class SLOWeaveSchedulerMixin:
         self.sloweave_metrics = metrics = default_recorder(engine=str(rank))
         metrics.set_targets(config.tpot_ms, decision.coverage)
         self.sloweave_step_log = self._open_step_log(config, rank)
-        self.sloweave.recorder = metrics if self.sloweave_step_log is None else Recorders(metrics, self.sloweave_step_log)
+        self.sloweave.recorder = (
+            metrics if self.sloweave_step_log is None else Recorders(metrics, self.sloweave_step_log)
+        )
         # request id -> clock time its prompt last made progress (arrival or a chunk)
         self._prompt_progress_ms: dict[str, float] = {}
         self.last_plan: StepPlan | None = None

@@ -25,7 +25,16 @@ import importlib
 import warnings
 
 _SUBMODULES = {
-    "analytic", "calibrated", "context_analytic", "fitted", "margins", "noisy", "operator_profiles", "profile", "protocols", "resolve",
+    "analytic",
+    "calibrated",
+    "context_analytic",
+    "fitted",
+    "margins",
+    "noisy",
+    "operator_profiles",
+    "profile",
+    "protocols",
+    "resolve",
 }
 
 

@@ -37,13 +37,21 @@ RESIDUAL_WINDOW_STEPS = 1000
 class OnlineCalibrator:
     """Per-bucket multiplicative correction learned from (predicted, measured) step pairs."""
 
-    def __init__(self, alpha: float = 0.2, min_factor: float = 0.25, max_factor: float = 8.0, window_steps: int = RESIDUAL_WINDOW_STEPS) -> None:
+    def __init__(
+        self,
+        alpha: float = 0.2,
+        min_factor: float = 0.25,
+        max_factor: float = 8.0,
+        window_steps: int = RESIDUAL_WINDOW_STEPS,
+    ) -> None:
         if isinstance(alpha, bool) or not 0 < finite_number(alpha, "alpha") <= 1:
             raise ValueError(f"alpha must be in (0, 1], got {alpha!r}")
         finite_number(min_factor, "min_factor")
         finite_number(max_factor, "max_factor")
         if not min_factor <= 1.0 <= max_factor:
-            raise ValueError(f"min_factor <= 1 <= max_factor is needed (1: no correction), got {min_factor!r} and {max_factor!r}")
+            raise ValueError(
+                f"min_factor <= 1 <= max_factor is needed (1: no correction), got {min_factor!r} and {max_factor!r}"
+            )
         whole_number(window_steps, "window_steps")
         self.alpha = alpha
         self.log_min, self.log_max = math.log(min_factor), math.log(max_factor)
@@ -148,7 +156,9 @@ class CalibratedCost(ContextualCost):
         decode_only = k(n_decodes, False) * self.base.predict(n_decodes, 0, decode_kv_tokens, prefill_prefix_tokens)
         if chunk_tokens <= 0:
             return decode_only
-        with_chunk = k(n_decodes, True) * self.base.predict(n_decodes, chunk_tokens, decode_kv_tokens, prefill_prefix_tokens)
+        with_chunk = k(n_decodes, True) * self.base.predict(
+            n_decodes, chunk_tokens, decode_kv_tokens, prefill_prefix_tokens
+        )
         return max(with_chunk, decode_only) if n_decodes > 0 else with_chunk
 
 
@@ -170,7 +180,13 @@ class AdaptiveMargin:
     noisier or quieter; the window does both.
     """
 
-    def __init__(self, cost: CalibratedCost, fallback: ResidualMargin, quantile: float = DEFAULT_MARGIN_QUANTILE, min_steps: int = 50) -> None:
+    def __init__(
+        self,
+        cost: CalibratedCost,
+        fallback: ResidualMargin,
+        quantile: float = DEFAULT_MARGIN_QUANTILE,
+        min_steps: int = 50,
+    ) -> None:
         self.cost = cost
         self.fallback = fallback
         self.quantile = quantile
@@ -218,7 +234,9 @@ class SelfCorrection:
     margin: AdaptiveMargin
 
 
-def self_correcting(cost: CostModel, fallback=None, quantile: float = DEFAULT_MARGIN_QUANTILE, min_steps: int = 50) -> SelfCorrection:
+def self_correcting(
+    cost: CostModel, fallback=None, quantile: float = DEFAULT_MARGIN_QUANTILE, min_steps: int = 50
+) -> SelfCorrection:
     """Wrap ``cost`` (the prior: analytic, a profile or a fit) for online correction.
 
     ``fallback`` is the margin used until ``min_steps`` steps are seen (a profile's
@@ -228,4 +246,6 @@ def self_correcting(cost: CostModel, fallback=None, quantile: float = DEFAULT_MA
         raise ValueError(f"margin quantile must be in [50, 100) %, got {quantile!r}")
     calibrator = OnlineCalibrator()
     corrected = CalibratedCost(as_contextual(cost), calibrator)
-    return SelfCorrection(calibrator, corrected, AdaptiveMargin(corrected, fallback or ProfileFreeMargin(), quantile, min_steps))
+    return SelfCorrection(
+        calibrator, corrected, AdaptiveMargin(corrected, fallback or ProfileFreeMargin(), quantile, min_steps)
+    )

@@ -59,7 +59,17 @@ from sloweave.core.cells import numbers, show
 from sloweave.core.csv_shape import check_csv_shape, located
 from sloweave.core.step_log import StepLogError, profile_rows, read_step_log
 from sloweave.core.costs.protocols import CostModelError, check_monotone_in_chunk
-from sloweave.core.validate import DURATION_MS, MAX_MS, MAX_TOKENS, TOKEN_COUNT, RepeatedKeyError, Range, finite_number, non_negative_number, one_value_per_key
+from sloweave.core.validate import (
+    DURATION_MS,
+    MAX_MS,
+    MAX_TOKENS,
+    TOKEN_COUNT,
+    RepeatedKeyError,
+    Range,
+    finite_number,
+    non_negative_number,
+    one_value_per_key,
+)
 
 PROFILE_FORMAT = "sloweave-profile"
 STEP_LOG_SUFFIX = ".jsonl"  # a served engine's step log (sloweave.core.step_log), read as a profile
@@ -111,7 +121,9 @@ def read_profile(path: str | Path) -> pd.DataFrame:
                 raise ProfileError(f"profile {path}: unsupported version {version!r} (expected {PROFILE_VERSION})")
             frame = pd.DataFrame(_json_rows(path, doc.get("rows", [])))
         else:
-            lines = check_csv_shape(path, lambda line, problem: ProfileError(f"profile {located(path, line)}: {problem}"))
+            lines = check_csv_shape(
+                path, lambda line, problem: ProfileError(f"profile {located(path, line)}: {problem}")
+            )
             frame = pd.read_csv(path, index_col=False)
     except ProfileError:
         raise
@@ -142,7 +154,12 @@ def write_profile(frame: pd.DataFrame, path: str | Path, meta: dict | None = Non
     frame = validate_profile(frame, str(path))
     path.parent.mkdir(parents=True, exist_ok=True)
     if path.suffix.lower() == ".json":
-        doc = {"format": PROFILE_FORMAT, "version": PROFILE_VERSION, "meta": meta or {}, "rows": frame.to_dict("records")}
+        doc = {
+            "format": PROFILE_FORMAT,
+            "version": PROFILE_VERSION,
+            "meta": meta or {},
+            "rows": frame.to_dict("records"),
+        }
         write_text_atomic(path, json.dumps(doc, indent=1))
     else:
         if meta:  # the meta file first: a profile is never there without the meta it was written with
@@ -174,12 +191,16 @@ def validate_profile(frame: pd.DataFrame, where: str = "profile", lines: list[in
         # past MAX_TOKENS a count is no step a machine ran (1e13 tokens), and past 2**63 it would wrap
         bad = np.flatnonzero(~np.isfinite(values) | (values < 0) | (values != np.round(values)) | (values > MAX_TOKENS))
         if bad.size:
-            raise ProfileError(f"{at(bad[0])}{column}={show(frame[column].iloc[bad[0]])}; expected {TOKEN_COUNT.describe()}")
+            raise ProfileError(
+                f"{at(bad[0])}{column}={show(frame[column].iloc[bad[0]])}; expected {TOKEN_COUNT.describe()}"
+            )
         frame[column] = values.astype(np.int64)
     step = numbers(frame["step_ms"])
     bad = np.flatnonzero(~np.isfinite(step) | (step <= 0) | (step > MAX_MS))
     if bad.size:
-        raise ProfileError(f"{at(bad[0])}step_ms={show(frame['step_ms'].iloc[bad[0]])}; expected {DURATION_MS.describe()}")
+        raise ProfileError(
+            f"{at(bad[0])}step_ms={show(frame['step_ms'].iloc[bad[0]])}; expected {DURATION_MS.describe()}"
+        )
     frame["step_ms"] = step
     empty = np.flatnonzero((frame["n_decodes"].to_numpy() == 0) & (frame["chunk_tokens"].to_numpy() == 0))
     if empty.size:
@@ -189,7 +210,9 @@ def validate_profile(frame: pd.DataFrame, where: str = "profile", lines: list[in
         split = frame["split"].astype(object).fillna("fit").astype(str)
         unknown = np.flatnonzero(~split.isin(["fit", "holdout"]).to_numpy())
         if unknown.size:
-            raise ProfileError(f"{at(unknown[0])}unknown split value {split.iloc[unknown[0]]!r}; use 'fit' or 'holdout'")
+            raise ProfileError(
+                f"{at(unknown[0])}unknown split value {split.iloc[unknown[0]]!r}; use 'fit' or 'holdout'"
+            )
         frame["split"] = split
     else:
         frame["split"] = "fit"
@@ -222,7 +245,9 @@ class ContextualCost:
         return np.array(
             [
                 self.predict(int(n), int(c), int(d), int(p))
-                for n, c, d, p in frame[["n_decodes", "chunk_tokens", "decode_kv_tokens", "prefill_prefix_tokens"]].itertuples(index=False)
+                for n, c, d, p in frame[
+                    ["n_decodes", "chunk_tokens", "decode_kv_tokens", "prefill_prefix_tokens"]
+                ].itertuples(index=False)
             ]
         )
 
@@ -242,10 +267,20 @@ def regression_features(n, c, d, p) -> np.ndarray:
     d = np.asarray(d, dtype=float)
     p = np.asarray(p, dtype=float)
     kv = d + np.where(c > 0, p + c, 0.0)
-    return np.stack([np.ones_like(n), (n > 0).astype(float), n, (c > 0).astype(float), c, kv / 1e3, (n + c) * kv / 1e6], axis=-1)
+    return np.stack(
+        [np.ones_like(n), (n > 0).astype(float), n, (c > 0).astype(float), c, kv / 1e3, (n + c) * kv / 1e6], axis=-1
+    )
 
 
-REGRESSION_TERMS = ("base_ms", "decode_base_ms", "per_decode_ms", "prefill_base_ms", "per_chunk_token_ms", "per_1k_kv_ms", "per_query_x_1m_kv_ms")
+REGRESSION_TERMS = (
+    "base_ms",
+    "decode_base_ms",
+    "per_decode_ms",
+    "prefill_base_ms",
+    "per_chunk_token_ms",
+    "per_1k_kv_ms",
+    "per_query_x_1m_kv_ms",
+)
 
 
 def nnls(a: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -284,7 +319,9 @@ class RegressionCost(ContextualCost):
 
     @classmethod
     def fit(cls, frame: pd.DataFrame) -> RegressionCost:
-        x = regression_features(frame["n_decodes"], frame["chunk_tokens"], frame["decode_kv_tokens"], frame["prefill_prefix_tokens"])
+        x = regression_features(
+            frame["n_decodes"], frame["chunk_tokens"], frame["decode_kv_tokens"], frame["prefill_prefix_tokens"]
+        )
         y = frame["step_ms"].to_numpy(dtype=float)
         # Weight rows by 1/y: minimise relative error, so short decode steps count as much as
         # long prefill steps (a 2 ms error is 40 % of a decode step but noise on a prefill).
@@ -354,7 +391,9 @@ class LookupTableCost(ContextualCost):
         if row is None:
             values = self.values
             by_n = _along_axis(
-                self.n_grid, float(n_decodes), lambda i: _along_axis(self.context_grid, context, lambda k: values[i, :, k])
+                self.n_grid,
+                float(n_decodes),
+                lambda i: _along_axis(self.context_grid, context, lambda k: values[i, :, k]),
             )
             if len(cache) > 4096:
                 cache.clear()
@@ -384,7 +423,11 @@ class LookupTableCost(ContextualCost):
 
     @classmethod
     def fit(
-        cls, frame: pd.DataFrame, monotone_tolerance: float = 0.25, monotone_tolerance_ms: float = 5.0, where: str = "profile"
+        cls,
+        frame: pd.DataFrame,
+        monotone_tolerance: float = 0.25,
+        monotone_tolerance_ms: float = 5.0,
+        where: str = "profile",
     ) -> LookupTableCost:
         check_tolerances(monotone_tolerance, monotone_tolerance_ms)
         n_grid, c_grid, x_grid, values = profile_grid(frame, "median")
@@ -458,7 +501,9 @@ class ResidualMargin:
         return float(self.fractions[_bucket(n_decodes, N_BUCKET_EDGES), _bucket(chunk_tokens, C_BUCKET_EDGES)])
 
     @staticmethod
-    def table_from_residuals(n: np.ndarray, c: np.ndarray, relative: np.ndarray, quantile: float = 99.0, min_samples: int = 8) -> np.ndarray:
+    def table_from_residuals(
+        n: np.ndarray, c: np.ndarray, relative: np.ndarray, quantile: float = 99.0, min_samples: int = 8
+    ) -> np.ndarray:
         """P99 relative residual per bucket; thin buckets fall back to the global quantile."""
         overall = max(0.0, float(np.percentile(relative, quantile))) if relative.size else 0.0
         table = np.full((len(N_BUCKET_EDGES), len(C_BUCKET_EDGES)), overall)
@@ -474,7 +519,12 @@ class ResidualMargin:
 
 # ----------------------------------------------------------------------------- acceptance
 
-STEP_COLUMNS = ("n_decodes", "chunk_tokens", "decode_kv_tokens", "prefill_prefix_tokens")  # what makes two rows one step
+STEP_COLUMNS = (
+    "n_decodes",
+    "chunk_tokens",
+    "decode_kv_tokens",
+    "prefill_prefix_tokens",
+)  # what makes two rows one step
 
 
 def check_tolerances(monotone_tolerance, monotone_tolerance_ms) -> tuple[float, float]:
@@ -482,7 +532,9 @@ def check_tolerances(monotone_tolerance, monotone_tolerance_ms) -> tuple[float, 
     drop, and no drop exceeds 100 %, so either switched the check off."""
     relative = non_negative_number(monotone_tolerance, "monotone_tolerance")
     if relative >= 1:
-        raise ValueError(f"monotone_tolerance must be below 1 (a share of the step time; no drop is larger), got {monotone_tolerance!r}")
+        raise ValueError(
+            f"monotone_tolerance must be below 1 (a share of the step time; no drop is larger), got {monotone_tolerance!r}"
+        )
     return relative, non_negative_number(monotone_tolerance_ms, "monotone_tolerance_ms")
 
 
@@ -507,7 +559,10 @@ def check_monotone_steps(
     n_grid, c_grid, x_grid, fastest = profile_grid(frame, "min")
     if np.isnan(fastest).any():
         return False
-    for axis, what, fewer, name, values in ((1, "chunk size", "smaller", "chunk_tokens", c_grid), (0, "decode count", "fewer", "n_decodes", n_grid)):
+    for axis, what, fewer, name, values in (
+        (1, "chunk size", "smaller", "chunk_tokens", c_grid),
+        (0, "decode count", "fewer", "n_decodes", n_grid),
+    ):
         peak = np.maximum.accumulate(fastest, axis=axis)
         broken = (peak - fastest > tolerance * peak) & (peak - fastest > tolerance_ms)
         if not broken.any():
@@ -623,13 +678,17 @@ def accept_fit(
     meaningful("n_decodes", c_hi, n_lo, n_hi, predict(n_lo, c_hi, middle), predict(n_hi, c_hi, middle))
 
     top = max(QUERY_CHUNK_TOKENS, 2 * c_hi)
-    profiled = np.unique(np.percentile(n_values, np.linspace(0, 100, 9)).round().astype(int))  # a served log has hundreds
+    profiled = np.unique(
+        np.percentile(n_values, np.linspace(0, 100, 9)).round().astype(int)
+    )  # a served log has hundreds
     decodes = tuple(sorted({*QUERY_DECODES, *profiled.tolist(), 2 * n_hi}))
     for context in sorted({0.0, *contexts, 4 * float(contexts.max())}):
         try:
             check_monotone_in_chunk(lambda n, c: predict(n, c, context), top, decodes)
         except CostModelError as err:
-            raise ProfileError(f"{where}: the {kind} fit cannot be used where a policy asks ({context:g} KV tokens per decode): {err}") from None
+            raise ProfileError(
+                f"{where}: the {kind} fit cannot be used where a policy asks ({context:g} KV tokens per decode): {err}"
+            ) from None
     ns = np.unique(np.linspace(0, 2 * n_hi, 65).round().astype(int))
     chunks = np.unique(np.percentile(c_values, [0, 25, 50, 75, 100]).round().astype(int))
     for context in contexts:
@@ -679,7 +738,9 @@ class FitResult:
             return self.regression
         if kind == "table":
             if self.table is None:
-                raise ProfileError(f"no lookup table could be built from this profile: {self.report.get('table_error')}")
+                raise ProfileError(
+                    f"no lookup table could be built from this profile: {self.report.get('table_error')}"
+                )
             return self.table
         raise ValueError(f"unknown cost model {kind!r}: choose 'regression' or 'table'")
 
@@ -741,7 +802,9 @@ def fit_profile(
     # in a step held out, or in a cell a hold-out leaves empty, is a drop. The profiler's held-out
     # steps are off the grid (other chunks, a prefix): scored, not compared.
     fitted = frame[frame["split"] != "holdout"]
-    grid_columns = [c for c in ("n_decodes", "chunk_tokens", "context_tokens", "prefill_prefix_tokens") if c in frame.columns]
+    grid_columns = [
+        c for c in ("n_decodes", "chunk_tokens", "context_tokens", "prefill_prefix_tokens") if c in frame.columns
+    ]
     on_grid = np.logical_and.reduce([frame[c].isin(fitted[c].unique()).to_numpy() for c in grid_columns])
     compared = check_monotone_steps(frame[on_grid], where, monotone_tolerance, monotone_tolerance_ms)
     rng = np.random.default_rng(seed)
@@ -819,9 +882,15 @@ def fit_profile(
         pred = regression.predict_frame(holdout_rows)
         report["regression_holdout"] = holdout
         margin = ResidualMargin(regression, fractions)
-        delta = np.array(
-            [margin.fraction(int(n), int(c)) for n, c in holdout_rows[["n_decodes", "chunk_tokens"]].itertuples(index=False)]
-        ) * pred
+        delta = (
+            np.array(
+                [
+                    margin.fraction(int(n), int(c))
+                    for n, c in holdout_rows[["n_decodes", "chunk_tokens"]].itertuples(index=False)
+                ]
+            )
+            * pred
+        )
         report["regression_holdout"]["covered_by_margin_share"] = float(np.mean(y <= pred + delta))
         # The same model without its context terms, to show what they buy.
         no_ctx = RegressionCost.fit(fit_rows.assign(decode_kv_tokens=0, prefill_prefix_tokens=0))
@@ -854,5 +923,3 @@ class FixedContextCost:
     def __call__(self, n_decodes: int, chunk_tokens: int) -> float:
         d = int(round(n_decodes * (self.context_per_decode_tokens + 1)))
         return self.cost.predict(n_decodes, chunk_tokens, d, 0)
-
-

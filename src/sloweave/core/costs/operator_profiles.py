@@ -35,8 +35,15 @@ from sloweave.core.validate import MARGIN_MS, MAX_TOKENS, REPEATS, Range, Repeat
 # Per-layer token-parallel operators that make up a decoder layer besides attention (Vidur's set:
 # the embedding and the LM head run once per iteration and are not profiled per layer).
 TOKEN_OPS = (
-    "input_layernorm", "attn_pre_proj", "attn_rope", "attn_post_proj",
-    "post_attention_layernorm", "mlp_up_proj", "mlp_act", "mlp_down_proj", "add",
+    "input_layernorm",
+    "attn_pre_proj",
+    "attn_rope",
+    "attn_post_proj",
+    "post_attention_layernorm",
+    "mlp_up_proj",
+    "mlp_act",
+    "mlp_down_proj",
+    "add",
 )
 CPU_OPS = ("schedule_median", "sampler_e2e_median", "prepare_inputs_e2e_median", "process_model_outputs_median")
 
@@ -107,7 +114,9 @@ def load_profiles(spec: str | Path) -> OperatorProfiles:
     elif isinstance(attention, dict) and set(attention) == {"derived_from"}:
         decode, prefill, note = _derived_attention(str(attention["derived_from"]), folder, shape)
     else:
-        raise ProfileError(f"{folder / 'model.json'}: attention must be \"measured\" or {{\"derived_from\": PRESET_OR_FOLDER}}, got {attention!r}")
+        raise ProfileError(
+            f'{folder / "model.json"}: attention must be "measured" or {{"derived_from": PRESET_OR_FOLDER}}, got {attention!r}'
+        )
     all_reduce = _read_all_reduce(folder / "all_reduce.csv", shape) if shape.tensor_parallel > 1 else None
     cpu_file = folder / "cpu_overheads.csv"
     cpu = _read_cpu(cpu_file) if cpu_file.exists() else None
@@ -146,16 +155,24 @@ def _read_model(folder: Path) -> tuple[ModelShape, dict, pd.DataFrame]:
         # a model without heads (or narrower than its heads) has a head size of 0: a division by zero later
         none = np.flatnonzero(mlp[column].to_numpy() < 1)
         if none.size:
-            raise ProfileError(f"{folder / 'mlp.csv'}, line {_line(mlp, none[0])}: {column}={mlp[column].iloc[none[0]]:g}; "
-                               "expected a whole number >= 1")
+            raise ProfileError(
+                f"{folder / 'mlp.csv'}, line {_line(mlp, none[0])}: {column}={mlp[column].iloc[none[0]]:g}; "
+                "expected a whole number >= 1"
+            )
         if mlp[column].nunique() != 1:
             raise ProfileError(f"{folder / 'mlp.csv'}: {column} takes several values; one model per folder")
     if mlp["n_embd"].iloc[0] < mlp["n_head"].iloc[0]:
-        raise ProfileError(f"{folder / 'mlp.csv'}: n_embd={mlp['n_embd'].iloc[0]:g} is less than n_head={mlp['n_head'].iloc[0]:g} "
-                           "(a head size below 1)")
+        raise ProfileError(
+            f"{folder / 'mlp.csv'}: n_embd={mlp['n_embd'].iloc[0]:g} is less than n_head={mlp['n_head'].iloc[0]:g} "
+            "(a head size below 1)"
+        )
     shape = ModelShape(
-        str(model.get("name", folder.name)), model["num_layers"], int(mlp["n_embd"].iloc[0]),
-        int(mlp["n_head"].iloc[0]), int(mlp["n_kv_head"].iloc[0]), model["tensor_parallel"],
+        str(model.get("name", folder.name)),
+        model["num_layers"],
+        int(mlp["n_embd"].iloc[0]),
+        int(mlp["n_head"].iloc[0]),
+        int(mlp["n_kv_head"].iloc[0]),
+        model["tensor_parallel"],
     )
     return shape, model, mlp
 
@@ -205,7 +222,9 @@ def _check_numbers(frame: pd.DataFrame, column: str, path: Path, kind: str, rows
             bad |= values[index] != np.round(values[index])
     if bad.any():
         row = int(index[np.flatnonzero(bad)[0]])
-        raise ProfileError(f"{path}, line {_line(frame, row)}: {column}={show(frame[column].iloc[row])}; expected {limits.describe()}")
+        raise ProfileError(
+            f"{path}, line {_line(frame, row)}: {column}={show(frame[column].iloc[row])}; expected {limits.describe()}"
+        )
     frame[column] = values
 
 
@@ -233,7 +252,9 @@ def _read_mlp(frame: pd.DataFrame, path: Path, shape: ModelShape) -> pd.DataFram
     mine = frame[frame["num_tensor_parallel_workers"] == shape.tensor_parallel]
     if mine.empty:
         have = sorted(int(v) for v in frame["num_tensor_parallel_workers"].unique())
-        raise ProfileError(f"{path}: no rows for tensor parallelism {shape.tensor_parallel} (model.json); profiled: {have}")
+        raise ProfileError(
+            f"{path}: no rows for tensor parallelism {shape.tensor_parallel} (model.json); profiled: {have}"
+        )
     _enough_points(mine, "num_tokens", path, f"the rows at tensor parallelism {shape.tensor_parallel}")
     out = mine.groupby("num_tokens")[list(columns)].median().reset_index()
     out["token_ops_ms"] = out[list(columns)].sum(axis=1)
@@ -241,22 +262,51 @@ def _read_mlp(frame: pd.DataFrame, path: Path, shape: ModelShape) -> pd.DataFram
 
 
 def _read_attention(path: Path, shape: ModelShape) -> tuple[pd.DataFrame, pd.DataFrame]:
-    keys = ("n_embd", "n_q_head", "n_kv_head", "num_tensor_parallel_workers", "batch_size", "prefill_chunk_size", "kv_cache_size", "is_prefill")
+    keys = (
+        "n_embd",
+        "n_q_head",
+        "n_kv_head",
+        "num_tensor_parallel_workers",
+        "batch_size",
+        "prefill_chunk_size",
+        "kv_cache_size",
+        "is_prefill",
+    )
     frame = _read_csv(path, keys + (median("attn_decode"), median("attn_prefill")), counts=keys[:-1])
-    for column, expected in (("n_embd", shape.n_embd), ("n_q_head", shape.n_q_heads), ("n_kv_head", shape.n_kv_heads),
-                             ("num_tensor_parallel_workers", shape.tensor_parallel)):
+    for column, expected in (
+        ("n_embd", shape.n_embd),
+        ("n_q_head", shape.n_q_heads),
+        ("n_kv_head", shape.n_kv_heads),
+        ("num_tensor_parallel_workers", shape.tensor_parallel),
+    ):
         wrong = np.flatnonzero(frame[column].to_numpy() != expected)
         if wrong.size:
-            raise ProfileError(f"{path}, line {_line(frame, wrong[0])}: {column}={frame[column].iloc[wrong[0]]:g} does not match the model "
-                               f"({shape.name}: {expected})")
+            raise ProfileError(
+                f"{path}, line {_line(frame, wrong[0])}: {column}={frame[column].iloc[wrong[0]]:g} does not match the model "
+                f"({shape.name}: {expected})"
+            )
     is_prefill = frame["is_prefill"].astype(str).str.lower().map({"true": True, "false": False})
     if is_prefill.isna().any():
         row = int(np.flatnonzero(is_prefill.isna())[0])
-        raise ProfileError(f"{path}, line {_line(frame, row)}: is_prefill={frame['is_prefill'].iloc[row]!r}; expected True or False")
+        raise ProfileError(
+            f"{path}, line {_line(frame, row)}: is_prefill={frame['is_prefill'].iloc[row]!r}; expected True or False"
+        )
     _check_numbers(frame, median("attn_decode"), path, "time", rows=~is_prefill.to_numpy())
     _check_numbers(frame, median("attn_prefill"), path, "time", rows=is_prefill.to_numpy())
-    decode = frame[~is_prefill].groupby(["batch_size", "kv_cache_size"])[median("attn_decode")].median().rename("attn_ms").reset_index()
-    prefill = frame[is_prefill].groupby(["prefill_chunk_size", "kv_cache_size"])[median("attn_prefill")].median().rename("attn_ms").reset_index()
+    decode = (
+        frame[~is_prefill]
+        .groupby(["batch_size", "kv_cache_size"])[median("attn_decode")]
+        .median()
+        .rename("attn_ms")
+        .reset_index()
+    )
+    prefill = (
+        frame[is_prefill]
+        .groupby(["prefill_chunk_size", "kv_cache_size"])[median("attn_prefill")]
+        .median()
+        .rename("attn_ms")
+        .reset_index()
+    )
     if decode.empty or prefill.empty:
         raise ProfileError(f"{path}: needs both decode rows (is_prefill False) and prefill rows (is_prefill True)")
     _enough_points(decode, "batch_size", path, "the decode rows")
@@ -276,7 +326,9 @@ def _derived_attention(source: str, folder: Path, shape: ModelShape) -> tuple[pd
     Prefill attention is compute-bound: time x (query heads per GPU x head size).
     """
     if "\0" in source:  # no path holds a NUL byte (resolving one raises ValueError)
-        raise ProfileError(f"{folder / 'model.json'}: attention derived_from {source!r} is neither a preset nor a folder")
+        raise ProfileError(
+            f"{folder / 'model.json'}: attention derived_from {source!r} is neither a preset nor a folder"
+        )
     source_folder = preset_folder(source) if source in PRESETS else (folder / source).resolve()
     source_shape, _, _ = _read_model(source_folder)
     decode, prefill = _read_attention(source_folder / "attention.csv", source_shape)
@@ -288,8 +340,10 @@ def _derived_attention(source: str, folder: Path, shape: ModelShape) -> tuple[pd
     prefill_factor = per_gpu(shape.n_q_heads, shape) / per_gpu(source_shape.n_q_heads, source_shape)
     decode = decode.assign(attn_ms=decode["attn_ms"] * decode_factor)
     prefill = prefill.assign(attn_ms=prefill["attn_ms"] * prefill_factor)
-    note = (f"derived from {source_shape.name} TP{source_shape.tensor_parallel} (not measured for this model): "
-            f"decode x{decode_factor:g} (KV heads per GPU x head size), prefill x{prefill_factor:g} (query heads per GPU x head size)")
+    note = (
+        f"derived from {source_shape.name} TP{source_shape.tensor_parallel} (not measured for this model): "
+        f"decode x{decode_factor:g} (KV heads per GPU x head size), prefill x{prefill_factor:g} (query heads per GPU x head size)"
+    )
     return decode, prefill, note
 
 

@@ -79,7 +79,9 @@ def _end_slope(x: np.ndarray, y: np.ndarray) -> float:
 class ProfileCost(ContextualCost):
     """T(n, c) of a profiled GPU configuration, with the KV context set before each decision."""
 
-    def __init__(self, profiles: OperatorProfiles, cpu_overhead: bool = True, nccl_launch_ms: float = NCCL_LAUNCH_MS) -> None:
+    def __init__(
+        self, profiles: OperatorProfiles, cpu_overhead: bool = True, nccl_launch_ms: float = NCCL_LAUNCH_MS
+    ) -> None:
         self.profiles = profiles
         self.shape = profiles.shape
         self.layers = profiles.shape.num_layers
@@ -101,7 +103,9 @@ class ProfileCost(ContextualCost):
         with self.uncounted():
             for kv, prefix in ((0, 0), (200_000, 1000), (2_000_000, 10_000), (0, 100_000)):
                 try:  # the context as arguments (``predict``), not set on the model before each query
-                    check_monotone_in_chunk(lambda n, c: self.predict(n, c, kv, prefix), 8192, decode_counts=(0, 1, 8, 64, 256))
+                    check_monotone_in_chunk(
+                        lambda n, c: self.predict(n, c, kv, prefix), 8192, decode_counts=(0, 1, 8, 64, 256)
+                    )
                 except ValueError as err:
                     raise ProfileError(f"{self.profiles.where}: {err}") from None
         self.set_context(0, 0)  # the first context: places the head prompt's prefix rows
@@ -119,7 +123,9 @@ class ProfileCost(ContextualCost):
         if reduce is not None:
             r_grid, r_values = reduce["num_tokens"].to_numpy(float), reduce["all_reduce_ms"].to_numpy(float)
             if r_grid.max() < self.tokens_max:
-                raise ProfileError(f"{self.profiles.where}: all_reduce.csv stops at {r_grid.max():.0f} tokens, mlp.csv goes to {self.tokens_max}")
+                raise ProfileError(
+                    f"{self.profiles.where}: all_reduce.csv stops at {r_grid.max():.0f} tokens, mlp.csv goes to {self.tokens_max}"
+                )
             # Two all-reduces per layer (after attention and after the MLP), as Megatron-style TP does.
             per_layer += 2 * (_dense(r_grid, r_values, self.tokens_max) + nccl_launch_ms)
             slope += 2 * _end_slope(r_grid, r_values)
@@ -140,12 +146,21 @@ class ProfileCost(ContextualCost):
         rows = []
         for _, row in table.iterrows():
             ok = row.notna().to_numpy()
-            rows.append(_dense(kv_grid[ok], row.to_numpy(float)[ok], _round_up(self.decode_kv_max, DECODE_KV_STEP), DECODE_KV_STEP))
+            rows.append(
+                _dense(
+                    kv_grid[ok], row.to_numpy(float)[ok], _round_up(self.decode_kv_max, DECODE_KV_STEP), DECODE_KV_STEP
+                )
+            )
         batch_grid = table.index.to_numpy(float)
         self.decode_batch_max = int(batch_grid.max())
         matrix = np.array(rows)
         # one row per whole batch size 1..max, interpolated across the profiled batch sizes
-        dense = np.array([[np.interp(b, batch_grid, matrix[:, k]) for k in range(matrix.shape[1])] for b in range(1, self.decode_batch_max + 1)])
+        dense = np.array(
+            [
+                [np.interp(b, batch_grid, matrix[:, k]) for k in range(matrix.shape[1])]
+                for b in range(1, self.decode_batch_max + 1)
+            ]
+        )
         dense = np.array([isotonic(column) for column in dense.T]).T  # more requests never read faster
         kv_points = np.arange(0, _round_up(self.decode_kv_max, DECODE_KV_STEP) + 1, DECODE_KV_STEP, dtype=float)
         self._decode_kv_slope = [0.0] + [_end_slope(kv_points, r) for r in dense]
@@ -181,8 +196,10 @@ class ProfileCost(ContextualCost):
             times = np.concatenate([[0.0], mine["attn_ms"].to_numpy(float)])
             row = np.interp(chunks, grid, isotonic(times))
             beyond = chunks > grid.max()
-            row[beyond] = times[-1] + self._prefill_b * (chunks[beyond] - grid.max()) + self._prefill_g * (
-                self._pairs(chunks[beyond], q) - self._pairs(grid.max(), q)
+            row[beyond] = (
+                times[-1]
+                + self._prefill_b * (chunks[beyond] - grid.max())
+                + self._prefill_g * (self._pairs(chunks[beyond], q) - self._pairs(grid.max(), q))
             )
             values.append(row)
             ends.append(float(grid.max()))
@@ -322,11 +339,16 @@ class ProfileCost(ContextualCost):
         if chunk > self.chunk_max:
             self._beyond("prefill_chunk", f"a {chunk}-token chunk > {self.chunk_max} profiled")
             base = self._prefill(self.chunk_max, prefix)
-            return base + self._prefill_b * (chunk - self.chunk_max) + self._prefill_g * (
-                self._pairs(chunk, prefix) - self._pairs(self.chunk_max, prefix)
+            return (
+                base
+                + self._prefill_b * (chunk - self.chunk_max)
+                + self._prefill_g * (self._pairs(chunk, prefix) - self._pairs(self.chunk_max, prefix))
             )
         if chunk > self._prefill_row_end[self._row_b if self._row_w else self._row_a]:
-            self._beyond("prefill_chunk_at_prefix", f"a {chunk}-token chunk on a {prefix}-token prefix, past the profiled chunk + prefix")
+            self._beyond(
+                "prefill_chunk_at_prefix",
+                f"a {chunk}-token chunk on a {prefix}-token prefix, past the profiled chunk + prefix",
+            )
         k, u = divmod(chunk / CHUNK_STEP, 1.0)
         k = int(k)
         a, b = self._prefill_rows[self._row_a], self._prefill_rows[self._row_b]
@@ -356,7 +378,9 @@ class ProfileCost(ContextualCost):
         if not self._counting:
             return
         if not self.out_of_range[what]:
-            warnings.warn(f"{self.profiles.where}: {detail}: extrapolated linearly (counted in out_of_range)", stacklevel=3)
+            warnings.warn(
+                f"{self.profiles.where}: {detail}: extrapolated linearly (counted in out_of_range)", stacklevel=3
+            )
         self.out_of_range[what] += 1
 
     # ---- what outputs say about the model ---------------------------------------------------
@@ -373,8 +397,13 @@ class ProfileCost(ContextualCost):
             "attention": self.profiles.attention_note,
             "cpu_overhead": self.cpu_overhead,
             "kv_bytes_per_token": shape.kv_bytes_per_token,
-            "profiled_range": {"tokens": self.tokens_max, "decode_batch": self.decode_batch_max, "decode_kv_per_request": self.decode_kv_max,
-                               "prefill_chunk": self.chunk_max, "prefill_prefix": self.prefix_max},
+            "profiled_range": {
+                "tokens": self.tokens_max,
+                "decode_batch": self.decode_batch_max,
+                "decode_kv_per_request": self.decode_kv_max,
+                "prefill_chunk": self.chunk_max,
+                "prefill_prefix": self.prefix_max,
+            },
             "out_of_range_queries": dict(self.out_of_range),
             "notes": list(self.profiles.notes),
             "units": "milliseconds per iteration",

@@ -49,7 +49,9 @@ class ContextAware(Protocol):
 
     def set_context(self, decode_kv_tokens: int, prefill_prefix_tokens: int) -> None: ...
 
-    def predict(self, n_decodes: int, chunk_tokens: int, decode_kv_tokens: int, prefill_prefix_tokens: int) -> float: ...
+    def predict(
+        self, n_decodes: int, chunk_tokens: int, decode_kv_tokens: int, prefill_prefix_tokens: int
+    ) -> float: ...
 
 
 @runtime_checkable

@@ -128,7 +128,9 @@ class ResolvedCost:
     def step_profile(self, cost_kind: str = "regression", context_tokens: float | None = None) -> ResolvedCost:
         """A step-time profile cost with another fitted kind or a fixed KV context (no refit)."""
         if self.kind != KIND_STEP_PROFILE or self.fit is None:
-            raise ValueError(f"cost {self.spec!r} is not a step-time profile file: --cost-kind and --context-tokens do not apply")
+            raise ValueError(
+                f"cost {self.spec!r} is not a step-time profile file: --cost-kind and --context-tokens do not apply"
+            )
         return _step_profile(self.spec, self.fit, cost_kind, context_tokens)
 
 
@@ -171,7 +173,9 @@ def resolve_cost(spec: str, *, cost_kind: str = "regression", context_tokens: fl
         try:
             fit = fit_profile_file(path)
         except ProfileError as err:
-            raise ProfileError(f"cost {text!r} is a file but not a usable step-time profile ({err}); give {choices_text()}") from None
+            raise ProfileError(
+                f"cost {text!r} is a file but not a usable step-time profile ({err}); give {choices_text()}"
+            ) from None
         return _step_profile(text, fit, cost_kind, context_tokens)
     near = [p for p in PRESETS if p.startswith(text.lower()) or text.lower().startswith(p)]
     hint = f" (did you mean {near[0]}?)" if near else ""
@@ -214,7 +218,8 @@ def _step_profile(spec: str, fit: FitResult, cost_kind: str, context_tokens: flo
         "kind": cost_kind,
         "context_per_decode_tokens": None if context_tokens is None else float(context_tokens),
         "context": (
-            "the KV context the simulator tracks" if context_tokens is None
+            "the KV context the simulator tracks"
+            if context_tokens is None
             else "fixed: every decode holds context_per_decode_tokens, chunks start from an empty prefix"
         ),
         "fit": fit.report,
