@@ -17,8 +17,11 @@ import sys
 import time
 from pathlib import Path
 
+import click
 import pytest
 from click.testing import CliRunner
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from sloweave.cli import main
 
@@ -325,3 +328,120 @@ def test_ctrl_c_replacing_an_earlier_result_keeps_it(tmp_path):
     )
     assert code == 130, err
     assert files_of(out) == before and beside(out) == ["sim"]
+
+
+# ------------------------------------------- every state of a destination, generated (in process)
+
+FOLDER_STATES = st.fixed_dictionaries(
+    {
+        "out": st.sampled_from(["absent", "empty", "earlier result", "a file"]),
+        "incomplete_tasks": st.sampled_from([None, 0, 2]),  # an interrupted run's folder (None: none)
+        "locked": st.booleans(),  # another run holds OUT.lock
+        "force": st.booleans(),
+        "resume": st.booleans(),
+        "resumable": st.booleans(),
+        "block": st.sampled_from(["completes", "ctrl-c", "error"]),
+        "tasks_done": st.sampled_from([0, 1]),  # tasks this run finished before the block ended
+    }
+)
+
+
+def _prepare(root: Path, state: dict) -> Path:
+    out = root / "out"
+    if state["out"] == "empty":
+        out.mkdir()
+    elif state["out"] == "earlier result":
+        out.mkdir()
+        (out / "old.csv").write_text("earlier\n")
+    elif state["out"] == "a file":
+        out.write_text("not a folder\n")
+    if state["incomplete_tasks"] is not None:
+        tasks = root / "out.incomplete" / "tasks"
+        tasks.mkdir(parents=True)
+        for i in range(state["incomplete_tasks"]):
+            (tasks / f"{'f' * 16}-{i}.pickle").write_bytes(b"")
+    return out
+
+
+def _expected_refusal(state: dict) -> str | None:
+    if state["force"] and state["resume"]:
+        return "give one"
+    if state["out"] == "a file":
+        return "is a file, not a folder"
+    if state["locked"]:
+        return "another run is writing"
+    if state["out"] == "earlier result" and not state["force"]:
+        return "exists and is not empty"
+    if state["resumable"] and state["incomplete_tasks"] is not None and not (state["resume"] or state["force"]):
+        return "holds an interrupted run"
+    return None
+
+
+def _run(out: Path, state: dict) -> BaseException | None:
+    """The block of a command writing ``out``; what it raised (None: it completed)."""
+    from sloweave.studies.result_folders import result_folder
+
+    try:
+        with result_folder(out, state["force"], state["resume"], state["resumable"], fingerprint="f" * 64) as folder:
+            (folder.path / "new.csv").write_text("this run\n")
+            for i in range(state["tasks_done"] if folder.store is not None else 0):
+                folder.store.save(folder.store.folder / f"{'f' * 16}-new{i}.pickle", i)
+            if state["block"] == "ctrl-c":
+                raise KeyboardInterrupt
+            if state["block"] == "error":
+                raise ValueError("the study failed")
+    except BaseException as err:  # noqa: BLE001 - the outcome is what is checked
+        return err
+    return None
+
+
+def _names(path: Path) -> list[str] | None:
+    return sorted(p.name for p in path.iterdir()) if path.is_dir() else None
+
+
+@settings(derandomize=True, max_examples=150, deadline=None, database=None)
+@given(state=FOLDER_STATES)
+def test_every_destination_state_ends_complete_refused_or_untouched(tmp_path_factory, state):
+    """Generated over what a destination can hold and how a run ends: a refusal before any work
+    leaves everything as it was; a run that completes leaves exactly its own files; an interrupted
+    or failed one leaves the destination as it was, and a resumable study's finished tasks with an
+    INCOMPLETE note; never a temporary folder, a set-aside old result or a stale lock."""
+    import fcntl
+
+    from sloweave.studies.result_folders import Interrupted
+
+    root = tmp_path_factory.mktemp("dest")
+    out = _prepare(root, state)
+    before = _names(out)
+    holder = None
+    if state["locked"]:
+        holder = os.open(root / "out.lock", os.O_RDWR | os.O_CREAT)
+        fcntl.flock(holder, fcntl.LOCK_EX)
+    try:
+        error = _run(out, state)
+    finally:
+        if holder is not None:
+            os.close(holder)
+    refusal = _expected_refusal(state)
+    if refusal is not None:
+        assert isinstance(error, click.BadParameter) and refusal in error.message, error
+        assert _names(out) == before
+        return
+    assert [p.name for p in root.iterdir() if p.name.startswith(".out.")] == []
+    assert not (root / "out.lock").exists()
+    # OUT.incomplete is a resumable study's: any other command leaves it as it was
+    untouched = not state["resumable"] and state["incomplete_tasks"] is not None
+    if state["block"] == "completes":
+        assert error is None and _names(out) == ["new.csv"]  # the earlier result is gone, whole
+        assert (root / "out.incomplete").exists() == untouched
+        return
+    if state["block"] == "ctrl-c":
+        assert isinstance(error, Interrupted) and error.exit_code == 130
+    else:
+        assert isinstance(error, ValueError)
+    assert _names(out) == before  # nothing written to the destination
+    reused = (state["incomplete_tasks"] or 0) if state["resume"] and not state["force"] else 0
+    kept = state["resumable"] and state["tasks_done"] + reused > 0
+    assert (root / "out.incomplete").exists() == (kept or untouched)
+    if kept:
+        assert "INCOMPLETE" in _names(root / "out.incomplete")

@@ -101,6 +101,10 @@ def result_folder(
       the run is refused. It is deleted once the results are in place.
     """
     out = Path(out)
+    if force and resume:  # one would silently win over the other
+        raise click.BadParameter(
+            "--force starts over and --resume goes on with an interrupted run: give one", param_hint=label
+        )
     check_writable(out, label)
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
