@@ -1666,10 +1666,16 @@ def config_problems(values: dict, profile_file: str) -> set[str]:
     for key, v in values.items():
         if key == "tpot_ms":
             ok = finite(v) and 0 < v <= MAX_TPOT_MS
-        elif key in ("max_chunk_tokens", "aging_chunk_tokens"):
-            ok = isinstance(v, int) and not isinstance(v, bool) and v >= 1
+        elif key in ("max_chunk_tokens", "aging_chunk_tokens", "step_log_max_steps"):
+            ok = isinstance(v, int) and not isinstance(v, bool) and 1 <= v <= MAX_TOKENS
         elif key in ("margin_ms", "margin_fraction", "aging_ms"):
-            ok = finite(v) and v >= 0
+            high = {"margin_ms": MAX_TPOT_MS, "margin_fraction": 100.0, "aging_ms": MAX_MS}[key]
+            ok = finite(v) and 0 <= v <= high
+        elif key == "step_log":  # off (""), or a file in a folder that exists and can be written
+            folder = os.path.dirname(os.path.abspath(v)) if isinstance(v, str) and v else None
+            ok = isinstance(v, str) and (
+                v == "" or (not os.path.isdir(v) and os.path.isdir(folder) and os.access(folder, os.W_OK))
+            )
         elif key == "cost":  # a folder or file that exists counts too
             ok = isinstance(v, str) and (v in ("analytic", *PRESETS) or os.path.exists(v))
         elif key == "cost_kind":

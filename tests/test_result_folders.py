@@ -77,8 +77,11 @@ WRITES = {
 # Runs the command line with one function patched: it runs, writes MARKER, then waits (for the
 # signal the test sends). TARGET is module:attribute (a method as module:Class.method).
 HOLD = r"""
-import importlib, sys, time
+import importlib, signal, sys, time
 from pathlib import Path
+# Ctrl-C as a terminal delivers it, even when the test runner started with SIGINT ignored (a
+# background job of a shell without job control): Python would then keep ignoring it
+signal.signal(signal.SIGINT, signal.default_int_handler)
 marker, target, argv = Path(sys.argv[1]), sys.argv[2], sys.argv[3:]
 module_name, _, attr = target.partition(":")
 owner = importlib.import_module(module_name)
