@@ -146,6 +146,12 @@ def test_profile_steps_measures_the_steps_it_names_in_the_profile_format_fit_rea
     assert (profile["prefill_prefix_tokens"] == 0).all()
     assert np.isfinite(profile["step_ms"]).all() and (profile["step_ms"] > 0).all()
 
+    # the warm-up ran first, untimed: twice the grid's largest point (3 decodes of 32 tokens, a
+    # 128-token prompt), and nothing of the grid before it ended
+    adds = [(request_id, tokens) for kind, request_id, tokens, *_ in spy.events if kind == "add"]
+    assert [tokens for request_id, tokens in adds[:8]] == [32, 32, 32, 128] * 2
+    assert all(r.startswith("w") for r, _ in adds[:8]) and not any(r.startswith("w") for r, _ in adds[8:])
+
     # each measured step held exactly what its row names: the n requests started before it, one
     # token each, and the whole c-token prompt added right before it
     measured = measured_steps(spy)
@@ -175,11 +181,14 @@ def measured_steps(spy: Spy) -> list[tuple[dict, int, set]]:
     """(background request -> tokens, chunk tokens, any other request) of each step profile_steps
     timed, found from the order of its calls: a point adds its n background requests (max_tokens
     3) and steps until each has its first token; then it adds the c-token prompt (max_tokens 1),
-    if any, and times the next step; then it drains the engine."""
+    if any, and times the next step; then it drains the engine. The warm-up's requests (``w*``,
+    untimed, before the grid) are not the profile's."""
     measured, background, first, chunk = [], [], set(), None
     for event in spy.events:
         if event[0] == "add":
             _, request_id, _, max_tokens, _ = event
+            if request_id.startswith("w"):
+                continue
             if max_tokens == 3:
                 background.append(request_id)
             else:

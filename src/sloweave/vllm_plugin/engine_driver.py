@@ -159,7 +159,14 @@ def run_workload(
 
 
 def profile_steps(
-    engine, vocab_size: int, decode_counts, chunk_sizes, contexts, repeats: int = 3, seed: int = 0
+    engine,
+    vocab_size: int,
+    decode_counts,
+    chunk_sizes,
+    contexts,
+    repeats: int = 3,
+    seed: int = 0,
+    warmup_steps: int = 2,
 ) -> pd.DataFrame:
     """Measure steps of ``n`` decodes at ``context`` tokens each plus one ``c``-token chunk.
 
@@ -167,17 +174,18 @@ def profile_steps(
     reach decode, then add one prompt of ``c`` tokens; with ``max_num_batched_tokens``
     large enough the next step holds exactly n decodes and the c-token chunk. Writes the
     profile format of ``sloweave.core.costs.fitted`` (``n_decodes, chunk_tokens, decode_kv_tokens,
-    prefill_prefix_tokens, step_ms``).
+    prefill_prefix_tokens, step_ms``). First, ``warmup_steps`` untimed steps of the grid's largest
+    point (requests ``w*``): an engine's first steps run slow (allocations, kernel caches), and a
+    profile that starts cold is not monotone where the fit checks it.
     """
     from vllm.inputs import TokensPrompt
     from vllm.sampling_params import RequestOutputKind, SamplingParams
 
     rng = np.random.default_rng(seed)
-    rows = []
     ids = iter(range(10**9))
 
-    def add(tokens: int, max_tokens: int) -> str:
-        request_id = f"p{next(ids)}"
+    def add(tokens: int, max_tokens: int, tag: str) -> str:
+        request_id = f"{tag}{next(ids)}"
         params = SamplingParams(
             max_tokens=max_tokens, ignore_eos=True, output_kind=RequestOutputKind.DELTA, detokenize=False
         )
@@ -186,34 +194,38 @@ def profile_steps(
         )
         return request_id
 
-    for context in contexts:
-        for n in decode_counts:
-            for c in chunk_sizes:
-                if n == c == 0:
-                    continue  # an empty step is not a step
-                for repeat in range(repeats):
-                    # n requests decode in the measured step: their prompts first, then their
-                    # first token; max_tokens=3 leaves them decoding in the measured step.
-                    background = {add(context, 3) for _ in range(n)}
-                    started: set[str] = set()
-                    while started != background:
-                        started |= {o.request_id for o in engine.step() if o.outputs and o.outputs[0].token_ids}
-                    if c:
-                        add(c, 1)
-                    start = time.perf_counter()
-                    engine.step()
-                    step_ms = (time.perf_counter() - start) * 1000.0
-                    rows.append(
-                        {
-                            "n_decodes": n,
-                            "chunk_tokens": c,
-                            "decode_kv_tokens": n * (context + 2),
-                            "prefill_prefix_tokens": 0,
-                            "step_ms": step_ms,
-                            "context_tokens": context,
-                            "repeat": repeat,
-                        }
-                    )
-                    while engine.has_unfinished_requests():  # drain before the next point
-                        engine.step()
+    def step_ms(n: int, c: int, context: int, tag: str) -> float:
+        # n requests decode in the measured step: their prompts first, then their first token;
+        # max_tokens=3 leaves them decoding in the measured step.
+        background = {add(context, 3, tag) for _ in range(n)}
+        started: set[str] = set()
+        while started != background:
+            started |= {o.request_id for o in engine.step() if o.outputs and o.outputs[0].token_ids}
+        if c:
+            add(c, 1, tag)
+        start = time.perf_counter()
+        engine.step()
+        elapsed_ms = (time.perf_counter() - start) * 1000.0
+        while engine.has_unfinished_requests():  # drain before the next point
+            engine.step()
+        return elapsed_ms
+
+    for _ in range(warmup_steps):
+        step_ms(max(decode_counts), max(chunk_sizes), max(contexts), "w")
+    rows = [
+        {
+            "n_decodes": n,
+            "chunk_tokens": c,
+            "decode_kv_tokens": n * (context + 2),
+            "prefill_prefix_tokens": 0,
+            "step_ms": step_ms(n, c, context, "p"),
+            "context_tokens": context,
+            "repeat": repeat,
+        }
+        for context in contexts
+        for n in decode_counts
+        for c in chunk_sizes
+        if n or c  # an empty step is not a step
+        for repeat in range(repeats)
+    ]
     return pd.DataFrame(rows)
