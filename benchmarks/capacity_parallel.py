@@ -26,7 +26,7 @@ import pandas as pd
 from sloweave.sim.workloads import WORKLOADS
 import sloweave.studies.search as search_module
 from sloweave.studies import parallel
-from sloweave.studies.capacity import capacity_frame, default_jobs
+from sloweave.studies.capacity import capacity_frame
 from sloweave.studies.search import CapacityStudy, SearchLattice
 from sloweave.studies.sources import SpecSource
 from sloweave.studies.outputs import write_result_json
@@ -91,7 +91,7 @@ def task_split(requests: int) -> list[dict]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--jobs", type=int, default=default_jobs())
+    parser.add_argument("--jobs", type=int, default=parallel.local_cores())
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--requests", type=int, default=600)
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results-parallel"))

@@ -19,10 +19,10 @@ from pathlib import Path
 
 import pandas as pd
 
-from sloweave.core.costs.fitted import fit_profile_file
+from sloweave.core.costs.profile_fit import fit_profile_file
 from sloweave.studies.outputs import write_result_json
-from sloweave.runtime.engine import Engine, blocks_needed
-from sloweave.runtime.experiment import add_ratios, run_policy, scaled_workload
+from sloweave.runtime.engine import TransformersEngine, blocks_needed
+from sloweave.runtime.experiment import add_ratios, measure_policy, scaled_workload
 from sloweave.runtime.model import load_model
 
 COLUMNS = [
@@ -97,14 +97,14 @@ def main() -> None:
             args.max_prompt,
             args.max_output,
         )
-        engine = Engine(
+        engine = TransformersEngine(
             model,
             max_batch_tokens=int(wl.prompt_tokens.max()) + 128,
             num_blocks=blocks_needed(int((wl.prompt_tokens + wl.output_tokens).sum()), len(wl)),
         )
         seed_rows = []
         for name, margin, calibrate, stale in variants:
-            row, _ = run_policy(
+            row, _ = measure_policy(
                 engine,
                 wl,
                 name,

@@ -2,7 +2,7 @@
 
 For 16, 64 and 256 active requests: one request emits a token (heap update), then the
 policy reads the budget and searches the chunk, with each cost model kind: the analytic
-model, and the lookup table and regression fitted (``sloweave.core.costs.fitted``) from a profile of
+model, and the lookup table and regression fitted (``sloweave.core.costs.profile_fit``) from a profile of
 that analytic model with KV-context terms, and the operator-profile models of the two A100
 presets (``sloweave.core.costs.profile``; each decodes at a budget 50 ms above its
 decode-only step, so the search runs). Baselines measured in the same run: the same
@@ -11,24 +11,42 @@ fixed-chunk decision (what engines do today). Prints medians and P99 over severa
 repetitions. What one vLLM ``schedule()`` costs for the same number of running requests is
 measured by ``benchmarks/vllm_schedule_cost.py`` (in the vLLM environment).
 
-    .venv/bin/python benchmarks/decision_cost.py
+``--before REV`` compares instead the operator-profile decisions (with the analytic and
+fixed-1024 ones as yardsticks) of this tree against revision REV: its ``src/`` is extracted
+with ``git archive`` and both trees are timed in their own processes, interleaved (before,
+after, before, ...) so both see the same machine load; medians of ``--runs`` runs, the load
+average, and whether the two trees took the same decisions and counted the same queries
+past the profile.
+
+    .venv/bin/python benchmarks/decision_cost.py [--before REV] [--runs 3]
 """
 
+import argparse
+import hashlib
 import itertools
+import json
+import os
 import statistics
+import subprocess
+import sys
+import tarfile
+import tempfile
 import time
+import warnings
+from pathlib import Path
 
 import numpy as np
-import pandas as pd
 
 from sloweave.core.costs.analytic import AnalyticCost
 from sloweave.core.deadlines import DeadlineTracker
-from sloweave.core.costs.fitted import fit_profile
 from sloweave.core.policy import FixedChunk, SLOWeave
 from sloweave.core.costs.profile import profile_cost
 
 DECISIONS = 2000
 REPEATS = 5
+REPO = Path(__file__).resolve().parent.parent
+PRESETS = ("llama2-70b-tp2-a100", "llama3-8b-tp1-a100")
+ACTIVE = (16, 64, 256)
 
 
 def linear_scan(cost, n, waiting, budget, max_chunk):
@@ -39,7 +57,8 @@ def linear_scan(cost, n, waiting, budget, max_chunk):
     return best
 
 
-def time_decisions(active: int, decide, tpot_ms: float = 25.0) -> np.ndarray:
+def time_decisions(active: int, decide, tpot_ms: float = 25.0, decisions: list | None = None) -> np.ndarray:
+    """Microseconds per decision; each decision appended to ``decisions`` when given."""
     tracker = DeadlineTracker(tpot_ms)
     for i in range(active):
         tracker.add(i, last_token_ms=float(i) * 0.01)
@@ -51,13 +70,19 @@ def time_decisions(active: int, decide, tpot_ms: float = 25.0) -> np.ndarray:
         start = clock()
         tracker.on_token(k % active, now)
         budget = tracker.budget_ms(now)
-        decide(active, 3000, budget)
+        decision = decide(active, 3000, budget)
         samples[k] = (clock() - start) / 1000.0
+        if decisions is not None:
+            decisions.append(tuple(decision))
     return samples
 
 
 def fitted_costs():
     """Table and regression fitted from a synthetic profile: analytic cost + KV-context read."""
+    import pandas as pd  # only here: ``--before`` imports this file against another revision's src
+
+    from sloweave.core.costs.profile_fit import fit_profile
+
     analytic = AnalyticCost()
     rows = []
     for n, c, context in itertools.product(
@@ -98,17 +123,102 @@ def fitted_costs():
     return costs
 
 
+def profile_decisions() -> dict:
+    """Median / P99 microseconds of the profile-model decisions (and the analytic and
+    fixed-1024 yardsticks) at each size, and a digest of every decision taken and query counted."""
+    warnings.simplefilter("ignore")  # the counted extrapolations warn; the digest holds their counts
+    kinds = {
+        "sloweave, analytic": (SLOWeave(cost=AnalyticCost()).decide, None),
+        "fixed-1024": (FixedChunk(1024).decide, None),
+    }
+    for preset in PRESETS:
+        cost = profile_cost(preset)
+        kinds[f"sloweave, {preset}"] = (SLOWeave(cost=cost).decide, cost)
+    digest, timings = hashlib.sha256(), {}
+    for active in ACTIVE:
+        for name, (decide, cost) in kinds.items():
+            tpot = 25.0
+            if cost is not None:
+                cost.set_context(decode_kv_tokens=active * 1025, prefill_prefix_tokens=0)
+                tpot = cost(active, 0) + 50.0
+            reps, decisions = [], []
+            for _ in range(REPEATS):
+                reps.append(time_decisions(active, decide, tpot, decisions))
+            digest.update(repr(decisions).encode())
+            median = statistics.median(float(np.median(r)) for r in reps)
+            timings[f"{active} {name}"] = (median, statistics.median(float(np.percentile(r, 99)) for r in reps))
+    for name, (_, cost) in kinds.items():
+        if cost is not None:
+            digest.update(repr(sorted(cost.out_of_range.items())).encode())
+    return {"timings": timings, "digest": digest.hexdigest()}
+
+
+def extract(rev: str, into: Path) -> Path:
+    archive = into / "src.tar"
+    subprocess.run(["git", "-C", str(REPO), "archive", "--format=tar", "-o", str(archive), rev, "src"], check=True)
+    with tarfile.open(archive) as tar:
+        tar.extractall(into, filter="data")
+    return into / "src"
+
+
+def time_tree(src: Path) -> dict:
+    """``profile_decisions`` in a fresh interpreter on the sloweave in ``src``."""
+    env = dict(os.environ, PYTHONPATH=str(src))
+    out = subprocess.run(
+        [sys.executable, __file__, "--profile-json"], env=env, capture_output=True, text=True, check=True
+    )
+    return json.loads(out.stdout)
+
+
+def compare(before_rev: str, runs: int) -> None:
+    load_start = os.getloadavg()[0]
+    with tempfile.TemporaryDirectory() as tmp:
+        trees = {"before": extract(before_rev, Path(tmp)), "after": REPO / "src"}
+        results = {tree: [] for tree in trees}
+        for _ in range(runs):
+            for tree, src in trees.items():
+                results[tree].append(time_tree(src))
+    digests = {r["digest"] for rs in results.values() for r in rs}
+    print(
+        f"load average {load_start:.1f} at the start, {os.getloadavg()[0]:.1f} at the end; {runs} runs each, interleaved"
+    )
+    print(f"same decisions and out-of-range counts in both trees: {'yes' if len(digests) == 1 else 'NO'}")
+    print(
+        f"{'active':>6} {'decision':<32} {'before_us':>10} {'after_us':>9} {'before_p99':>10} {'after_p99':>9} {'speed-up':>9}"
+    )
+    for key in results["after"][0]["timings"]:
+        (b, bp), (a, ap) = (
+            [statistics.median(r["timings"][key][i] for r in results[tree]) for i in (0, 1)] for tree in trees
+        )
+        active, name = key.split(" ", 1)
+        print(f"{active:>6} {name:<32} {b:>10.2f} {a:>9.2f} {bp:>10.2f} {ap:>9.2f} {b / a:>8.2f}x")
+
+
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--before", help="git revision to compare the profile-model decisions with")
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--profile-json", action="store_true", help=argparse.SUPPRESS)  # one tree's timings
+    args = parser.parse_args()
+    if args.profile_json:
+        print(json.dumps(profile_decisions()))
+    elif args.before:
+        compare(args.before, args.runs)
+    else:
+        table()
+
+
+def table() -> None:
     analytic = AnalyticCost()
     costs = {"analytic": analytic, **fitted_costs()}
     kinds = {f"sloweave, {name}": SLOWeave(cost=cost).decide for name, cost in costs.items()}
     kinds["linear scan, analytic"] = lambda n, w, b: linear_scan(analytic, n, w, b, 4096)
     kinds["fixed-1024"] = FixedChunk(1024).decide
-    profiles = {f"sloweave, {p}": profile_cost(p) for p in ("llama2-70b-tp2-a100", "llama3-8b-tp1-a100")}
+    profiles = {f"sloweave, {p}": profile_cost(p) for p in PRESETS}
     kinds.update({name: SLOWeave(cost=cost).decide for name, cost in profiles.items()})
     base = "sloweave, analytic"
     print(f"{'active':>6} {'decision':<32} {'median_us':>10} {'p99_us':>9} {'vs analytic':>12}")
-    for active in (16, 64, 256):
+    for active in ACTIVE:
         medians = {}
         for name, decide in kinds.items():
             tpot = 25.0

@@ -31,8 +31,11 @@ from sloweave.core.costs.resolve import resolve_cost
 from sloweave.sim.options import EngineOptions
 from sloweave.sim.traces import load_trace
 from sloweave.sim.workloads import ALL_WORKLOADS
-from sloweave.studies.capacity import CapacityStudy, SpecSource, back_to_back, default_jobs, run_capacity, trace_source
+from sloweave.studies.capacity import run_capacity
 from sloweave.studies.outputs import write_result_json
+from sloweave.studies.parallel import Runner, local_cores
+from sloweave.studies.search import CapacityStudy, SearchLattice
+from sloweave.studies.sources import SpecSource, back_to_back, trace_source
 
 REPO = Path(__file__).resolve().parents[1]
 TRACES = REPO.parent / "shared" / "traces"
@@ -132,12 +135,10 @@ def run(condition: Condition, args) -> dict:
         POLICIES,
         condition.tpots,
         ttft_ms,
-        steps_per_doubling=args.steps,
-        min_scale=1 / 64,
-        max_scale=64.0,
+        SearchLattice(steps_per_doubling=args.steps, min_scale=1 / 64, max_scale=64.0),
         cost=cost.model,
         options=condition.options,
-        jobs=args.jobs,
+        runner=Runner(jobs=args.jobs),
         tpot_change_ms=condition.tpot_change_ms,
         progress=True,
     )
@@ -183,9 +184,7 @@ def phase_breakdown(condition: Condition, args, payload: dict) -> list[dict]:
         sorted(names),
         condition.tpots,
         ttft_ms,
-        steps_per_doubling=args.steps,
-        min_scale=1 / 64,
-        max_scale=64.0,
+        SearchLattice(steps_per_doubling=args.steps, min_scale=1 / 64, max_scale=64.0),
         cost=cost.model,
         options=condition.options,
         tpot_change_ms=condition.tpot_change_ms,
@@ -316,7 +315,7 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--requests", type=int, default=1000, help="requests per seed (synthetic workloads)")
     parser.add_argument("--steps", type=int, default=16, help="lattice steps per doubling")
-    parser.add_argument("--jobs", type=int, default=default_jobs())
+    parser.add_argument("--jobs", type=int, default=local_cores())
     args = parser.parse_args()
     rows, phases = [], []
     for condition in conditions():

@@ -41,7 +41,9 @@ import pandas as pd
 from sloweave.core.costs.profile import profile_cost
 from sloweave.sim.traces import load_trace
 from sloweave.sim.workloads import WORKLOADS
-from sloweave.studies.capacity import CapacityStudy, SpecSource, capacity_frame, trace_source
+from sloweave.studies.capacity import capacity_frame
+from sloweave.studies.search import CapacityStudy, SearchLattice
+from sloweave.studies.sources import SpecSource, trace_source
 
 REPO = Path(__file__).resolve().parents[1]
 TRACES = REPO.parent / "shared" / "traces"
@@ -109,7 +111,12 @@ def run_one(preset: str, name: str, args, cost) -> tuple[pd.DataFrame, list[dict
     source = source_for(name, args.seeds, args.requests)
     ttft_ms = TTFT_BY_PRESET.get((preset, name), INPUTS[name][1])
     study = CapacityStudy(
-        source, policies, tpots, ttft_ms, cost=cost, min_scale=1 / 1024, max_scale=64.0, steps_per_doubling=8
+        source,
+        policies,
+        tpots,
+        ttft_ms,
+        SearchLattice(steps_per_doubling=8, min_scale=1 / 1024, max_scale=64.0),
+        cost=cost,
     )
     started = time.perf_counter()
     capacities = study.capacities()

@@ -5,7 +5,7 @@ for real. Steps:
 
 1. **Profile** step times through vLLM itself (``engine_driver.profile_steps``: n decodes at a
    context plus one c-token chunk, vLLM's own scheduler), written in the project's profile format
-   and fitted by ``sloweave.core.costs.fitted`` (the cost the plug-in decides with).
+   and fitted by ``sloweave.core.costs.profile_fit`` (the cost the plug-in decides with).
 2. **Load point**, measured on the real engine: bisection on the arrival rate with vLLM's
    chunked prefill at ``--search-budget`` (the middle of the candidates) on the tuning seed,
    for the highest rate at which it still attains ``--target``. (The simulator on the fitted
@@ -99,7 +99,7 @@ def workload_for(args, seed: int, rate_rps: float):
 
 
 def profile(args, model_dir: str, vocab: int) -> Path:
-    from sloweave.core.costs.fitted import write_profile
+    from sloweave.core.costs.step_profiles import write_profile
     from sloweave.vllm_plugin.engine_driver import make_engine, profile_steps
 
     engine = make_engine(model_dir, 4096, max_num_seqs=64, max_model_len=4096)

@@ -3,7 +3,7 @@
 Measures steps of n decodes (at a given KV context each) plus one c-token prefill chunk,
 repeated, with vLLM's own scheduler and random weights of the model's shape, and writes
 the same profile format as the CPU runtime's ``sloweave profile`` (see
-``sloweave.core.costs.fitted``), so the same fitting code gives the plug-in its cost model:
+``sloweave.core.costs.step_profiles``), so the same fitting code gives the plug-in its cost model:
 
     .venv-vllm/bin/python benchmarks/vllm_gpu_profile.py --model benchmarks/models/llama-3.1-8b --out gpu_profile.csv
     vllm serve ... --scheduler-cls sloweave.vllm_plugin.SLOWeaveAsyncScheduler \\
@@ -18,7 +18,8 @@ import argparse
 import json
 from pathlib import Path
 
-from sloweave.core.costs.fitted import fit_profile, write_profile
+from sloweave.core.costs.profile_fit import fit_profile
+from sloweave.core.costs.step_profiles import write_profile
 
 
 def main() -> None:

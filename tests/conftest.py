@@ -72,7 +72,7 @@ def analytic_step_profile(tmp_path):
     import pandas as pd
 
     from sloweave.core.costs.analytic import AnalyticCost
-    from sloweave.core.costs.fitted import write_profile
+    from sloweave.core.costs.step_profiles import write_profile
 
     analytic = AnalyticCost()
     rows = [

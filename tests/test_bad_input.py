@@ -27,7 +27,8 @@ from sloweave.core.policy import SLOWeave
 from sloweave.core.validate import DEFAULT_MAX_MODEL_LEN_TOKENS
 from sloweave.sim.traces import TraceError, load_trace
 from sloweave.sim.workloads import Workload, WorkloadError
-from sloweave.studies.capacity import CapacityStudy, SpecSource
+from sloweave.studies.search import CapacityStudy
+from sloweave.studies.sources import SpecSource
 from sloweave.sim.workloads import get_workload_spec
 
 
@@ -77,7 +78,7 @@ def test_the_mooncake_lines_are_checked_too(tmp_path):
 
 
 def test_a_raised_limit_travels_with_the_replayed_workload(tmp_path):
-    from sloweave.sim.traces import replay_workload
+    from sloweave.sim.trace_replay import replay_workload
 
     path = _trace(tmp_path, ["0.0,2000000,20", "0.5,100,20"])
     workload, _ = replay_workload(load_trace(path, max_model_len_tokens=4_000_000))
@@ -323,7 +324,7 @@ def test_simulate_result_files_carry_settings_and_version(tmp_path):
 def test_fit_output_is_strict_json_with_settings(tmp_path):
     from test_fit import synthetic_profile
 
-    from sloweave.core.costs.fitted import write_profile
+    from sloweave.core.costs.step_profiles import write_profile
 
     profile = write_profile(synthetic_profile(repeats=1), tmp_path / "good.csv")
     out = tmp_path / "fit.json"
@@ -432,7 +433,7 @@ def test_replay_of_several_traces_writes_a_folder_each_and_refuses_clashing_name
 
 
 def _repeated_key_and_negative_time_cases():
-    from sloweave.core.costs.fitted import ProfileError, read_profile
+    from sloweave.core.costs.step_profiles import ProfileError, read_profile
     from sloweave.core.step_log import StepLogError, read_step_log
     from sloweave.sim.traces import TraceError, load_trace
 
@@ -473,7 +474,7 @@ def test_one_rule_for_repeated_keys_and_negative_times_in_every_reader(tmp_path)
     reader, naming the file (they used to keep the last value, and to shift the times)."""
     import shutil
 
-    from sloweave.core.costs.fitted import ProfileError
+    from sloweave.core.costs.step_profiles import ProfileError
     from sloweave.core.costs.operator_profiles import load_profiles
 
     for name, text, reader, error, message in _repeated_key_and_negative_time_cases():

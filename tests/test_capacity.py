@@ -13,18 +13,11 @@ from click.testing import CliRunner
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sloweave.studies.capacity import (
-    CAPACITY_COLUMNS,
-    Capacity,
-    CapacityStudy,
-    ScaledWorkloads,
-    SeedCapacity,
-    SpecSource,
-    capacity,
-    pairwise_ratios,
-    trace_source,
-)
-from sloweave.studies.replay import replay
+from sloweave.studies.capacity import CAPACITY_COLUMNS, pairwise_ratios
+from sloweave.cli.capacity import capacity
+from sloweave.cli.replay import replay
+from sloweave.studies.search import Capacity, CapacityStudy, SearchLattice, SeedCapacity
+from sloweave.studies.sources import ScaledWorkloads, SpecSource, trace_source
 from sloweave.sim.traces import TraceError, load_trace
 from sloweave.sim.workloads import WORKLOADS, Workload
 
@@ -112,7 +105,9 @@ def test_censored_answers_are_flagged():
     below = study(periodic_source(0.020), ttft_ms=5.0, policies=("full",)).capacities()[0]
     assert below.seeds[0].censored == "below-min" and below.capacity_scale == 0.0 and below.capacity_rps == 0.0
     # every gap >= 13 ms > the 10 ms service time: no load searched fails
-    above = study(periodic_source(0.020, n=100), ttft_ms=200.0, policies=("full",), max_scale=1.5).capacities()[0]
+    above = study(
+        periodic_source(0.020, n=100), ttft_ms=200.0, policies=("full",), lattice=SearchLattice(max_scale=1.5)
+    ).capacities()[0]
     assert above.seeds[0].censored == "above-max" and above.capacity_scale == 2 ** (10 / 16)
     assert above.row()["censored"] == "above-max"
 

@@ -1,10 +1,7 @@
 """Declared cost capabilities (issue 22): what a cost can do beyond T(n, c) is a Protocol, asked
 with isinstance once where a policy, a controller or the clock is built; the cost models live in
-sloweave.core.costs, and the old paths still import (with a warning)."""
+sloweave.core.costs."""
 
-import importlib
-import subprocess
-import sys
 import warnings
 
 import pytest
@@ -110,19 +107,3 @@ def test_a_cost_that_describes_itself_is_recorded_by_its_description(profile):
     assert describe_cost(AnalyticCost())["cost_model"] == "analytic"
     assert describe_cost(profile)["cost_model"] == "operator-profile"
     assert describe_cost(ContextAnalyticCost()) == {"cost_model": "ContextAnalyticCost"}
-
-
-def test_the_old_resolver_names_are_found_in_the_package_with_a_warning():
-    code = (
-        "import warnings\n"
-        "warnings.simplefilter('error', DeprecationWarning)\n"
-        "try:\n    from sloweave.core.costs import resolve_cost\nexcept DeprecationWarning as w:\n    print(w)\n"
-    )
-    message = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    assert "sloweave.core.costs.resolve_cost has moved to sloweave.core.costs.resolve" in message
-    package = importlib.import_module("sloweave.core.costs")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        assert package.ResolvedCost is importlib.import_module("sloweave.core.costs.resolve").ResolvedCost
-    with pytest.raises(AttributeError):
-        package.no_such_name

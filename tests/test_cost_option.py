@@ -9,7 +9,8 @@ from click.testing import CliRunner
 from sloweave.cli import main
 from sloweave.core.costs.analytic import AnalyticCost
 from sloweave.core.costs.resolve import ContextBlindCost, ResolvedCost, context_models, resolve_cost
-from sloweave.core.costs.fitted import FixedContextCost, ProfileError, RegressionCost
+from sloweave.core.costs.fitted import FixedContextCost, RegressionCost
+from sloweave.core.costs.step_profiles import ProfileError
 from sloweave.core.costs.operator_profiles import PRESETS, preset_folder
 from sloweave.core.costs.profile import ProfileCost, profile_cost
 

@@ -4,7 +4,7 @@ import gzip
 
 import pytest
 
-from sloweave.core.costs.fitted import ProfileError, read_profile
+from sloweave.core.costs.step_profiles import ProfileError, read_profile
 from sloweave.sim.traces import TraceError, load_trace
 
 HEADER = "arrival_s,prompt_tokens,output_tokens\n"

@@ -7,11 +7,11 @@ import pytest
 from click.testing import CliRunner
 
 from sloweave.cli import main
-from sloweave.core.decision_metrics import ALL_METRICS, summarize
+from sloweave.core.decision_metrics import ALL_METRICS, summarize_decisions
 
 
 def test_summary_counts_buckets_and_skips_unbounded_budgets():
-    out = summarize(
+    out = summarize_decisions(
         chunk_tokens=[0, 100, 1000, 5000],
         token_budget_tokens=[3, 104, 1004, 5000],
         time_budget_ms=[25.0, 25.0, 10.0, float("inf")],

@@ -428,7 +428,8 @@ def test_plugin_online_correction_decides_with_the_cores_self_correction(tmp_pat
     import numpy as np
 
     from sloweave.core.costs.calibrated import DEFAULT_MARGIN_QUANTILE, AdaptiveMargin, SelfCorrection
-    from sloweave.core.costs.fitted import ResidualMargin, fit_profile_file
+    from sloweave.core.costs.fitted import ResidualMargin
+    from sloweave.core.costs.profile_fit import fit_profile_file
 
     # analytic prior: no fallback until the window fills; margin_ms / margin_fraction add on top
     decision = PluginConfig(online_correction=True).build_decision()

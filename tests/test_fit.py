@@ -1,4 +1,4 @@
-"""Profile format and cost-model fitting (sloweave.core.costs.fitted): no torch needed."""
+"""Profile format and cost-model fitting (sloweave.core.costs.step_profiles, .profile_fit, .fitted): no torch needed."""
 
 from __future__ import annotations
 
@@ -15,14 +15,12 @@ from sloweave.core.costs.fitted import (
     REGRESSION_TERMS,
     FixedContextCost,
     LookupTableCost,
-    ProfileError,
     RegressionCost,
     ResidualMargin,
-    fit_profile,
-    read_profile,
     regression_features,
-    write_profile,
 )
+from sloweave.core.costs.profile_fit import fit_profile
+from sloweave.core.costs.step_profiles import ProfileError, read_profile, write_profile
 from sloweave.sim.metrics import evaluate
 from sloweave.core.policy import SLOWeave, make_policy
 from sloweave.sim.engine import simulate

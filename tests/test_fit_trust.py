@@ -1,4 +1,4 @@
-"""A fit is used only when it is a fit of the data it claims (``sloweave.core.costs.fitted.accept_fit``).
+"""A fit is used only when it is a fit of the data it claims (``sloweave.core.costs.fit_acceptance.accept_fit``).
 
 The rule: enough distinct steps (a repeated row is one step) and two values or more of n_decodes
 and chunk_tokens; a fit that grows along both; monotone on the whole range a policy queries, past
@@ -32,16 +32,10 @@ from hypothesis import strategies as st
 from sloweave.cli import main
 from sloweave.core.costs.analytic import AnalyticCost
 from sloweave.core.costs.protocols import check_monotone_in_chunk
-from sloweave.core.costs.fitted import (
-    ContextualCost,
-    LookupTableCost,
-    ProfileError,
-    RegressionCost,
-    accept_fit,
-    fit_profile,
-    fit_profile_file,
-    write_profile,
-)
+from sloweave.core.costs.fit_acceptance import accept_fit
+from sloweave.core.costs.fitted import ContextualCost, LookupTableCost, RegressionCost
+from sloweave.core.costs.profile_fit import fit_profile, fit_profile_file
+from sloweave.core.costs.step_profiles import ProfileError, write_profile
 from sloweave.core.costs.operator_profiles import load_profiles, preset_folder
 
 FUZZ = dict(deadline=None, derandomize=True, database=None, suppress_health_check=[HealthCheck.too_slow])

@@ -9,7 +9,7 @@ escape.
 
 Boundaries:
 - ``sloweave.sim.traces.load_trace``: normalised, Azure and Vidur CSV, Mooncake JSONL, any bytes;
-- ``sloweave.core.costs.fitted.read_profile``: step-time profiles, CSV and JSON;
+- ``sloweave.core.costs.step_profiles.read_profile``: step-time profiles, CSV and JSON;
 - ``sloweave.core.costs.operator_profiles.load_profiles``: a preset folder copied and corrupted;
 - ``sloweave.vllm_plugin.config.PluginConfig.from_sources``: the plug-in's configuration, and
   ``request_tpot_ms``, a request's own target (the module imports without vLLM, checked below, so
@@ -47,7 +47,7 @@ import pytest
 from hypothesis import HealthCheck, event, example, given, settings
 from hypothesis import strategies as st
 
-from sloweave.core.costs.fitted import REQUIRED_COLUMNS, ProfileError, read_profile
+from sloweave.core.costs.step_profiles import REQUIRED_COLUMNS, ProfileError, read_profile
 from sloweave.core.costs.operator_profiles import PRESETS, load_profiles, preset_folder
 from sloweave.core.validate import DEFAULT_MAX_MODEL_LEN_TOKENS, MAX_MS, MAX_REPEATS, MAX_SECONDS, MAX_TOKENS
 from sloweave.sim.traces import FORMATS, TraceError, load_trace

@@ -18,17 +18,12 @@ from sloweave.core.policy import FixedChunk, SLOWeave
 from sloweave.sim.metrics import evaluate
 from sloweave.sim.options import EngineOptions
 from sloweave.sim.workloads import SCENARIOS, WORKLOADS, Workload, WorkloadError, back_to_back_workloads
-from sloweave.studies.capacity import (
-    TUNING_GRID_TOKENS,
-    CapacityStudy,
-    ScaledWorkloads,
-    SpecSource,
-    back_to_back,
-    capacity,
-    capacity_frame,
-    refined_budgets,
-)
+from sloweave.studies.capacity import capacity_frame
+from sloweave.cli.capacity import capacity
 from sloweave.studies.outputs import strict_json
+from sloweave.studies.parallel import Runner
+from sloweave.studies.search import TUNING_GRID_TOKENS, CapacityStudy, SearchLattice, refined_budgets
+from sloweave.studies.sources import ScaledWorkloads, SpecSource, back_to_back
 
 SMALL_TRACE = Path(__file__).parent / "fixtures" / "traces" / "azure_conv_first150.csv"
 COST = AnalyticCost()
@@ -126,7 +121,12 @@ def test_refined_budgets_are_the_geometric_midpoints_around_the_best():
 def small_study(**kw) -> CapacityStudy:
     source = SpecSource(WORKLOADS["mixed"], 300, (0, 1))
     return CapacityStudy(
-        source, ["sloweave", "fixed-tuned"], [25.0], 200.0, steps_per_doubling=4, min_scale=1 / 4, max_scale=16.0, **kw
+        source,
+        ["sloweave", "fixed-tuned"],
+        [25.0],
+        200.0,
+        SearchLattice(steps_per_doubling=4, min_scale=1 / 4, max_scale=16.0),
+        **kw,
     )
 
 
@@ -142,8 +142,8 @@ def test_a_tuned_rule_is_its_best_budget_per_target_after_refinement():
 
 
 def test_parallel_capacity_study_equals_serial_bit_for_bit():
-    serial = small_study(jobs=1, options=EngineOptions(noise_sigma=0.1, correction=True))
-    parallel = small_study(jobs=2, options=EngineOptions(noise_sigma=0.1, correction=True))
+    serial = small_study(runner=Runner(jobs=1), options=EngineOptions(noise_sigma=0.1, correction=True))
+    parallel = small_study(runner=Runner(jobs=2), options=EngineOptions(noise_sigma=0.1, correction=True))
     a, b = capacity_frame(serial.capacities()), capacity_frame(parallel.capacities())
     pd.testing.assert_frame_equal(a, b, check_exact=True)
     assert serial.simulations == parallel.simulations
@@ -186,7 +186,9 @@ def test_back_to_back_workloads_and_sources():
 
 def test_a_target_change_serves_and_judges_the_second_half_to_the_new_target():
     source = SpecSource(WORKLOADS["mixed"], 200, (0,))
-    study = CapacityStudy(source, ["sloweave"], [25.0], 2000.0, tpot_change_ms=10.0, steps_per_doubling=4)
+    study = CapacityStudy(
+        source, ["sloweave"], [25.0], 2000.0, SearchLattice(steps_per_doubling=4), tpot_change_ms=10.0
+    )
     targets = study._targets(200, 25.0)
     assert targets[:100].tolist() == [25.0] * 100 and targets[100:].tolist() == [10.0] * 100
     run = study.run("sloweave", 0, 0, 25.0).requests

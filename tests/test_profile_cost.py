@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from sloweave.core.costs.fitted import ProfileError
+from sloweave.core.costs.step_profiles import ProfileError
 from sloweave.core.costs.operator_profiles import PRESETS, load_profiles
 from sloweave.core.policy import SLOWeave
 from sloweave.core.costs.profile import ProfileCost, isotonic, profile_cost

@@ -28,9 +28,9 @@ from sloweave.core.validate import (
     MAX_SECONDS,
     MAX_TOKENS,
     TOKENS,
-    CheckedNumber,
     Range,
 )
+from sloweave.cli.options import CheckedNumber
 from sloweave.sim.engine import simulate
 from sloweave.sim.metrics import per_request_frame
 from sloweave.sim.options import EngineOptions
@@ -256,7 +256,7 @@ def test_a_step_log_at_the_edges_of_its_ranges_reads(tmp_path):
 def test_an_operator_profile_row_of_1e13_tokens_is_refused_at_its_line(tmp_path):
     import shutil
 
-    from sloweave.core.costs.fitted import ProfileError
+    from sloweave.core.costs.step_profiles import ProfileError
     from sloweave.core.costs.operator_profiles import load_profiles, preset_folder
 
     folder = tmp_path / "profile"
@@ -276,7 +276,7 @@ def test_an_operator_profile_row_of_1e13_tokens_is_refused_at_its_line(tmp_path)
 def test_a_model_json_count_past_its_range_is_refused_naming_the_key(tmp_path, key, value):
     import shutil
 
-    from sloweave.core.costs.fitted import ProfileError
+    from sloweave.core.costs.step_profiles import ProfileError
     from sloweave.core.costs.operator_profiles import load_profiles, preset_folder
 
     folder = tmp_path / "profile"
@@ -288,7 +288,7 @@ def test_a_model_json_count_past_its_range_is_refused_naming_the_key(tmp_path, k
 
 
 def test_a_step_time_profile_cell_past_its_range_is_refused_at_its_line(tmp_path):
-    from sloweave.core.costs.fitted import ProfileError, read_profile
+    from sloweave.core.costs.step_profiles import ProfileError, read_profile
 
     path = tmp_path / "profile.csv"
     path.write_text(
@@ -311,7 +311,7 @@ def _api_arguments():
     from sloweave.core.costs.margins import ConstantMargin, RelativeMargin
     from sloweave.core.deadlines import DeadlineTracker
     from sloweave.core.policy import Aging, FixedChunk, TokenBudget
-    from sloweave.sim.traces import ReplayOptions
+    from sloweave.sim.trace_replay import ReplayOptions
     from sloweave.vllm_plugin.config import PluginConfig
 
     workload = get_workload_spec("chat").generate(5, seed=0)

@@ -22,9 +22,10 @@ from sloweave.cli import main
 from sloweave.core.budget import BudgetController, StepPlan, make_policy_for_engine
 from sloweave.core.costs.calibrated import self_correcting
 from sloweave.core.costs.analytic import AnalyticCost
-from sloweave.core.costs.fitted import RegressionCost, write_profile
+from sloweave.core.costs.fitted import RegressionCost
+from sloweave.core.costs.step_profiles import write_profile
 from sloweave.core.policy import make_policy
-from sloweave.runtime.engine import Engine
+from sloweave.runtime.engine import TransformersEngine
 from sloweave.runtime.model import load_model
 from sloweave.runtime.profiler import run_profile
 from sloweave.runtime.runner import RequestSpec, run_requests
@@ -37,7 +38,7 @@ HANDOFFS = ("plan_step", "on_scheduled", "on_step_done", "on_finished")
 
 @pytest.fixture(scope="module")
 def engine():
-    return Engine(load_model("tiny", seed=0), max_batch_tokens=512, num_blocks=96, page_tokens=32)
+    return TransformersEngine(load_model("tiny", seed=0), max_batch_tokens=512, num_blocks=96, page_tokens=32)
 
 
 @pytest.fixture(scope="module")

@@ -88,7 +88,8 @@ def test_a_step_after_the_stop_line_is_refused(tmp_path):
 def test_a_step_log_is_a_profile_of_the_steps_that_ran(tmp_path):
     """`sloweave fit` and `--cost` read a served engine's log: a profile taken while serving."""
     from sloweave.core.costs.analytic import AnalyticCost
-    from sloweave.core.costs.fitted import fit_profile_file, read_profile
+    from sloweave.core.costs.profile_fit import fit_profile_file
+    from sloweave.core.costs.step_profiles import read_profile
 
     cost = AnalyticCost()
     writer = StepLogWriter(tmp_path / "served.jsonl", {}, clock_ms=lambda: 0.0)
@@ -110,7 +111,7 @@ def test_a_step_log_is_a_profile_of_the_steps_that_ran(tmp_path):
 
 
 def test_a_bad_step_log_is_a_profile_error_naming_the_line(tmp_path):
-    from sloweave.core.costs.fitted import ProfileError, read_profile
+    from sloweave.core.costs.step_profiles import ProfileError, read_profile
 
     path = tmp_path / "bad.jsonl"
     path.write_text('{"kind": "header", "format": 1}\nnot json\n')

@@ -8,13 +8,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from sloweave.sim.traces import (
-    ReplayOptions,
-    TraceError,
-    load_trace,
-    replay_workload,
-    split_windows,
-)
+from sloweave.sim.trace_replay import ReplayOptions, replay_workload, split_windows
+from sloweave.sim.traces import TraceError, load_trace
 from sloweave.sim.workloads import WorkloadError
 
 FIXTURES = Path(__file__).parent / "fixtures" / "traces"

@@ -11,9 +11,11 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from sloweave.studies.capacity import ScaledWorkloads
+from sloweave.studies.sources import ScaledWorkloads
 from sloweave.cli import main
-from sloweave.studies.tune import RuleOfThumb, flag_for, nearest_power_of_two, tune
+from sloweave.studies.search import SearchLattice
+from sloweave.studies.tune import RuleOfThumb, nearest_power_of_two, tune
+from sloweave.studies.tune_report import flag_for
 from sloweave.sim.workloads import Workload
 
 FIXTURES = Path(__file__).parent / "fixtures" / "traces"
@@ -68,7 +70,7 @@ def test_best_budget_is_the_largest_chunk_that_keeps_tpot():
         tpot_ms=TPOT_MS,
         ttft_ms=TTFT_MS,
         cost=OverheadPlusLinear(),
-        steps_per_doubling=STEPS,
+        lattice=SearchLattice(steps_per_doubling=STEPS),
     )
     table = result.table.set_index("budget_tokens")
     assert list(table.index) == [256, 512, 640, 768, 896, 1024, 2048]
@@ -110,7 +112,7 @@ def test_given_load_and_the_token_budget_rule():
         ttft_ms=TTFT_MS,
         cost=OverheadPlusLinear(),
         load_scale=1.0,
-        steps_per_doubling=4,
+        lattice=SearchLattice(steps_per_doubling=4),
         refine=False,
     )
     table = result.table.set_index("budget_tokens")

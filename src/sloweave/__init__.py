@@ -13,10 +13,6 @@ from __future__ import annotations
 
 import importlib
 
-from sloweave import _moved
-
-_moved.install()
-
 # name -> its home module
 _API = {
     # the decision core
@@ -33,15 +29,15 @@ _API = {
     "StepState": "sloweave.core.budget",
     "StepPlan": "sloweave.core.budget",
     "resolve_cost": "sloweave.core.costs.resolve",
-    "fit_profile": "sloweave.core.costs.fitted",
-    "read_profile": "sloweave.core.costs.fitted",
+    "fit_profile": "sloweave.core.costs.profile_fit",
+    "read_profile": "sloweave.core.costs.step_profiles",
     # the simulator
     "simulate": "sloweave.sim.engine",
     "EngineOptions": "sloweave.sim.options",
     "Workload": "sloweave.sim.workloads",
     "get_workload_spec": "sloweave.sim.workloads",
     "load_trace": "sloweave.sim.traces",
-    "replay_workload": "sloweave.sim.traces",
+    "replay_workload": "sloweave.sim.trace_replay",
     "evaluate": "sloweave.sim.metrics",
 }
 __all__ = sorted(_API)

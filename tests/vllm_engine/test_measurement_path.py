@@ -10,7 +10,7 @@ import pandas as pd
 from click.testing import CliRunner
 
 from sloweave.cli import main
-from sloweave.core.costs.fitted import REQUIRED_COLUMNS, read_profile, validate_profile, write_profile
+from sloweave.core.costs.step_profiles import REQUIRED_COLUMNS, read_profile, validate_profile, write_profile
 from sloweave.sim.workloads import Workload
 from sloweave.vllm_plugin.engine_driver import profile_steps, run_workload, scheduler_of
 

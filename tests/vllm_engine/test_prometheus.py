@@ -20,7 +20,7 @@ import yaml
 from click.testing import CliRunner
 
 from sloweave.observability.dashboard import RULES_FILE, dashboard_command, queries, rule_expressions
-from sloweave.observability.served_run import served_run_command
+from sloweave.cli.observability import served_run
 
 from prometheus_server import running_prometheus
 from real_engine import CPU_ANALYTIC
@@ -147,7 +147,7 @@ def test_the_underprediction_alert_fires_and_the_fallback_alert_does_not(served_
 def test_the_served_run_is_drawn_from_its_step_log_and_the_dashboard_from_prometheus(served_and_scraped):
     prom, started_s, step_log, tmp = served_and_scraped
     runner = CliRunner()
-    result = runner.invoke(served_run_command, [str(step_log), "--out", str(tmp / "served")])
+    result = runner.invoke(served_run, [str(step_log), "--out", str(tmp / "served")])
     assert result.exit_code == 0, result.output
     summary = json.loads((tmp / "served" / "served_run.json").read_text())
     assert summary["steps"] > 8 and summary["underpredicted_share"] > 0.9

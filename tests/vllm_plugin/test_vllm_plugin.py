@@ -214,7 +214,7 @@ def test_profile_file_as_the_cost_model(tmp_path):
 
     import pandas as pd
 
-    from sloweave.core.costs.fitted import fit_profile_file
+    from sloweave.core.costs.profile_fit import fit_profile_file
 
     rows = []
     rng = np.random.default_rng(1)

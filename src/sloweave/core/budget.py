@@ -160,21 +160,10 @@ class BudgetController:
         # A clock glitch (NaN, inf) is refused before anything changes: a plan timed from it
         # would compare False with every deadline and run with no deadline and no margin.
         check_clock_ms(state.now_ms)
-        # Steps still in flight end before this one starts, and their requests will have
-        # emitted by then: count their next deadlines from the predicted ends. (In a
-        # synchronous loop nothing is in flight here and this costs nothing.)
-        for step in self._in_flight:
-            if not step.applied:
-                self._emit_at(step.emitting, step.end_ms)
-                step.applied = True
-        start_ms = max(state.now_ms, self._in_flight[-1].end_ms) if self._in_flight else state.now_ms
+        start_ms = self._start_after_in_flight_ms(state.now_ms)
         deadline_ms = self.tracker.earliest_deadline_ms() if state.decode_tokens else math.inf
         budget_ms = budget_until(deadline_ms, start_ms)  # +inf with no deadline
-        feed = self._feed
-        if feed.reads_context:
-            feed.set_context(state.decode_kv_tokens, state.prefill_prefix_tokens)
-            if feed.reads_offer:
-                feed.set_offer(list(state.prompts_on_offer) or None)
+        self._feed_step(state)
         # The simulator's decision path: the policy, then the aging rule.
         chunk, infeasible, aged = decide_step(
             self.policy,
@@ -221,6 +210,25 @@ class BudgetController:
                 SLOException(start_ms, state.oldest_prompt_id, chunk, predicted_ms, budget_ms, affected)
             )
         return plan
+
+    def _start_after_in_flight_ms(self, now_ms: float) -> float:
+        """When the step planned now starts: after the steps still in flight.
+
+        Their requests will have emitted by then: their next deadlines count from the predicted
+        ends. (In a synchronous loop nothing is in flight here and this costs nothing.)"""
+        for step in self._in_flight:
+            if not step.applied:
+                self._emit_at(step.emitting, step.end_ms)
+                step.applied = True
+        return max(now_ms, self._in_flight[-1].end_ms) if self._in_flight else now_ms
+
+    def _feed_step(self, state: StepState) -> None:
+        """Tell a cost that reads them the step's KV context and the prompts on offer."""
+        feed = self._feed
+        if feed.reads_context:
+            feed.set_context(state.decode_kv_tokens, state.prefill_prefix_tokens)
+            if feed.reads_offer:
+                feed.set_offer(list(state.prompts_on_offer) or None)
 
     def on_scheduled(self, plan: StepPlan, emitting: list[Hashable], ran_tokens: tuple[int, int] | None = None) -> None:
         """The engine scheduled the step; ``emitting`` emit a token at its end.

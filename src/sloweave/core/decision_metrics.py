@@ -1,7 +1,7 @@
 """What the adaptive scheduler decided, under one set of metric names for every body.
 
 The vLLM plug-in exports these as Prometheus metrics (``sloweave.vllm_plugin.metrics``);
-the simulator and the CPU runtime write a summary under the same names (``summarize``; the
+the simulator and the CPU runtime write a summary under the same names (``summarize_decisions``; the
 runtime's through ``DecisionSummary``, a recorder on its ``BudgetController``), so
 a dashboard, a simulated run and a measured run can be read side by side. Nothing here
 imports an engine or ``prometheus_client``.
@@ -179,7 +179,7 @@ class DecisionSummary:
             return np.array([getattr(plan, name) for plan in plans], dtype=dtype)
 
         predicted = column("predicted_ms")
-        return summarize(
+        return summarize_decisions(
             column("chunk_tokens", np.int64),
             column("token_budget", np.int64),
             column("budget_ms"),
@@ -211,7 +211,7 @@ def _histogram(values: np.ndarray, buckets: tuple[float, ...]) -> dict:
     return summary
 
 
-def summarize(
+def summarize_decisions(
     chunk_tokens,
     token_budget_tokens,
     time_budget_ms,
@@ -254,7 +254,7 @@ def summarize(
 
 
 def summarize_simulation(result, predicted_ms_of=None, margin_ms_of=None) -> dict:
-    """``summarize`` for a ``SimResult``: every iteration is one step.
+    """``summarize_decisions`` for a ``SimResult``: every iteration is one step.
 
     The simulator runs one-token-per-decode steps, so the token budget is decodes + chunk.
     ``predicted_ms_of(n, c)`` is the policy's prediction (cost + margin); the measured time
@@ -270,7 +270,7 @@ def summarize_simulation(result, predicted_ms_of=None, margin_ms_of=None) -> dic
             return None
         return np.fromiter((of(int(n), int(c)) for n, c in zip(decodes, chunks)), dtype=np.float64, count=len(chunks))
 
-    summary = summarize(
+    summary = summarize_decisions(
         chunks,
         decodes + chunks,
         result.iter_budget_ms,

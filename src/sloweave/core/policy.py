@@ -13,6 +13,7 @@ from __future__ import annotations
 import bisect
 import math
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import NamedTuple, Protocol
 
@@ -23,6 +24,7 @@ from sloweave.core.costs.protocols import (
     CostModel,
     HasTileEdges,
     Invertible,
+    PricesChunks,
     Margin,
     MonotoneRepair,
     check_monotone_in_chunk,
@@ -57,6 +59,22 @@ class Policy(Protocol):
 def _check_max_prefills(value: int | None) -> None:
     if value not in (1, None):
         raise ValueError(f"max_prefills must be 1 (one prompt per iteration) or None (several), got {value!r}")
+
+
+def _pricer(cost: CostModel, margin: Margin) -> Callable[[int], CostModel] | None:
+    """n -> T + delta as a function of (n, c), faster for one n (a chunk search), where the cost
+    offers it; None where it does not."""
+    if not isinstance(cost, PricesChunks):
+        return None
+    chunk_pricer = cost.chunk_pricer
+    if isinstance(margin, ZeroMargin):
+        return chunk_pricer
+
+    def predicted_for(n_decodes: int) -> CostModel:
+        price = chunk_pricer(n_decodes)
+        return lambda n, c: price(n, c) + margin(n, c)
+
+    return predicted_for
 
 
 @dataclass(frozen=True)
@@ -103,6 +121,7 @@ class SLOWeave:
         cost, margin = self.cost, self.margin
         predicted = cost if isinstance(margin, ZeroMargin) else (lambda n, c: cost(n, c) + margin(n, c))
         object.__setattr__(self, "_predicted", predicted)
+        object.__setattr__(self, "_pricer", _pricer(cost, margin))
         constant = isinstance(margin, (ZeroMargin, ConstantMargin))
         object.__setattr__(self, "_constant_margin_ms", margin(0, 0) if constant else 0.0)
         object.__setattr__(
@@ -133,13 +152,17 @@ class SLOWeave:
                 f"decide needs n_decodes >= 0, waiting_tokens >= 0 and a budget_ms that is a number (+inf: no deadline); "
                 f"got n_decodes={n_decodes!r}, waiting_tokens={waiting_tokens!r}, budget_ms={budget_ms!r}"
             )
-        decision = self._largest_fitting(n_decodes, waiting_tokens, budget_ms)
+        if n_decodes == 0:  # no deadline to protect: the largest chunk
+            return Decision(min(self.max_chunk_tokens, waiting_tokens))
+        pricer = self._pricer  # inlined ``_predicted_at``: this is the hot path
+        predicted = self._predicted if pricer is None else pricer(n_decodes)
+        decision = self._largest_fitting(n_decodes, waiting_tokens, budget_ms, predicted)
         chunk = decision.chunk_tokens
         if self._tile_edges is None or not chunk or chunk >= min(self.max_chunk_tokens, waiting_tokens):
             return decision  # nothing to weigh, or the whole prompt fits: finishing it serves TTFT best
-        return Decision(self._best_rate(n_decodes, chunk))
+        return Decision(self._best_rate(predicted, n_decodes, chunk))
 
-    def _best_rate(self, n_decodes: int, chunk: int) -> int:
+    def _best_rate(self, predicted: CostModel, n_decodes: int, chunk: int) -> int:
         """``chunk``, or the chunk ending at the tile edge just below it if that prefills faster,
         c / (T(n, c) + delta(n, c)).
 
@@ -155,14 +178,24 @@ class SLOWeave:
         edge_chunk = self._tile_edges[i - 1] - n_decodes
         if edge_chunk <= 0:
             return chunk
-        faster = edge_chunk * self._predicted(n_decodes, chunk) > chunk * self._predicted(n_decodes, edge_chunk)
+        faster = edge_chunk * predicted(n_decodes, chunk) > chunk * predicted(n_decodes, edge_chunk)
         return edge_chunk if faster else chunk
 
-    def _largest_fitting(self, n_decodes: int, waiting_tokens: int, budget_ms: float) -> Decision:
+    def _predicted_at(self, n_decodes: int) -> CostModel:
+        """T + delta as a function of (n, c), for a search that asks this n only."""
+        pricer = self._pricer
+        return self._predicted if pricer is None else pricer(n_decodes)
+
+    def _largest_fitting(
+        self, n_decodes: int, waiting_tokens: int, budget_ms: float, predicted: CostModel | None = None
+    ) -> Decision:
+        """The largest chunk whose T + delta (``predicted``, ``_predicted_at(n_decodes)`` if not
+        given) fits the budget, before weighing tile edges."""
         upper = min(self.max_chunk_tokens, waiting_tokens)
         if n_decodes == 0:
             return Decision(upper)
-        predicted = self._predicted  # T + delta; T itself when there is no margin (one call)
+        if predicted is None:
+            predicted = self._predicted_at(n_decodes)
         if predicted(n_decodes, 0) > budget_ms:
             return Decision(0, True)
         if upper <= 0:

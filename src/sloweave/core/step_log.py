@@ -276,7 +276,7 @@ def _check_fields(path: Path, rows: list[tuple]) -> None:
 
 
 def profile_rows(log: StepLog) -> "pd.DataFrame":
-    """The steps as a step-time profile (``sloweave.core.costs.fitted``'s columns): what vLLM ran and its time.
+    """The steps as a step-time profile (``sloweave.core.costs.step_profiles``' columns): what vLLM ran and its time.
 
     The KV context was recorded for the decodes the plan counted; where vLLM ran fewer (a cap
     on running requests, KV blocks) it is scaled to the decodes that ran, an estimate (each

@@ -11,10 +11,8 @@ turning into inf or NaN deep inside numpy.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from numbers import Integral, Real
-
-import click
 
 # The default limit on one request's tokens (prompt + output), what a served model's context
 # allows: 2**20 tokens, the longest context of widely served open models (Qwen2.5-1M, Llama 4
@@ -76,10 +74,6 @@ class Range:
             raise ValueError(f"{name} must be {self.describe()}{otherwise}, got {shown or repr(value)}")
         return int(value) if self.whole else float(value)
 
-    def option(self, infinity: bool = False) -> "CheckedNumber":
-        """This range as a click type (``infinity``: "inf" is accepted too, meaning no limit)."""
-        return CheckedNumber(self, infinity)
-
 
 TOKENS = Range(1, MAX_TOKENS, " of tokens", whole=True)  # a chunk, a budget, a KV capacity, a length limit
 TOKEN_COUNT = Range(0, MAX_TOKENS, " of tokens", whole=True)  # tokens waiting, a context, a profile's counts
@@ -96,23 +90,6 @@ RATE_RPS = Range(0, MAX_SCALE, " of requests per second", low_open=True)
 BATCH_SIZE = Range(1, MAX_TOKENS, " of requests", whole=True)  # a cap on running requests
 ATTAINMENT = Range(0, 1, low_open=True)  # a share of requests that meet their targets
 GIB = Range(0, MAX_MS, " of GiB", low_open=True)
-
-
-class CheckedNumber(click.ParamType):
-    """A command-line number checked against a ``Range`` (the same rule, and words, as the API)."""
-
-    def __init__(self, limits: Range, infinity: bool = False) -> None:
-        self.limits, self.infinity = limits, infinity  # infinity: "inf" also means "no limit"
-        self.name = "integer" if limits.whole else "float"
-
-    def convert(self, value, param, ctx):
-        number = (click.INT if self.limits.whole else click.FLOAT).convert(value, param, ctx)
-        if self.infinity and number == math.inf:
-            return number
-        try:
-            return self.limits.check(number, "the value", " (or inf)" if self.infinity else "")
-        except ValueError as err:
-            self.fail(str(err), param, ctx)
 
 
 def finite_number(
@@ -164,6 +141,22 @@ def over_context(prompt_tokens, output_tokens, max_model_len_tokens: int) -> str
         f"prompt {prompt_tokens} + output {output_tokens} tokens exceed the model's context of "
         f"{max_model_len_tokens} tokens (--max-model-len / max_model_len_tokens raises the limit)"
     )
+
+
+def setting(default, help: str, *, values: Range | tuple[str, ...] | None = None, flag: str | None = None):
+    """A config field that describes itself: its default, its help text and the values it takes
+    (a ``Range`` or a tuple of names), from which a command line builds its option (``flag``:
+    the option's name when it is not ``--<field-name>``)."""
+    return field(default=default, metadata={"help": help, "values": values, "flag": flag})
+
+
+class OptionError(ValueError):
+    """A value given for one option that cannot be used: the command line shows it as that
+    option's error (``option``: its flag, e.g. ``--out``), a program reads it as a ValueError."""
+
+    def __init__(self, message: str, option: str | None = None) -> None:
+        super().__init__(message)
+        self.option = option
 
 
 class RepeatedKeyError(ValueError):

@@ -23,11 +23,6 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-import click
-
-from sloweave.studies.result_folders import result_folder_options
-
-from sloweave.core.validate import DURATION_S, MAX_SECONDS, TIME_S, Range
 
 DATA_DIR = Path(__file__).resolve().parent.parent / "data" / "observability"
 DASHBOARD_FILE = DATA_DIR / "grafana-dashboard.json"
@@ -459,97 +454,8 @@ def render(
     return series
 
 
-# --------------------------------------------------------------------------- command line
-
 # Prometheus answers at most 11,000 points per series
 MAX_POINTS = 11_000
-
-
-def _window(minutes: float, start_s: float | None, end_s: float | None) -> tuple[float, float]:
-    if (start_s is None) != (end_s is None):
-        raise click.UsageError("give both --start and --end (unix seconds), or neither (the last --minutes)")
-    if start_s is None:
-        end_s = time.time()
-        return end_s - 60 * minutes, end_s
-    if end_s <= start_s:
-        raise click.BadParameter(f"must be after --start ({start_s}), got {end_s}", param_hint="--end")
-    return start_s, end_s
-
-
-def _checked_engine(ctx, param, value: str) -> str:
-    # the value goes into PromQL label matchers: a rank, not arbitrary text
-    if not re.fullmatch(r"[A-Za-z0-9_.-]+", value):
-        raise click.BadParameter(f"an engine label value (the data-parallel rank, e.g. 0), got {value!r}")
-    return value
-
-
-@click.command()
-@click.option(
-    "--prometheus",
-    "prometheus_url",
-    required=True,
-    help="the Prometheus that scrapes the vLLM server, e.g. http://127.0.0.1:9090",
-)
-@click.option(
-    "--out",
-    "out_dir",
-    type=click.Path(file_okay=False, path_type=Path),
-    required=True,
-    help="folder for dashboard.png, dashboard.csv, dashboard.json",
-)
-@result_folder_options()
-@click.option(
-    "--minutes",
-    type=Range(0, MAX_SECONDS / 60, " of minutes", low_open=True).option(),
-    default=60.0,
-    show_default=True,
-    help="the last N minutes (without --start/--end)",
-)
-@click.option(
-    "--start", "start_s", type=TIME_S.option(), default=None, help="start of the window (unix seconds; with --end)"
-)
-@click.option(
-    "--end", "end_s", type=TIME_S.option(), default=None, help="end of the window (unix seconds; with --start)"
-)
-@click.option(
-    "--step-s",
-    type=DURATION_S.option(),
-    default=None,
-    help="seconds between points [default: the window / 300, at least 15]",
-)
-@click.option(
-    "--engine",
-    default="0",
-    show_default=True,
-    callback=_checked_engine,
-    help="the data-parallel rank to draw (label engine)",
-)
-def dashboard_command(prometheus_url, out_dir, minutes, start_s, end_s, step_s, engine, force) -> None:
-    """Draw the Grafana dashboard's panels from a Prometheus, without Grafana."""
-    from sloweave.studies.outputs import check_writable
-    from sloweave.studies.result_folders import result_folder
-
-    check_writable(out_dir, "--out")
-    start_s, end_s = _window(minutes, start_s, end_s)
-    step_s = step_s or max(15.0, (end_s - start_s) / 300)
-    if (end_s - start_s) / step_s > MAX_POINTS:
-        raise click.BadParameter(
-            f"too fine for the window: Prometheus answers at most {MAX_POINTS} points a series", param_hint="--step-s"
-        )
-    with result_folder(out_dir, force) as folder:  # nothing written when a query fails
-        try:
-            series = render(prometheus_url, folder.path, start_s, end_s, step_s, engine)
-        except PrometheusError as err:
-            raise click.ClickException(str(err)) from None
-    if series.empty:
-        click.echo(
-            f"warning: no series for engine {engine} in that window: does {prometheus_url} scrape the plug-in's vLLM server?",
-            err=True,
-        )
-    click.echo(
-        f"wrote {out_dir}/dashboard.png, dashboard.csv, dashboard.json ({series.groupby(['panel', 'legend']).ngroups} series)",
-        err=True,
-    )
 
 
 def _main(argv: list[str]) -> None:

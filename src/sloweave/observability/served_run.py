@@ -2,7 +2,7 @@
 
 The vLLM plug-in writes a step log (``sloweave.core.step_log``); this command reads it and
 draws what the simulator draws (``sloweave.studies.pictures``), and writes the decision
-summary under the simulator's names (``sloweave.core.decision_metrics.summarize``), so a
+summary under the simulator's names (``sloweave.core.decision_metrics.summarize_decisions``), so a
 simulated and a served run can be compared side by side, key by key.
 
 The result folder is complete or absent: everything is written into a temporary folder
@@ -15,15 +15,12 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-import click
 import numpy as np
 import pandas as pd
 
-from sloweave.core.decision_metrics import UNDERPREDICTION_TOLERANCE_MS, summarize
-from sloweave.core.step_log import StepLog, StepLogError, read_step_log
-from sloweave.core.validate import DURATION_S
-from sloweave.studies.outputs import check_writable, command_settings, write_result_json
-from sloweave.studies.result_folders import result_folder, result_folder_options
+from sloweave.core.decision_metrics import UNDERPREDICTION_TOLERANCE_MS, summarize_decisions
+from sloweave.core.step_log import StepLog, StepLogError
+from sloweave.studies.outputs import write_result_json
 from sloweave.studies.pictures import plot_step_timeline, pyplot
 
 # Above this many steps the decomposition shows means over equal runs of steps (a bar per
@@ -37,7 +34,7 @@ FINITE_COLUMNS = ("start_ms", "measured_ms", "predicted_ms", "margin_ms")
 def derived_steps(log: StepLog) -> pd.DataFrame:
     """The log's steps plus t_s (since the first step), model_ms (T = predicted - margin),
     overrun_ms (measured - predicted; negative: the step finished early) and underpredicted
-    (it took longer than predicted, with the tolerance ``summarize`` uses)."""
+    (it took longer than predicted, with the tolerance ``summarize_decisions`` uses)."""
     steps = log.steps.copy()  # every field in its range: read_step_log checked them
     for column in FINITE_COLUMNS:
         steps[column] = steps[column].astype("float64")
@@ -50,7 +47,7 @@ def derived_steps(log: StepLog) -> pd.DataFrame:
 
 def decision_metrics(log: StepLog, steps: pd.DataFrame) -> dict:
     """The simulator's decision summary for the served steps (planned chunk and budgets)."""
-    metrics = summarize(
+    metrics = summarize_decisions(
         steps["chunk_tokens"].to_numpy(),
         steps["token_budget"].to_numpy(),
         steps["budget_ms"].to_numpy(),
@@ -180,36 +177,3 @@ def write_served_run(log: StepLog, out_dir: Path, window_s: float, settings: dic
     summary = run_summary(log, steps, settings)
     write_result_json(out_dir / "served_run.json", summary)
     return summary
-
-
-@click.command()
-@click.argument("step_log", type=click.Path(exists=True, dir_okay=False, path_type=Path))
-@click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False, path_type=Path), help="result folder")
-@click.option(
-    "--window-s",
-    type=DURATION_S.option(),
-    default=None,
-    show_default="the whole run",
-    help="seconds of the run the timeline shows, from its first step",
-)
-@result_folder_options()
-def served_run_command(step_log: Path, out_dir: Path, window_s: float, force: bool) -> None:
-    """Pictures and summaries of a served run, from the vLLM plug-in's STEP_LOG."""
-    check_writable(out_dir, "--out")
-    # --force never deletes the folder the step log is in
-    with result_folder(out_dir, force, inputs={"the step log": step_log}) as folder:
-        try:
-            log = read_step_log(step_log)
-        except StepLogError as err:
-            raise click.ClickException(str(err)) from None
-        try:
-            summary = write_served_run(log, folder.path, math.inf if window_s is None else window_s, command_settings())
-        except StepLogError as err:
-            raise click.ClickException(f"{step_log}: {err}") from None
-    if log.stopped is not None:
-        click.echo(
-            f"warning: the step log stopped early ({log.stopped}); the pictures cover the steps before", err=True
-        )
-    click.echo(
-        f"wrote {out_dir}: {summary['steps']} steps, {summary['underpredicted_share']:.1%} underpredicted", err=True
-    )

@@ -19,7 +19,7 @@ import torch
 from transformers import ContinuousBatchingConfig, GenerationConfig
 from transformers.generation.continuous_batching.requests import RequestStatus
 
-from sloweave.runtime.scheduler import SCHEDULER_NAME, SLOWeaveScheduler, StepShape
+from sloweave.runtime.scheduler import SCHEDULER_NAME, PerStepChunkScheduler, StepShape
 
 DEFAULT_PAGE_TOKENS = 64
 
@@ -47,7 +47,7 @@ class StepRecord:
         return self.end_ms - self.start_ms
 
 
-class Engine:
+class TransformersEngine:
     """One model, one paged KV pool, the ``sloweave`` scheduler, stepped by the caller."""
 
     def __init__(
@@ -80,8 +80,8 @@ class Engine:
         self.manager = model.init_continuous_batching(generation_config=generation, continuous_batching_config=config)
         self.processor = self.manager._create_batch_processor()
         self.manager.batch_processor = self.processor
-        self.scheduler: SLOWeaveScheduler = self.processor.scheduler
-        if not isinstance(self.scheduler, SLOWeaveScheduler):
+        self.scheduler: PerStepChunkScheduler = self.processor.scheduler
+        if not isinstance(self.scheduler, PerStepChunkScheduler):
             raise RuntimeError(f"transformers built a {type(self.scheduler).__name__}, not the sloweave scheduler")
         self.max_batch_tokens = int(self.processor.max_batch_tokens)
         self.vocab_size = int(model.config.vocab_size)

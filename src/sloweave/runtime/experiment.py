@@ -14,14 +14,15 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 
-from sloweave.core.costs.fitted import ContextualCost, FitResult, FixedContextCost, ResidualMargin
+from sloweave.core.costs.fitted import ContextualCost, FixedContextCost, ResidualMargin
+from sloweave.core.costs.profile_fit import FitResult
 from sloweave.sim.metrics import evaluate
 from sloweave.core.policy import Aging, SLOWeave, make_policy
 from sloweave.core.costs.calibrated import OnlineCalibrator, ScaledCost, SelfCorrection, self_correcting
-from sloweave.runtime.engine import Engine
+from sloweave.runtime.engine import TransformersEngine
 from sloweave.runtime.runner import MeasuredRun, RequestSpec, run_requests
 from sloweave.sim.engine import simulate
-from sloweave.sim.workloads import Workload, get_workload_spec
+from sloweave.sim.workloads import Workload, get_workload_spec, mean_context_tokens
 
 
 def scaled_workload(
@@ -50,11 +51,6 @@ def scaled_workload(
     )
 
 
-def mean_context_tokens(workload: Workload) -> float:
-    """A running request's average KV context: its prompt plus half its output."""
-    return float(np.mean(workload.prompt_tokens + workload.output_tokens / 2.0))
-
-
 @dataclass
 class PolicySetup:
     policy: object
@@ -66,7 +62,7 @@ class PolicySetup:
     correction: SelfCorrection | None = None
 
 
-def build_policy(
+def build_policy_setup(
     name: str,
     fit: FitResult,
     cost_kind: str = "regression",
@@ -90,7 +86,7 @@ def build_policy(
         margin = fit.margin(base) if use_margin else None  # the profile's P99 table
         policy = SLOWeave(cost=base, margin=margin or _zero, max_chunk_tokens=max_chunk_tokens)
         return PolicySetup(policy, base, margin, None)
-    # Recalibration on: the core's self-correction (``core.calibration.self_correcting``). The
+    # Recalibration on: the core's self-correction (``core.costs.calibrated.self_correcting``). The
     # margin is its AdaptiveMargin, the DEFAULT_MARGIN_QUANTILE of the corrected model's recent
     # residuals once enough steps are in, the profile's table (read through the corrected cost)
     # before that.
@@ -125,8 +121,8 @@ def simulated_metrics(
     return evaluate(result, ttft_ms, tpot_ms).as_dict()
 
 
-def run_policy(
-    engine: Engine,
+def measure_policy(
+    engine: TransformersEngine,
     workload: Workload,
     name: str,
     fit: FitResult,
@@ -146,7 +142,7 @@ def run_policy(
     """One measured run; returns a flat summary row and the full run.
 
     ``aging_ms`` (None: off) applies to every policy, in the run and in the simulated one."""
-    setup = build_policy(name, fit, cost_kind, use_margin, calibrate, max_chunk_tokens, stale_factor)
+    setup = build_policy_setup(name, fit, cost_kind, use_margin, calibrate, max_chunk_tokens, stale_factor)
     run = run_requests(
         engine,
         RequestSpec.from_workload(workload),

@@ -38,7 +38,7 @@ from sloweave.core.decision_metrics import DecisionRecorder, DecisionSummary, Re
 from sloweave.core.costs.fitted import ContextualCost
 from sloweave.core.slo import SLOException
 from sloweave.core.validate import MAX_MS, positive_ms
-from sloweave.runtime.engine import Engine, StepRecord
+from sloweave.runtime.engine import TransformersEngine, StepRecord
 from sloweave.runtime.scheduler import StepShape
 from sloweave.sim.metrics import RunMetrics, frame_from_token_times, summarize
 
@@ -90,7 +90,7 @@ class MeasuredRun:
     token_counts: dict = field(default_factory=dict)  # request -> tokens it generated
     request_tpot_ms: np.ndarray | None = None  # each request's own target, when they have one
     slo_exceptions: list[SLOException] = field(default_factory=list)  # steps aging forced
-    decision_metrics: dict = field(default_factory=dict)  # core.decision_metrics.summarize of the steps
+    decision_metrics: dict = field(default_factory=dict)  # core.decision_metrics.summarize_decisions of the steps
 
     def metrics(self, ttft_ms: float) -> RunMetrics:
         targets = self.tpot_ms if self.request_tpot_ms is None else self.request_tpot_ms
@@ -127,7 +127,7 @@ def synthetic_prompt(rng: np.random.Generator, length: int, vocab_size: int) -> 
 
 
 def run_requests(
-    engine: Engine,
+    engine: TransformersEngine,
     spec: RequestSpec,
     policy,
     tpot_ms: float,
@@ -170,7 +170,7 @@ def run_requests(
 
 
 def runtime_controller(
-    engine: Engine,
+    engine: TransformersEngine,
     spec: RequestSpec,
     policy,
     tpot_ms: float,
@@ -241,7 +241,7 @@ class RuntimeRun:
     """One run's state: the requests admitted, their token times, the steps' rows."""
 
     def __init__(
-        self, engine: Engine, spec: RequestSpec, controller: BudgetController, rng: np.random.Generator
+        self, engine: TransformersEngine, spec: RequestSpec, controller: BudgetController, rng: np.random.Generator
     ) -> None:
         self.engine, self.spec, self.controller, self.rng = engine, spec, controller, rng
         self.ids = [request_id(i) for i in range(len(spec))]

@@ -1,6 +1,6 @@
 """A transformers continuous-batching scheduler whose prefill chunk is decided per step.
 
-``SLOWeaveScheduler`` schedules every decoding request (one token each) plus one chunk of
+``PerStepChunkScheduler`` schedules every decoding request (one token each) plus one chunk of
 the oldest unfinished prompt, the paper's iteration shape. The chunk size comes from a
 callback (``chunk_decider``) that the driver installs: it receives the step's shape
 (``StepShape``) and returns how many prompt tokens to run, or a plan that says it
@@ -54,7 +54,7 @@ class KVCacheFullError(RuntimeError):
     """A running request could not get a KV block: the pool is too small for the workload."""
 
 
-class SLOWeaveScheduler(Scheduler):
+class PerStepChunkScheduler(Scheduler):
     """All decodes first, then one prefill chunk of the size ``chunk_decider`` returns."""
 
     def __init__(self, cache, safety_margin: float | None, max_requests_per_batch: int):
@@ -123,4 +123,4 @@ class SLOWeaveScheduler(Scheduler):
         return scheduled, decode_fast_path, num_q_tokens, max_kv_read
 
 
-SCHEDULER_MAPPING[SCHEDULER_NAME] = SLOWeaveScheduler
+SCHEDULER_MAPPING[SCHEDULER_NAME] = PerStepChunkScheduler

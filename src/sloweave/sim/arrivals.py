@@ -9,6 +9,7 @@ room). Every refused request keeps its reason; a deferred one is still served la
 
 from __future__ import annotations
 
+import math
 from collections import deque
 
 from sloweave.core.admission import EXCEEDS_KV_CAPACITY, TTFT_EXPIRED, AdmissionControl
@@ -16,6 +17,7 @@ from sloweave.core.admission import EXCEEDS_KV_CAPACITY, TTFT_EXPIRED, Admission
 
 class AdmitAll:
     acts_each_iteration = False  # before_iteration does nothing
+    refuses = False  # refusal always says ""
 
     def refusal(self, engine, request: int) -> str:
         return ""
@@ -30,6 +32,7 @@ class AdmitAll:
 
 class AdmissionGate(AdmitAll):
     acts_each_iteration = True
+    refuses = True
 
     def __init__(self, control: AdmissionControl, policy, predicted_ms, ttft_of: list[float] | None) -> None:
         self.control = control
@@ -91,26 +94,30 @@ class Arrivals:
         self.arrival_ms = arrival_ms
         self.gate = gate
         self.next = 0  # the first request that has not arrived yet
+        self.next_ms = arrival_ms[0] if arrival_ms else math.inf  # when it arrives
         self.rejected = 0
 
     def admit(self, engine) -> None:
         """Queue (or refuse) every request that arrived by ``engine.now_ms``."""
-        if self.next < len(self.arrival_ms) and self.arrival_ms[self.next] <= engine.now_ms:
-            self._admit_arrived(engine)
-        if self.gate.acts_each_iteration:
-            self.gate.before_iteration(engine)
-
-    def _admit_arrived(self, engine) -> None:
-        arrival_ms, now_ms, gate, memory = self.arrival_ms, engine.now_ms, self.gate, engine.memory
-        r = engine.requests
-        while self.next < len(arrival_ms) and arrival_ms[self.next] <= now_ms:
-            request = self.next
-            self.next += 1
-            reason = memory.refusal(r.prompt[request], r.output[request]) or gate.refusal(engine, request)
-            if reason:
-                gate.refuse(engine, request, reason)
-            else:
-                engine.queue.append(request)
+        arrival_ms, now_ms, gate, memory, queue = self.arrival_ms, engine.now_ms, self.gate, engine.memory, engine.queue
+        request, end = self.next, len(arrival_ms)
+        if request < end and arrival_ms[request] <= now_ms:
+            r, checked = engine.requests, memory.limited or gate.refuses
+            while request < end and arrival_ms[request] <= now_ms:
+                reason = (
+                    (memory.refusal(r.prompt[request], r.output[request]) or gate.refusal(engine, request))
+                    if checked
+                    else ""
+                )
+                if reason:
+                    gate.refuse(engine, request, reason)
+                else:
+                    queue.append(request)
+                request += 1
+            self.next = request
+            self.next_ms = arrival_ms[request] if request < end else math.inf
+        if gate.acts_each_iteration:
+            gate.before_iteration(engine)
 
     def next_arrival_ms(self) -> float | None:
         return self.arrival_ms[self.next] if self.next < len(self.arrival_ms) else None

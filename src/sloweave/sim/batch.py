@@ -20,7 +20,8 @@ class DecodeBatch:
         self.running: dict[int, int] = {}  # request -> last iteration, in the order they started decoding
         self.n = 0
         self.finished = 0  # requests that emitted all their tokens
-        self._finishing_at: dict[int, list[int]] = {}
+        # iteration -> the requests whose last token comes out of it (a preempted one stays listed)
+        self.finishing_at: dict[int, list[int]] = {}
 
     def start(self, request: int, iteration: int) -> int | None:
         """Its prefill completed in ``iteration`` (whose end emits its next token).
@@ -36,14 +37,14 @@ class DecodeBatch:
             self.finished += 1
             r.finish_iter[request] = iteration
             return None
-        self._finishing_at.setdefault(last_iter, []).append(request)
+        self.finishing_at.setdefault(last_iter, []).append(request)
         self.running[request] = last_iter
         self.n += 1
         return last_iter
 
     def finish_due(self, iteration: int) -> list[int] | tuple[int, ...]:
         """Remove and return the requests whose last token comes out of ``iteration``."""
-        due = self._finishing_at.pop(iteration, None)
+        due = self.finishing_at.pop(iteration, None)
         if not due:
             return _NONE
         done = []

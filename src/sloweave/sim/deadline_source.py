@@ -31,9 +31,11 @@ LATE_TOLERANCE_MS = 1e-9
 class SharedTarget:
     banked = False  # time spent now is not taken from the next iteration's budget
     per_token_updates = False  # wants ``emitted`` for every running request every iteration
+    per_request = False  # ``started`` and ``left`` do nothing
 
     def __init__(self, tpot_ms: float) -> None:
         self.tpot_ms = tpot_ms
+        self.fixed_budget_ms = tpot_ms  # the budget whenever something decodes (None: ask budget_ms)
 
     def target(self, request: int) -> float:
         return self.tpot_ms
@@ -60,8 +62,11 @@ class SharedTarget:
 
 
 class PerRequestTargets(SharedTarget):
+    per_request = True
+
     def __init__(self, tpot_ms: float, targets: list[float]) -> None:
         super().__init__(tpot_ms)
+        self.fixed_budget_ms = None
         self.targets = targets
         self._heap: list[tuple[float, int, int]] = []  # (target, last_iter, request)
 
@@ -84,9 +89,11 @@ class PerRequestTargets(SharedTarget):
 
 class CumulativeTargets(SharedTarget):
     banked = True
+    per_request = True
 
     def __init__(self, tpot_ms: float, targets: list[float] | None) -> None:
         super().__init__(tpot_ms)
+        self.fixed_budget_ms = None
         self.targets = targets
         self._keys: dict[float, list[tuple[float, int, int]]] = {}  # target -> heap of (key, last_iter, request)
         self._key_of: dict[int, float] = {}
@@ -133,6 +140,8 @@ class TrackedDeadlines:
         self.source = source
         self.banked = False
         self.per_token_updates = True
+        self.per_request = True
+        self.fixed_budget_ms = None  # every budget is checked
         self.tracker = DeadlineTracker(source.tpot_ms)
         self._own_targets = isinstance(source, PerRequestTargets)
 

@@ -35,6 +35,7 @@ a preemption) walk.
 from __future__ import annotations
 
 import math
+from math import inf
 
 import numpy as np
 
@@ -92,69 +93,109 @@ class Engine:
         self.iteration = 0
         if hasattr(decide, "attach"):
             decide.attach(self)
+        self._per_request_deadlines = deadlines.per_request  # read per request: kept on the engine
+        self._steps = self._iterations(pause=True)
 
     def run(self) -> SimResult:
         """Step until every request finished or was rejected (or the horizon)."""
-        n = len(self.requests)
-        while self.batch.finished + self.arrivals.rejected < n and self.now_ms < self.horizon_ms:
-            if not self.step():
-                break  # only rejected requests are left
+        for _ in self._iterations(pause=False):
+            pass
         return self.result()
 
     def step(self) -> bool:
-        """One iteration (or a jump to the next arrival when idle); False when nothing can happen."""
-        self.arrivals.admit(self)
-        batch, waiting = self.batch, self.queue.waiting
-        if not batch.n and not waiting:
-            next_ms = self.arrivals.next_arrival_ms()
-            if next_ms is None:
-                return False
-            self.now_ms = next_ms
-            return True
-        if self.memory.limited:
-            self.memory.make_room(self)  # may preempt, so before the batch size is read
-        n, now_ms = batch.n, self.now_ms
-        budget_ms = self.deadlines.budget_ms(now_ms, self.iteration, batch.running) if n else math.inf
-        waiting_tokens = self._prompt_tokens(n) if waiting else 0
-        if self.clock.reads_context:
-            self.clock.set_context(self.kv.decode_kv, self.queue.head_prefix_tokens() if waiting_tokens else 0)
-            if self.clock.reads_offer:
-                self.clock.set_offer(self.queue.offer(waiting_tokens))
-        chunk, infeasible = self.decide(n, waiting_tokens, budget_ms)
-        if chunk < 0 or chunk > waiting_tokens:
-            raise RuntimeError(
-                f"policy {self.policy.name} chose chunk {chunk} with {waiting_tokens} prompt tokens waiting"
-            )
-        self.end_ms = end_ms = now_ms + self.clock.iteration_ms(n, chunk)
-        self.recorder.iteration(now_ms, end_ms, n, chunk, budget_ms, infeasible)
-        self._emit_decodes()
-        if chunk:
-            self.queue.take(chunk, self)
-        self.now_ms = end_ms
-        self.iteration += 1
-        return True
+        """One iteration (or a jump to the next arrival when idle); False when nothing can happen.
 
-    def _prompt_tokens(self, n: int) -> int:
-        """Prompt tokens the policy may take: what the packing offers within slots and KV."""
-        kv_free = self.memory.free_tokens(self.kv, n) if self.memory.limited else math.inf
-        return self.packing.prompt_tokens(n, self.batch_cap - n, kv_free)
+        Nothing can happen once every request finished or was rejected (nothing runs, nothing
+        waits, nothing is left to arrive), or past the horizon.
+        """
+        return next(self._steps, False)
 
-    def _emit_decodes(self) -> None:
-        """Every running request emits at the iteration's end; those at their last token leave."""
-        batch, r, kv, deadlines, it = self.batch, self.requests, self.kv, self.deadlines, self.iteration
-        for request in batch.finish_due(it):
-            kv.released(r.prefill_total[request] + (it - r.segment_first[request]))
-            deadlines.left(request)
-        kv.decode_kv += batch.n  # every continuing decode wrote one more token of KV
-        if deadlines.per_token_updates:
-            deadlines.emitted(batch.running, self.end_ms)
+    def _iterations(self, pause: bool):
+        """The iterations from the engine's state on: with ``pause`` one per ``next()`` (True after
+        each, an idle jump too), else all in one go. A generator, so that the parts, which of them
+        act every iteration and their methods are bound to locals once: the body runs once per
+        simulated iteration."""
+        arrivals, batch, queue, waiting = self.arrivals, self.batch, self.queue, self.queue.waiting
+        kv, memory, deadlines, clock = self.kv, self.memory, self.deadlines, self.clock
+        decide, iteration_ms, offered = self.decide, clock.iteration_ms, self.packing.prompt_tokens
+        gate_acts, kv_limited, reads_context = arrivals.gate.acts_each_iteration, memory.limited, clock.reads_context
+        fixed_budget_ms, per_token_updates = deadlines.fixed_budget_ms, deadlines.per_token_updates
+        finishing_at, batch_cap, horizon_ms = batch.finishing_at, self.batch_cap, self.horizon_ms
+        starts, ends, decodes, chunks, budgets, infeasibles = self.recorder.iteration_writers()
+        # `while True`: CPython 3.11 specializes a generator's bytecode after a few backward jumps
+        # or resumptions, and the conditional jump that closes a `while <test>` loop is not one.
+        while True:
+            now_ms = self.now_ms
+            if not now_ms < horizon_ms:
+                return
+            if arrivals.next_ms <= now_ms or gate_acts:
+                arrivals.admit(self)
+            if not batch.n and not waiting:  # idle: jump to the next arrival
+                if arrivals.next_ms == inf:
+                    return
+                self.now_ms = arrivals.next_ms
+                if pause:
+                    yield True
+                continue
+            if kv_limited:
+                memory.make_room(self)  # may preempt, so before the batch size is read
+            n, it = batch.n, self.iteration
+            # no decodes: no deadline; a shared target: the same budget every iteration
+            budget_ms = (fixed_budget_ms or deadlines.budget_ms(now_ms, it, batch.running)) if n else inf
+            kv_free = memory.free_tokens(kv, n) if kv_limited else inf
+            waiting_tokens = offered(n, batch_cap - n, kv_free) if waiting else 0
+            if reads_context:
+                self._tell_clock(waiting_tokens)
+            chunk, infeasible = decide(n, waiting_tokens, budget_ms)
+            if chunk < 0 or chunk > waiting_tokens:
+                raise self._bad_chunk(chunk, waiting_tokens)
+            self.end_ms = end_ms = now_ms + iteration_ms(n, chunk)
+            starts(now_ms)
+            ends(end_ms)
+            decodes(n)
+            chunks(chunk)
+            budgets(budget_ms)
+            infeasibles(infeasible)
+            # Every running request emits at the iteration's end; those at their last token leave.
+            if it in finishing_at:
+                self._finish(it)
+            kv.decode_kv += batch.n  # every continuing decode wrote one more token of KV
+            if per_token_updates:
+                deadlines.emitted(batch.running, end_ms)
+            if chunk:
+                queue.take(chunk, self)
+            self.now_ms = end_ms
+            self.iteration = it + 1
+            if pause:
+                yield True
+
+    def _bad_chunk(self, chunk: int, waiting_tokens: int) -> RuntimeError:
+        return RuntimeError(
+            f"policy {self.policy.name} chose chunk {chunk} with {waiting_tokens} prompt tokens waiting"
+        )
+
+    def _tell_clock(self, waiting_tokens: int) -> None:
+        """The KV context (and the prompts on offer) for the cost models that read them."""
+        clock, queue = self.clock, self.queue
+        clock.set_context(self.kv.decode_kv, queue.head_prefix_tokens() if waiting_tokens else 0)
+        if clock.reads_offer:
+            clock.set_offer(queue.offer(waiting_tokens))
+
+    def _finish(self, iteration: int) -> None:
+        """The requests whose last token came out of ``iteration`` leave: their KV and deadline go."""
+        r, kv, deadlines = self.requests, self.kv, self.deadlines
+        for request in self.batch.finish_due(iteration):
+            kv.released(r.prefill_total[request] + (iteration - r.segment_first[request]))
+            if self._per_request_deadlines:
+                deadlines.left(request)
 
     def prefill_completed(self, request: int) -> None:
         """Its prefill completed this iteration: its (next) token comes out at the iteration's end."""
-        last_iter = self.batch.start(request, self.iteration)
-        self.kv.prefill_done(self.requests.prefill_total[request], decoding=last_iter is not None)
-        if last_iter is not None:
-            self.deadlines.started(request, self.end_ms, self.iteration, last_iter)
+        iteration = self.iteration
+        last_iter = self.batch.start(request, iteration)
+        self.kv.prefill_done(self.requests.prefill_total[request], last_iter is not None)
+        if last_iter is not None and self._per_request_deadlines:
+            self.deadlines.started(request, self.end_ms, iteration, last_iter)
 
     def result(self) -> SimResult:
         r, gated = self.requests, isinstance(self.arrivals.gate, AdmissionGate)
@@ -242,23 +283,9 @@ def build_engine(
 ) -> Engine:
     """The engine for ``simulate``'s options, each option turned into its part."""
     tpot_ms = positive_ms(tpot_ms, "tpot_ms")
-    if not isinstance(workload, Workload):
-        raise TypeError(f"workload must be a sloweave.sim.workloads.Workload, got {type(workload).__name__}")
-    if actual_cost is not None and not callable(actual_cost):
-        # a target passed in its place (the 4th argument) would otherwise fail mid-run
-        raise TypeError(f"actual_cost must be a cost model, (n_decodes, chunk_tokens) -> ms, got {actual_cost!r}")
-    if horizon_s is not None and not horizon_s > 0:
-        raise ValueError(f"horizon_s must be > 0, got {horizon_s!r}")
-    if max_batch_size is not None:
-        whole_number(max_batch_size, "max_batch_size")
-    if deadline_form not in DEADLINE_FORMS:
-        raise ValueError(f"deadline_form must be one of {', '.join(DEADLINE_FORMS)}, got {deadline_form!r}")
-    if aging is not None and not isinstance(aging, Aging):
-        raise TypeError(f"aging must be a sloweave.core.policy.Aging, got {type(aging).__name__}")
-    if admission is not None and not isinstance(admission, AdmissionControl):
-        raise TypeError(f"admission must be a sloweave.core.admission.AdmissionControl, got {type(admission).__name__}")
-    if kv_capacity_tokens is not None:
-        whole_number(kv_capacity_tokens, "kv_capacity_tokens", unit=" of tokens")
+    _check_options(
+        workload, actual_cost, horizon_s, max_batch_size, deadline_form, aging, admission, kv_capacity_tokens
+    )
     requests = Requests.from_workload(workload)
     ttft_of = _per_request_ttft(ttft_ms, len(requests))
     if admission is not None and admission.ttft_slack is not None and ttft_of is None:
@@ -292,6 +319,29 @@ def build_engine(
         math.inf if max_batch_size is None else max_batch_size,
         math.inf if horizon_s is None else horizon_s * 1000.0,
     )
+
+
+def _check_options(
+    workload, actual_cost, horizon_s, max_batch_size, deadline_form, aging, admission, kv_capacity_tokens
+) -> None:
+    """The options' types and ranges, checked before anything is built."""
+    if not isinstance(workload, Workload):
+        raise TypeError(f"workload must be a sloweave.sim.workloads.Workload, got {type(workload).__name__}")
+    if actual_cost is not None and not callable(actual_cost):
+        # a target passed in its place (the 4th argument) would otherwise fail mid-run
+        raise TypeError(f"actual_cost must be a cost model, (n_decodes, chunk_tokens) -> ms, got {actual_cost!r}")
+    if horizon_s is not None and not horizon_s > 0:
+        raise ValueError(f"horizon_s must be > 0, got {horizon_s!r}")
+    if max_batch_size is not None:
+        whole_number(max_batch_size, "max_batch_size")
+    if deadline_form not in DEADLINE_FORMS:
+        raise ValueError(f"deadline_form must be one of {', '.join(DEADLINE_FORMS)}, got {deadline_form!r}")
+    if aging is not None and not isinstance(aging, Aging):
+        raise TypeError(f"aging must be a sloweave.core.policy.Aging, got {type(aging).__name__}")
+    if admission is not None and not isinstance(admission, AdmissionControl):
+        raise TypeError(f"admission must be a sloweave.core.admission.AdmissionControl, got {type(admission).__name__}")
+    if kv_capacity_tokens is not None:
+        whole_number(kv_capacity_tokens, "kv_capacity_tokens", unit=" of tokens")
 
 
 def _deadline_source(tpot_ms: float, targets: list[float] | None, form: str, checked: bool):

@@ -13,7 +13,7 @@ A comparison is like for like when every policy runs with one ``EngineOptions``.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import asdict, dataclass, replace
 
 import numpy as np
 
@@ -22,7 +22,16 @@ from sloweave.core.costs.calibrated import self_correcting
 from sloweave.core.costs.noisy import NoisyCost
 from sloweave.core.costs.protocols import CostModel
 from sloweave.core.policy import Aging, Policy
-from sloweave.core.validate import BATCH_SIZE, DURATION_MS, NOISE_SIGMA, SCALE, TOKENS, positive_ms, positive_tokens
+from sloweave.core.validate import (
+    BATCH_SIZE,
+    DURATION_MS,
+    NOISE_SIGMA,
+    SCALE,
+    TOKENS,
+    positive_ms,
+    positive_tokens,
+    setting,
+)
 from sloweave.sim.engine import DEADLINE_FORMS, simulate
 from sloweave.sim.result import SimResult
 from sloweave.sim.workloads import Workload
@@ -33,15 +42,40 @@ NOISE_SEED_OFFSET = 1_000_003
 
 @dataclass(frozen=True)
 class EngineOptions:
-    max_batch_size: int | None = None
-    admission: str | None = None  # "reject" | "defer" (core.admission.AdmissionControl)
-    aging_ms: float | None = None
+    """Each field carries its help text and the values it takes; the command line's options are
+    built from them (``sloweave.cli.options.engine_options``). Fields without help have no flag."""
+
+    max_batch_size: int | None = setting(
+        None, "cap on started requests, every policy (vLLM's max_num_seqs)", values=BATCH_SIZE, flag="--max-batch"
+    )
+    admission: str | None = setting(
+        None, "admission control for every policy: reject or defer (a best-effort lane)", values=ADMISSION_ACTIONS
+    )
+    aging_ms: float | None = setting(
+        None,
+        "starvation control for every policy: after this wait the oldest prompt gets a chunk",
+        values=DURATION_MS,
+    )
     aging_chunk_tokens: int = 256
-    kv_capacity_tokens: int | None = None
-    deadline_form: str = "per-token"
-    noise_sigma: float = 0.0  # actual time = model time x lognormal(0, sigma) x bias
-    bias: float = 1.0
-    correction: bool = False  # deadline-aware policies: online recalibration + adaptive P99.7 margin
+    kv_capacity_tokens: int | None = setting(
+        None, "KV cache capacity in tokens (admission by memory, preemption with recompute)", values=TOKENS
+    )
+    deadline_form: str = setting(
+        "per-token",
+        "per-token: each token is due one TPOT after the previous one; cumulative: token k is due "
+        "k TPOTs after the first",
+        values=DEADLINE_FORMS,
+    )
+    noise_sigma: float = setting(
+        0.0, "prediction error: actual step = model x lognormal(0, sigma) x bias (seeded)", values=NOISE_SIGMA
+    )
+    bias: float = setting(
+        1.0, "systematic prediction error: the machine is this many times slower than the model", values=SCALE
+    )
+    correction: bool = setting(
+        False,
+        "deadline-aware policies correct the model online and keep an adaptive P99.7 margin (no hand-set margin)",
+    )
 
     def __post_init__(self) -> None:
         if self.max_batch_size is not None:
@@ -114,85 +148,3 @@ class EngineOptions:
 
 
 DEFAULT_OPTIONS = EngineOptions()
-
-
-def engine_options(dest: str = "engine"):
-    """The engine options every study command takes, turned into one ``EngineOptions``
-    passed to the command as ``dest``.
-
-    Each option is named once: its ``EngineOptions`` field, beside its flag; the flag's
-    parameter is the field's name and its default the field's default."""
-    import functools
-
-    import click
-
-    defaults = {f.name: f.default for f in fields(EngineOptions)}
-    flags = {  # EngineOptions field: (the flag, or None for --<field>, its click settings); aging_chunk_tokens has no flag
-        "max_batch_size": (
-            "--max-batch",
-            {"type": BATCH_SIZE.option(), "help": "cap on started requests, every policy (vLLM's max_num_seqs)"},
-        ),
-        "admission": (
-            None,
-            {
-                "type": click.Choice(ADMISSION_ACTIONS),
-                "help": "admission control for every policy: reject or defer (a best-effort lane)",
-            },
-        ),
-        "aging_ms": (
-            None,
-            {
-                "type": DURATION_MS.option(),
-                "help": "starvation control for every policy: after this wait the oldest prompt gets a chunk",
-            },
-        ),
-        "kv_capacity_tokens": (
-            None,
-            {
-                "type": TOKENS.option(),
-                "help": "KV cache capacity in tokens (admission by memory, preemption with recompute)",
-            },
-        ),
-        "deadline_form": (None, {"type": click.Choice(DEADLINE_FORMS), "show_default": True}),
-        "noise_sigma": (
-            None,
-            {
-                "type": NOISE_SIGMA.option(),
-                "show_default": True,
-                "help": "prediction error: actual step = model x lognormal(0, sigma) x bias (seeded)",
-            },
-        ),
-        "bias": (
-            None,
-            {
-                "type": SCALE.option(),
-                "show_default": True,
-                "help": "systematic prediction error: the machine is this many times slower than the model",
-            },
-        ),
-        "correction": (
-            "--correction/--no-correction",
-            {
-                "show_default": True,
-                "help": "deadline-aware policies correct the model online and keep an adaptive P99.7 margin (no hand-set margin)",
-            },
-        ),
-    }
-
-    def decorate(command):
-        @functools.wraps(command)
-        def wrapper(*args, **kwargs):
-            given = {name: kwargs.pop(name) for name in flags if name in kwargs}
-            try:
-                kwargs[dest] = EngineOptions(**given)
-            except ValueError as err:
-                raise click.UsageError(str(err)) from None
-            return command(*args, **kwargs)
-
-        for name, (flag, settings) in reversed(flags.items()):
-            wrapper = click.option(flag or "--" + name.replace("_", "-"), name, default=defaults[name], **settings)(
-                wrapper
-            )
-        return wrapper
-
-    return decorate

@@ -21,6 +21,12 @@ class PrefillQueue:
         self.requests = requests
         self.waiting: deque[int] = deque()
         self.queued_tokens = 0  # prompt tokens still to prefill in `waiting`
+        # the request lists every chunk reads and writes
+        self._remaining, self._total, self._progress_ms = (
+            requests.remaining_prompt,
+            requests.prefill_total,
+            requests.progress_ms,
+        )
 
     def __bool__(self) -> bool:
         return bool(self.waiting)
@@ -70,21 +76,25 @@ class PrefillQueue:
         A prompt whose prefill completes leaves the queue and starts decoding
         (``engine.prefill_completed``): its next token comes out of this iteration.
         """
-        r, recorder, iteration, end_ms = self.requests, engine.recorder, engine.iteration, engine.end_ms
+        remaining, total, waiting, recorder = self._remaining, self._total, self.waiting, engine.recorder
+        iteration, end_ms = engine.iteration, engine.end_ms
         left = chunk_tokens
         self.queued_tokens -= chunk_tokens
         while left:
-            head = self.waiting[0]
-            if r.remaining_prompt[head] == r.prefill_total[head]:
-                engine.kv.prefill_started(r.prefill_total[head])  # its prefill starts: the prompt's KV is held
-            take = min(left, r.remaining_prompt[head])
+            head = waiting[0]
+            head_left = remaining[head]
+            if head_left == total[head]:
+                engine.kv.prefill_started(head_left)  # its prefill starts: the prompt's KV is held
+            take = left if left < head_left else head_left
             left -= take
-            r.remaining_prompt[head] -= take
-            r.progress_ms[head] = end_ms
-            recorder.piece(iteration, head, take)
-            if r.remaining_prompt[head]:
+            remaining[head] = head_left = head_left - take
+            self._progress_ms[head] = end_ms
+            recorder.piece_iter.append(iteration)
+            recorder.piece_request.append(head)
+            recorder.piece_tokens.append(take)
+            if head_left:
                 break
-            self.waiting.popleft()
+            waiting.popleft()
             engine.prefill_completed(head)
 
 
@@ -93,10 +103,20 @@ class OnePrompt:
 
     def __init__(self, queue: PrefillQueue) -> None:
         self.queue = queue
+        # read every iteration: the queue's deque and the request lists, bound once
+        r = queue.requests
+        self._waiting, self._remaining, self._total = queue.waiting, r.remaining_prompt, r.prefill_total
 
     def prompt_tokens(self, n_running: int, free_slots: float, kv_free: float) -> int:
         """Prompt tokens the policy may take this iteration, given free batch slots and KV."""
-        return self._head(free_slots, kv_free)[0]
+        waiting = self._waiting
+        if not waiting:
+            return 0
+        head = waiting[0]
+        head_left = self._remaining[head]
+        if head_left < self._total[head]:
+            return head_left  # its prefill is under way: admitted already
+        return head_left if free_slots > 0 and head_left <= kv_free else 0
 
     def _head(self, free_slots: float, kv_free: float) -> tuple[int, float, float]:
         """(the head's tokens on offer, slots and KV left after it)."""

@@ -28,6 +28,18 @@ class Recorder:
         self.budgets.append(budget_ms)
         self.infeasible.append(infeasible)
 
+    def iteration_writers(self) -> tuple:
+        """``iteration`` one column at a time: the bound appends of its columns, in its arguments'
+        order (the engine writes a row every iteration, without a call around the appends)."""
+        return (
+            self.starts.append,
+            self.ends.append,
+            self.decodes.append,
+            self.chunks.append,
+            self.budgets.append,
+            self.infeasible.append,
+        )
+
     def piece(self, iteration: int, request: int, tokens: int) -> None:
         self.piece_iter.append(iteration)
         self.piece_request.append(request)

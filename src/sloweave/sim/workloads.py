@@ -241,6 +241,14 @@ def get_workload_spec(name: str):
 # --------------------------------------------------------------------------- scenarios
 
 
+def mean_context_tokens(*workloads: Workload) -> float:
+    """The mean KV context a decode reads over the workloads' requests: the mean prompt plus half
+    the mean output (the context half-way through a request's decode)."""
+    prompts = np.concatenate([w.prompt_tokens for w in workloads])
+    outputs = np.concatenate([w.output_tokens for w in workloads])
+    return float(prompts.mean() + outputs.mean() / 2)
+
+
 def back_to_back_workloads(parts: list[Workload], name: str) -> Workload:
     """``parts`` replayed one after another: each starts one mean gap after the previous ends.
 

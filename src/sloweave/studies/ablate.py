@@ -15,36 +15,29 @@ ctx-blind predicts with the same model asked at zero context.
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import click
 import numpy as np
 import pandas as pd
 
 from sloweave.core.admission import AdmissionControl
 from sloweave.core.costs.analytic import AnalyticCost
 from sloweave.core.costs.context_analytic import ContextAnalyticCost
-from sloweave.core.costs.resolve import ResolvedCost, analytic_description, context_models, cost_option
+from sloweave.core.costs.resolve import ResolvedCost, analytic_description, context_models
 from sloweave.sim.metrics import evaluate_run
 from sloweave.sim.tiers import assign_tiers, default_tiers, tier_report
 from sloweave.studies.markdown import markdown_table
 from sloweave.studies.pictures import pyplot
 from sloweave.core.policy import Aging, SLOWeave
 from sloweave.sim.engine import simulate
-from sloweave.sim.traces import ReplayOptions, load_trace, replay_workload, split_windows
+from sloweave.sim.trace_replay import ReplayOptions, replay_workload, split_windows
+from sloweave.sim.traces import load_trace
 from sloweave.sim.workloads import WORKLOADS, Workload
-from sloweave.core.validate import DURATION_S, REPEATS, SCALE
-from sloweave.studies.inputs import REQUESTS, once_each, parallel_options, runner_of
-from sloweave.studies.outputs import check_writable, command_settings, write_result_json
-from sloweave.studies.result_folders import result_folder, result_folder_options
+from sloweave.studies.outputs import write_result_json
+from sloweave.studies.reproduce import TPOT_TARGETS_MS
 from sloweave.studies.parallel import SERIAL, Runner, run_tasks
 
-TPOT_TARGETS_MS = (10.0, 25.0, 50.0)
-DEFAULT_SEEDS = 5
-DEFAULT_REQUESTS = 2000
-QUICK_REQUESTS = 400
 DEFAULT_TRACE = Path("../shared/traces/azure2023_conv.csv")
 # The trace's own rate (4-8 req/s) is far below what one simulated GPU serves (README,
 # capacity: about 43-50 req/s); x8 puts it near SLOWeave's capacity at 10 ms.
@@ -154,7 +147,7 @@ def synthetic_source(name: str, seeds: int, num_requests: int) -> Source:
     return Source(name, spec.ttft_ms, tuple(spec.generate(num_requests, seed) for seed in range(seeds)))
 
 
-def trace_source(path: Path, seeds: int, window_s: float, rate_scale: float) -> Source:
+def trace_windows_source(path: Path, seeds: int, window_s: float, rate_scale: float) -> Source:
     """Seeds are disjoint windows of the trace (as in the capacity study), time-scaled."""
     trace = load_trace(path)
     workloads = []
@@ -363,13 +356,6 @@ def write_ablation(
 ) -> dict:
     """Every output file; ``cost`` (None: analytic) is recorded in ablation.json and named in ablation.md."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    analytic = cost is None or cost.is_analytic
-    cost_text = (
-        "analytic cost unless a ctx row says otherwise"
-        if analytic
-        else f"cost {cost.label} (context-aware; see the module docstring for the ctx rows)"
-    )
-    cost_lines = [] if analytic else [f"- {line}" for line in cost.summary_lines()] + [""]
     meta = {**meta, "cost": analytic_description() if cost is None else cost.description}
     table = ablation_table(runs, configs)
     wide = wide_goodput(table)
@@ -381,6 +367,36 @@ def write_ablation(
     table.to_csv(out_dir / "ablation.csv", index=False)
     wide.to_csv(out_dir / "ablation_goodput.csv", index=False)
     tier_means.to_csv(out_dir / "tiers.csv", index=False)
+    (out_dir / "ablation.md").write_text(ablation_report(table, wide, tier_means, goal, configs, meta, cost))
+    summary = {
+        **meta,
+        "configs": [c.__dict__ | {"options": None} for c in configs],
+        "goal": goal,
+        "table": table.to_dict(orient="records"),
+        "tiers": tier_means.to_dict(orient="records"),
+    }
+    write_result_json(out_dir / "ablation.json", summary)
+    plot_ablation(table, out_dir / "ablation.png")
+    return {"table": table, "wide": wide, "goal": goal, "tiers": tier_means}
+
+
+def ablation_report(
+    table: pd.DataFrame,
+    wide: pd.DataFrame,
+    tier_means: pd.DataFrame,
+    goal: list[dict],
+    configs: tuple[Config, ...],
+    meta: dict,
+    cost: ResolvedCost | None,
+) -> str:
+    """ablation.md: what ran, goodput per configuration under both SLO readings, the goal, the tiers."""
+    analytic = cost is None or cost.is_analytic
+    cost_text = (
+        "analytic cost unless a ctx row says otherwise"
+        if analytic
+        else f"cost {cost.label} (context-aware; see the module docstring for the ctx rows)"
+    )
+    cost_lines = [] if analytic else [f"- {line}" for line in cost.summary_lines()] + [""]
     lines = [
         "# sloweave ablate",
         "",
@@ -413,134 +429,4 @@ def write_ablation(
         markdown_table(table.drop(columns=["what"])),
         "",
     ]
-    (out_dir / "ablation.md").write_text("\n".join(lines))
-    summary = {
-        **meta,
-        "configs": [c.__dict__ | {"options": None} for c in configs],
-        "goal": goal,
-        "table": table.to_dict(orient="records"),
-        "tiers": tier_means.to_dict(orient="records"),
-    }
-    write_result_json(out_dir / "ablation.json", summary)
-    plot_ablation(table, out_dir / "ablation.png")
-    return {"table": table, "wide": wide, "goal": goal, "tiers": tier_means}
-
-
-@click.command()
-@click.option(
-    "--out",
-    "out_dir",
-    type=click.Path(file_okay=False, path_type=Path),
-    default=Path("results/ablation"),
-    show_default=True,
-)
-@result_folder_options(resumable=True)
-@click.option(
-    "--seeds",
-    type=REPEATS.option(),
-    default=DEFAULT_SEEDS,
-    show_default=True,
-    help="seeds per workload (trace: disjoint windows)",
-)
-@click.option(
-    "--requests",
-    "num_requests",
-    type=REQUESTS,
-    default=None,
-    help=f"requests per synthetic seed [default: {DEFAULT_REQUESTS}, --quick: {QUICK_REQUESTS}]",
-)
-@click.option(
-    "--quick", is_flag=True, help=f"{QUICK_REQUESTS} requests per seed, {QUICK_TRACE_WINDOW_S:g} s trace windows"
-)
-@click.option(
-    "--workload",
-    "workloads",
-    multiple=True,
-    type=click.Choice(list(WORKLOADS)),
-    callback=once_each,
-    help="repeatable; default: all four",
-)
-@click.option(
-    "--config",
-    "config_names",
-    multiple=True,
-    type=click.Choice(list(CONFIG_NAMES)),
-    callback=once_each,
-    help="repeatable; default: all (greedy is always run)",
-)
-@click.option(
-    "--trace", "trace_path", type=click.Path(dir_okay=False, path_type=Path), default=DEFAULT_TRACE, show_default=True
-)
-@click.option("--no-trace", is_flag=True, help="skip the real trace")
-@click.option("--trace-rate-scale", type=SCALE.option(), default=TRACE_RATE_SCALE, show_default=True)
-@click.option(
-    "--trace-window-s",
-    type=DURATION_S.option(),
-    default=None,
-    help=f"[default: {TRACE_WINDOW_S:g}, --quick: {QUICK_TRACE_WINDOW_S:g}]",
-)
-@cost_option()
-@parallel_options()
-def ablate(
-    out_dir,
-    seeds,
-    num_requests,
-    quick,
-    workloads,
-    config_names,
-    trace_path,
-    no_trace,
-    trace_rate_scale,
-    trace_window_s,
-    cost: ResolvedCost,
-    jobs,
-    ray_address,
-    force,
-    resume,
-) -> None:
-    """Ablation of the options beyond the paper: CSV, Markdown, JSON and a plot under --out."""
-    from sloweave.sim.traces import TraceError
-
-    check_writable(out_dir, "--out")
-    if num_requests is None:
-        num_requests = QUICK_REQUESTS if quick else DEFAULT_REQUESTS
-    if trace_window_s is None:
-        trace_window_s = QUICK_TRACE_WINDOW_S if quick else TRACE_WINDOW_S
-    names = set(config_names) | {"greedy"} if config_names else set(CONFIG_NAMES)
-    # a configuration needs its reference to be compared with
-    for config in CONFIGS:
-        if config.name in names:
-            names.add(config.reference)
-    configs = tuple(c for c in CONFIGS if c.name in names)
-    started = time.perf_counter()
-    sources = [synthetic_source(name, seeds, num_requests) for name in (workloads or tuple(WORKLOADS))]
-    if not no_trace:
-        try:
-            sources.append(trace_source(trace_path, seeds, trace_window_s, trace_rate_scale))
-        except TraceError as err:
-            raise click.UsageError(f"{err} (pass --no-trace to run without the real trace)") from None
-    with result_folder(out_dir, force, resume, resumable=True) as folder:
-        runs, tiers = run_ablation(
-            sources, configs, TPOT_TARGETS_MS, cost=cost, runner=runner_of(jobs, ray_address), store=folder.store
-        )
-        meta = {
-            "command": "ablate",
-            "settings": command_settings(),
-            "seeds": seeds,
-            "num_requests": num_requests,
-            "trace": None
-            if no_trace
-            else f"{trace_path} x{trace_rate_scale:g}, {seeds} windows of {trace_window_s:g} s",
-            "tpot_targets_ms": list(TPOT_TARGETS_MS),
-            "elapsed_s": time.perf_counter() - started,
-        }
-        out = write_ablation(runs, tiers, configs, folder.path, meta, cost)
-    if not cost.is_analytic:
-        for line in cost.summary_lines():
-            click.echo(line)
-    click.echo(markdown_table(out["wide"]))
-    for row in out["goal"]:
-        click.echo(
-            f"goal {row['source']} {row['tpot_ms']:g} ms: best/greedy = {row['ratio']:.2f}x (need >= {row['needed']:.2f}x): {'met' if row['met'] else 'NOT met'}"
-        )
-    click.echo(f"wrote {out_dir}/ablation.csv, ablation.md, ablation.json, ablation.png ({meta['elapsed_s']:.0f} s)")
+    return "\n".join(lines)

@@ -11,13 +11,17 @@ from __future__ import annotations
 import json
 import math
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
+from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
 
-import click
 import numpy as np
 
 from sloweave.core.atomic import sibling_name, write_text_atomic
+from sloweave.core.validate import OptionError
 
 
 def package_version() -> str:
@@ -61,27 +65,25 @@ def check_writable(out: Path, label: str, is_file: bool = False) -> None:
     out = Path(out)
     if is_file:
         if out.is_dir():
-            raise click.BadParameter(f"{out} is a folder, not a file", param_hint=label)
+            raise OptionError(f"{out} is a folder, not a file", label)
         if out.exists() and not os.access(out, os.W_OK):
-            raise click.BadParameter(f"cannot write {out} (the file is not writable)", param_hint=label)
+            raise OptionError(f"cannot write {out} (the file is not writable)", label)
     elif out.exists() and not out.is_dir():
-        raise click.BadParameter(f"{out} is a file, not a folder", param_hint=label)
+        raise OptionError(f"{out} is a file, not a folder", label)
     probe = out.parent
     while not probe.exists() and probe.parent != probe:
         probe = probe.parent
     if probe.exists() and (not probe.is_dir() or not os.access(probe, os.W_OK | os.X_OK)):
-        raise click.BadParameter(
-            f"cannot write results under {out} ({probe} is not a writable folder)", param_hint=label
-        )
+        raise OptionError(f"cannot write results under {out} ({probe} is not a writable folder)", label)
     if probe.is_dir():
         trial = sibling_name(probe / "x", "write-check")
         try:
             trial.mkdir()
             trial.rmdir()
         except OSError as err:
-            raise click.BadParameter(
+            raise OptionError(
                 f"cannot write results under {out} ({probe} is not a writable folder: {err.strerror or err})",
-                param_hint=label,
+                label,
             ) from None
 
 
@@ -90,8 +92,37 @@ def check_writable(out: Path, label: str, is_file: bool = False) -> None:
 WRITING_OPTIONS = ("out_dir", "out_path", "force", "resume")
 
 
+@dataclass(frozen=True)
+class CommandRun:
+    """The command being run, as its command line gave it: what its result files record."""
+
+    name: str  # "replay"
+    path: str  # "sloweave replay"
+    params: dict  # every option and argument by parameter name, as given or defaulted
+    labels: dict[str, str]  # parameter name -> how the command line names it ("--trace", "TRACE")
+
+
+_RUNNING: ContextVar[CommandRun | None] = ContextVar("running_command", default=None)
+
+
+@contextmanager
+def running_command(run: CommandRun) -> Iterator[CommandRun]:
+    """``run`` is the running command while the block runs (the command line enters it)."""
+    token = _RUNNING.set(run)
+    try:
+        yield run
+    finally:
+        _RUNNING.reset(token)
+
+
+def current_command() -> CommandRun | None:
+    """The command being run, or None (called from Python, not from the command line)."""
+    return _RUNNING.get()
+
+
 def command_settings() -> dict:
-    """The running command's options as JSON-able settings (what a result file was made with)."""
+    """The running command's options as JSON-able settings (what a result file was made with);
+    empty when no command runs."""
 
     def plain(value):
         for attribute in ("spec", "describe"):  # a resolved cost model, engine options
@@ -100,6 +131,6 @@ def command_settings() -> dict:
                 return found() if callable(found) else found
         return str(value) if isinstance(value, Path) else value
 
-    # where the results are written is not what made them (two runs differing only there match byte for byte)
-    params = click.get_current_context().params  # in the order given on the command line: sort
+    run = current_command()
+    params = {} if run is None else run.params  # in the order given on the command line: sort
     return {k: plain(params[k]) for k in sorted(params) if k not in WRITING_OPTIONS}

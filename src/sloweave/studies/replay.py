@@ -8,23 +8,18 @@ from __future__ import annotations
 from collections import Counter
 from pathlib import Path
 
-import click
 import numpy as np
 import pandas as pd
 
 from sloweave.core.costs.analytic import AnalyticCost
 from sloweave.core.costs.protocols import CostModel
-from sloweave.core.costs.resolve import ResolvedCost, cost_option
 from sloweave.sim.metrics import RunMetrics, per_request_frame, run_duration_ms, slo_met, summarize
 from sloweave.core.policy import DEFAULT_MAX_CHUNK_TOKENS, Policy, make_policy
-from sloweave.sim.options import DEFAULT_OPTIONS, EngineOptions, engine_options
-from sloweave.core.validate import DURATION_MS, DURATION_S, MAX_TOKENS, RATE_RPS, SCALE, SEED, TIME_S, TOKENS, Range
-from sloweave.studies.inputs import max_model_len_option, model_len_or_default, once_each, parallel_options, runner_of
-from sloweave.studies.outputs import check_writable, command_settings, write_result_json
-from sloweave.studies.result_folders import result_folder, result_folder_options
+from sloweave.sim.options import DEFAULT_OPTIONS, EngineOptions
+from sloweave.studies.outputs import command_settings, write_result_json
 from sloweave.studies.parallel import SERIAL, Runner, run_tasks
 from sloweave.studies.pictures import pyplot
-from sloweave.sim.traces import FORMATS, ReplayOptions, ReplayReport, TraceError, load_trace, replay_workload
+from sloweave.sim.trace_replay import ReplayReport
 from sloweave.sim.workloads import Workload
 
 DEFAULT_REPLAY_POLICIES = ("sloweave", "full", "fixed-256", "fixed-1024", "fixed-2048")
@@ -138,27 +133,6 @@ def _replayed(context, workload_index: int, policy) -> tuple[pd.DataFrame, RunMe
     return frame, metrics
 
 
-def _options_from_cli(
-    start_s, end_s, duration_s, rate_scale, max_prompt_tokens, max_requests, arrivals, rate_rps, seed
-):
-    if end_s is not None and duration_s is not None:
-        raise click.UsageError("give --end-s or --duration-s, not both")
-    if duration_s is not None:
-        end_s = start_s + duration_s
-    if arrivals == "trace" and rate_rps is not None:
-        raise click.UsageError("--rate-rps only applies with --arrivals poisson")
-    return ReplayOptions(
-        start_s=start_s,
-        end_s=end_s,
-        rate_scale=rate_scale,
-        max_prompt_tokens=max_prompt_tokens,
-        max_requests=max_requests,
-        arrivals=arrivals,
-        poisson_rate_rps=rate_rps,
-        seed=seed,
-    )
-
-
 def describe_report(report: ReplayReport) -> str:
     lines = [f"trace {report.source} ({report.fmt}): {report.num_requests} of {report.num_requests_in_file} requests"]
     if report.arrivals_generated:
@@ -171,155 +145,6 @@ def describe_report(report: ReplayReport) -> str:
     if report.max_prompt_tokens is not None:
         lines.append(f"prompt cap {report.max_prompt_tokens} tokens: {report.num_prompts_capped} prompt(s) capped")
     return "\n".join(lines)
-
-
-@click.command()
-@click.argument(
-    "trace_paths", metavar="TRACE...", nargs=-1, required=True, type=click.Path(dir_okay=False, path_type=Path)
-)
-@click.option("--format", "fmt", type=click.Choice(FORMATS), default="auto", show_default=True)
-@click.option(
-    "--start-s",
-    type=TIME_S.option(),
-    default=0.0,
-    show_default=True,
-    help="window start, seconds after the first request",
-)
-@click.option(
-    "--end-s", type=DURATION_S.option(), default=None, help="window end (exclusive), seconds; default: end of the trace"
-)
-@click.option("--duration-s", type=DURATION_S.option(), default=None, help="window length instead of --end-s")
-@click.option(
-    "--rate-scale",
-    type=SCALE.option(),
-    default=1.0,
-    show_default=True,
-    help="time-scale factor: arrivals are divided by it (2 = twice as fast)",
-)
-@click.option(
-    "--max-prompt-tokens", type=TOKENS.option(), default=None, help="cap prompts at this length (the count is reported)"
-)
-@click.option(
-    "--max-requests",
-    type=Range(1, MAX_TOKENS, " of requests", whole=True).option(),
-    default=None,
-    help="keep the first N requests of the window",
-)
-@click.option(
-    "--arrivals",
-    type=click.Choice(["trace", "poisson"]),
-    default="trace",
-    show_default=True,
-    help="poisson: generate arrivals (needed for length-only files)",
-)
-@click.option(
-    "--rate-rps", type=RATE_RPS.option(), default=None, help="rate of generated Poisson arrivals (before --rate-scale)"
-)
-@click.option("--seed", type=SEED.option(), default=0, show_default=True, help="seed of generated arrivals")
-@click.option(
-    "--policy",
-    "policies",
-    multiple=True,
-    callback=once_each,
-    default=DEFAULT_REPLAY_POLICIES,
-    show_default=True,
-    help="repeat for several",
-)
-@click.option("--tpot-ms", type=DURATION_MS.option(), default=25.0, show_default=True)
-@click.option("--ttft-ms", type=DURATION_MS.option(), default=DEFAULT_TRACE_TTFT_MS, show_default=True)
-@click.option("--max-chunk", type=TOKENS.option(), default=DEFAULT_MAX_CHUNK_TOKENS, show_default=True)
-@max_model_len_option()
-@parallel_options()
-@engine_options()
-@cost_option()
-@click.option(
-    "--out",
-    "out_dir",
-    type=click.Path(file_okay=False, path_type=Path),
-    default=Path("results/replay"),
-    show_default=True,
-)
-@result_folder_options(resumable=True)
-def replay(
-    trace_paths,
-    fmt,
-    start_s,
-    end_s,
-    duration_s,
-    rate_scale,
-    max_prompt_tokens,
-    max_requests,
-    arrivals,
-    rate_rps,
-    seed,
-    max_model_len_tokens,
-    jobs,
-    ray_address,
-    policies,
-    tpot_ms,
-    ttft_ms,
-    max_chunk,
-    engine: EngineOptions,
-    cost: ResolvedCost,
-    out_dir,
-    force,
-    resume,
-) -> None:
-    """Replay request traces under each policy; write requests.csv, metrics.csv/json and CDF plots.
-
-    One trace writes under --out; several write one folder per trace (named by its file)
-    under --out, and all their runs are one batch of tasks (--jobs, --ray)."""
-    check_writable(out_dir, "--out")
-    stems = [path.stem for path in trace_paths]
-    repeated = sorted({stem for stem in stems if stems.count(stem) > 1})
-    if repeated:
-        raise click.BadParameter(
-            f"two traces would write the same folder {', '.join(repeated)}: give files of different names",
-            param_hint="TRACE",
-        )
-    try:
-        options = _options_from_cli(
-            start_s, end_s, duration_s, rate_scale, max_prompt_tokens, max_requests, arrivals, rate_rps, seed
-        )
-        replays = [
-            replay_workload(load_trace(path, fmt, model_len_or_default(max_model_len_tokens)), options)
-            for path in trace_paths
-        ]
-        for _, report in replays:
-            click.echo(describe_report(report), err=True)
-    except (TraceError, ValueError) as err:
-        raise click.UsageError(str(err)) from None
-    tables = []
-    with result_folder(out_dir, force, resume, resumable=True) as folder:
-        try:
-            results = replay_many(
-                [w for w, _ in replays],
-                list(policies),
-                tpot_ms,
-                ttft_ms,
-                cost.model,
-                max_chunk,
-                True,
-                engine,
-                seed,
-                runner_of(jobs, ray_address),
-                folder.store,
-            )
-        except (TraceError, ValueError) as err:
-            raise click.UsageError(str(err)) from None
-        for stem, (_, report), (requests, metrics) in zip(stems, replays, results):
-            where = folder.path if len(trace_paths) == 1 else folder.path / stem
-            tables.append(_write_replay(where, report, requests, metrics, tpot_ms, ttft_ms, max_chunk, engine, cost))
-    if not cost.is_analytic:
-        for line in cost.summary_lines():
-            click.echo(line)
-    for stem, (_, report), table in zip(stems, replays, tables):
-        where = out_dir if len(trace_paths) == 1 else out_dir / stem
-        if len(trace_paths) > 1:
-            click.echo(f"== {report.source}")
-        columns = ["policy", "attainment", "goodput_rps", "p99_ttft_ms", "p99_tpot_ms", "num_pending"]
-        click.echo(table[columns].to_string(index=False, float_format=lambda v: f"{v:.3f}"))
-        click.echo(f"wrote {where}/metrics.csv, replay.json, requests.csv, cdf_ttft.png, cdf_p99_tpot.png")
 
 
 def _write_replay(

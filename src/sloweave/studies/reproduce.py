@@ -8,25 +8,20 @@ the tables report the mean over seeds.
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import click
 import numpy as np
 import pandas as pd
 
 from sloweave.core.costs.analytic import AnalyticCost
 from sloweave.core.costs.protocols import CostModel
-from sloweave.core.costs.resolve import ResolvedCost, cost_option, describe_cost
+from sloweave.core.costs.resolve import ResolvedCost, describe_cost
 from sloweave.sim.metrics import RunMetrics, per_request_frame, run_duration_ms, summarize
 from sloweave.core.policy import DEFAULT_MAX_CHUNK_TOKENS, SLOWeave, make_policy
 from sloweave.sim.engine import SimResult, simulate
 from sloweave.sim.workloads import WORKLOADS, get_workload_spec
-from sloweave.core.validate import REPEATS
-from sloweave.studies.inputs import REQUESTS, once_each, parallel_options, runner_of
-from sloweave.studies.outputs import check_writable, write_result_json
-from sloweave.studies.result_folders import result_folder, result_folder_options
+from sloweave.studies.outputs import write_result_json
 from sloweave.studies.parallel import SERIAL, Runner, run_tasks
 from sloweave.studies.markdown import markdown_table
 from sloweave.studies.pictures import plot_step_timeline, pyplot
@@ -242,19 +237,33 @@ def write_study(
 ) -> dict[str, pd.DataFrame]:
     """Every output file; ``cost`` is what made the runs (None: the analytic model of ``config``)."""
     out_dir.mkdir(parents=True, exist_ok=True)
+    means = mean_over_seeds(runs)
+    t3, t4, t4x = table3(means), table4(means, PAPER_STATIC_POLICIES), table4(means, config.static_policies)
+    tables = {"runs": runs, "means": means, "table3": t3, "table4": t4, "table4_extended": t4x}
+    for name, table in tables.items():
+        table.to_csv(out_dir / f"{name}.csv", index=False)
+    with_paper = {
+        "table3": _with_paper_table3(t3),
+        "table4": _with_paper_table4(t4),
+        "table4_extended": _with_paper_table4(t4x),
+    }
+    for name, table in with_paper.items():
+        (out_dir / f"{name}.md").write_text(markdown_table(table) + "\n")
+    (out_dir / "report.md").write_text(study_report(config, elapsed_s, cost, with_paper))
+    write_result_json(out_dir / "summary.json", study_summary(config, elapsed_s, cost, t4, t4x))
+    plot_goodput_vs_tpot(means, out_dir / "goodput_vs_tpot.png")
+    sample = samples.get("mixed") or next(iter(samples.values()))
+    plot_chunk_timeline(sample, out_dir / "chunk_timeline.png")
+    return with_paper
+
+
+def study_report(
+    config: StudyConfig, elapsed_s: float, cost: ResolvedCost | None, with_paper: dict[str, pd.DataFrame]
+) -> str:
+    """report.md: what ran, then Tables 3 and 4 (the paper's values beside ours)."""
     analytic = cost is None or cost.is_analytic
     cost_text = "analytic cost model" if analytic else f"cost model {cost.label}"
     cost_lines = [] if analytic else [f"- {line}" for line in cost.summary_lines()] + [""]
-    means = mean_over_seeds(runs)
-    t3 = table3(means)
-    t4 = table4(means, PAPER_STATIC_POLICIES)
-    t4x = table4(means, config.static_policies)
-    runs.to_csv(out_dir / "runs.csv", index=False)
-    means.to_csv(out_dir / "means.csv", index=False)
-    t3.to_csv(out_dir / "table3.csv", index=False)
-    t4.to_csv(out_dir / "table4.csv", index=False)
-    t4x.to_csv(out_dir / "table4_extended.csv", index=False)
-    t3_paper, t4_paper, t4x_paper = _with_paper_table3(t3), _with_paper_table4(t4), _with_paper_table4(t4x)
     report = [
         "# sloweave reproduce",
         "",
@@ -264,44 +273,37 @@ def write_study(
         *cost_lines,
         f"## Table 3: TPOT {TABLE3_TPOT_MS:g} ms (paper's values beside ours where SPEC.md has them)",
         "",
-        markdown_table(t3_paper),
+        markdown_table(with_paper["table3"]),
         "",
         "## Table 4: SLOWeave goodput over the strongest static policy per cell (paper's static set)",
         "",
-        markdown_table(t4_paper),
+        markdown_table(with_paper["table4"]),
         "",
         "## Table 4 (extended): against every static policy we have",
         "",
-        markdown_table(t4x_paper),
+        markdown_table(with_paper["table4_extended"]),
         "",
     ]
-    for name, text in (
-        ("table3.md", markdown_table(t3_paper)),
-        ("table4.md", markdown_table(t4_paper)),
-        ("table4_extended.md", markdown_table(t4x_paper)),
-    ):
-        (out_dir / name).write_text(text + "\n")
-    (out_dir / "report.md").write_text("\n".join(report))
-    write_result_json(
-        out_dir / "summary.json",
-        {
-            "seeds": config.seeds,
-            "num_requests": config.num_requests,
-            "workloads": {
-                w: {"rate_rps": get_workload_spec(w).rate_rps, "ttft_ms": get_workload_spec(w).ttft_ms}
-                for w in config.workloads
-            },
-            "tpot_targets_ms": list(config.tpot_targets_ms),
-            "elapsed_s": elapsed_s,
-            "cost": cost.description if cost is not None else describe_cost(config.cost),
-            "table4": t4.to_dict(orient="records"),
-            "table4_extended": t4x.to_dict(orient="records"),
+    return "\n".join(report)
+
+
+def study_summary(
+    config: StudyConfig, elapsed_s: float, cost: ResolvedCost | None, t4: pd.DataFrame, t4x: pd.DataFrame
+) -> dict:
+    """summary.json: the settings, the cost model and Table 4 (paper's static set and extended)."""
+    return {
+        "seeds": config.seeds,
+        "num_requests": config.num_requests,
+        "workloads": {
+            w: {"rate_rps": get_workload_spec(w).rate_rps, "ttft_ms": get_workload_spec(w).ttft_ms}
+            for w in config.workloads
         },
-    )
-    plot_goodput_vs_tpot(means, out_dir / "goodput_vs_tpot.png")
-    sample = samples.get("mixed") or next(iter(samples.values()))
-    plot_chunk_timeline(sample, out_dir / "chunk_timeline.png")
-    return {"table3": t3_paper, "table4": t4_paper, "table4_extended": t4x_paper}
+        "tpot_targets_ms": list(config.tpot_targets_ms),
+        "elapsed_s": elapsed_s,
+        "cost": cost.description if cost is not None else describe_cost(config.cost),
+        "table4": t4.to_dict(orient="records"),
+        "table4_extended": t4x.to_dict(orient="records"),
+    }
 
 
 def write_single_run(
@@ -324,68 +326,3 @@ def write_single_run(
         {"iteration": result.prefill_iter, "request": result.prefill_request, "tokens": result.prefill_tokens}
     ).to_csv(out_dir / "prefills.csv", index=False)
     write_result_json(out_dir / "metrics.json", {**metrics.as_dict(), **(extra or {})})
-
-
-@click.command()
-@click.option(
-    "--out",
-    "out_dir",
-    type=click.Path(file_okay=False, path_type=Path),
-    default=Path("results/reproduce"),
-    show_default=True,
-)
-@result_folder_options(resumable=True)
-@click.option("--seeds", type=REPEATS.option(), default=DEFAULT_SEEDS, show_default=True)
-@click.option(
-    "--requests",
-    "num_requests",
-    type=REQUESTS,
-    default=None,
-    help=f"requests per workload and seed [default: {DEFAULT_REQUESTS}, --quick: {QUICK_REQUESTS}]",
-)
-@click.option("--quick", is_flag=True, help=f"{QUICK_REQUESTS} requests per run instead of {DEFAULT_REQUESTS}")
-@click.option(
-    "--workload",
-    "workloads",
-    multiple=True,
-    type=click.Choice(list(WORKLOADS)),
-    callback=once_each,
-    help="repeatable; default: all four",
-)
-@cost_option()
-@parallel_options()
-def reproduce(
-    out_dir: Path,
-    seeds: int,
-    num_requests: int | None,
-    quick: bool,
-    workloads: tuple[str, ...],
-    cost: ResolvedCost,
-    jobs,
-    ray_address,
-    force,
-    resume,
-) -> None:
-    """Reproduce the paper's study: Table 3 (25 ms) and Table 4 (10/25/50 ms), with plots."""
-    check_writable(out_dir, "--out")
-    if num_requests is None:
-        num_requests = QUICK_REQUESTS if quick else DEFAULT_REQUESTS
-    config = StudyConfig(
-        workloads=workloads or tuple(WORKLOADS), seeds=seeds, num_requests=num_requests, cost=cost.model
-    )
-    started = time.perf_counter()
-    with result_folder(out_dir, force, resume, resumable=True) as folder:
-        runs, samples = run_study(config, runner=runner_of(jobs, ray_address), store=folder.store)
-        elapsed = time.perf_counter() - started
-        tables = write_study(runs, samples, config, folder.path, elapsed, cost)
-    pd.set_option("display.width", 200)
-    pd.set_option("display.max_columns", 20)
-    if not cost.is_analytic:
-        for line in cost.summary_lines():
-            click.echo(line)
-    for name, frame in tables.items():
-        click.echo(f"\n== {name} ==")
-        click.echo(frame.to_string(index=False, float_format=lambda v: f"{v:.3f}"))
-    click.echo(
-        f"\nwrote {out_dir}/ (table3.csv, table4.csv, table4_extended.csv, report.md, runs.csv, plots) in {elapsed:.1f} s"
-    )

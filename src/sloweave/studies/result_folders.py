@@ -13,46 +13,36 @@ import hashlib
 import os
 import shutil
 import signal
+import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-import click
-
 from sloweave.core.atomic import sibling_name, write_text_atomic
-from sloweave.studies.outputs import WRITING_OPTIONS, check_writable, command_settings, package_version, strict_json
+from sloweave.core.validate import OptionError
+from sloweave.studies.outputs import (
+    WRITING_OPTIONS,
+    check_writable,
+    command_settings,
+    current_command,
+    package_version,
+    strict_json,
+)
 
 INCOMPLETE_NOTE = "INCOMPLETE"
 
 
-class Interrupted(click.ClickException):
-    """Ctrl-C (SIGINT) during a command: one line on stderr, exit status 130 (128 + SIGINT), no traceback."""
+class Interrupted(Exception):
+    """Ctrl-C (SIGINT) during a command; the command line prints its message as one line on
+    stderr and exits with this status (128 + SIGINT), without a traceback."""
 
     exit_code = 130
 
-    def show(self, file=None) -> None:
-        click.echo(self.format_message(), err=True)
 
-
-def result_folder_options(resumable: bool = False):
-    """``--force`` (and, for a study that runs independent tasks, ``--resume``) for a command that
-    writes a result folder with ``result_folder``."""
-
-    def decorate(command):
-        if resumable:
-            command = click.option(
-                "--resume",
-                is_flag=True,
-                help="go on with an interrupted run: reuse the finished tasks it kept in OUT.incomplete, compute the rest "
-                "(the results are an uninterrupted run's, byte for byte)",
-            )(command)
-        return click.option(
-            "--force", is_flag=True, help="replace --out if it holds an earlier result (once this run is complete)"
-        )(command)
-
-    return decorate
+class NotPublished(Exception):
+    """The results are complete but could not be moved into place (the message says where they are)."""
 
 
 @dataclass(frozen=True)
@@ -102,14 +92,8 @@ def result_folder(
     """
     out = Path(out)
     if force and resume:  # one would silently win over the other
-        raise click.BadParameter(
-            "--force starts over and --resume goes on with an interrupted run: give one", param_hint=label
-        )
-    check_writable(out, label)
-    try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-    except OSError as err:
-        raise click.BadParameter(f"cannot make {out.parent} ({err.strerror or err})", param_hint=label) from None
+        raise OptionError("--force starts over and --resume goes on with an interrupted run: give one", label)
+    _make_parent(out, label)
     lock = _FolderLock.take(out, label)
     try:
         _refuse_existing(out, force, label, inputs)
@@ -120,22 +104,34 @@ def result_folder(
         try:
             yield ResultFolder(out, staged, store)
         except BaseException as err:
-            kept = _abandon(staged, store, incomplete, err)
-            where = (
-                f"; {kept} finished task(s) kept in {incomplete}: run the same command with --resume to go on"
-                if kept
-                else ""
-            )
-            if isinstance(err, KeyboardInterrupt):
-                raise Interrupted(f"interrupted: nothing written to {out}{where}") from None
-            if kept:
-                click.echo(f"nothing written to {out}{where}", err=True)
+            _tell_what_was_kept(out, incomplete, _abandon(staged, store, incomplete, err), err)
             raise
         _publish(staged, out)
         if store is not None:
             shutil.rmtree(incomplete, ignore_errors=True)
     finally:
         lock.release()
+
+
+def _make_parent(out: Path, label: str) -> None:
+    """Check ``out`` can be written and make the folder it goes in."""
+    check_writable(out, label)
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise OptionError(f"cannot make {out.parent} ({err.strerror or err})", label) from None
+
+
+def _tell_what_was_kept(out: Path, incomplete: Path, kept: int, err: BaseException) -> None:
+    """After a run stopped by ``err``: Ctrl-C becomes ``Interrupted``; an error is told where
+    the ``kept`` finished tasks are, if any (the caller re-raises it)."""
+    where = (
+        f"; {kept} finished task(s) kept in {incomplete}: run the same command with --resume to go on" if kept else ""
+    )
+    if isinstance(err, KeyboardInterrupt):
+        raise Interrupted(f"interrupted: nothing written to {out}{where}") from None
+    if kept:
+        print(f"nothing written to {out}{where}", file=sys.stderr, flush=True)
 
 
 class _FolderLock:
@@ -157,17 +153,15 @@ class _FolderLock:
             try:
                 fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
             except OSError as err:
-                raise click.BadParameter(
-                    f"cannot lock {out} ({path}: {err.strerror or err})", param_hint=label
-                ) from None
+                raise OptionError(f"cannot lock {out} ({path}: {err.strerror or err})", label) from None
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
                 holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
                 os.close(fd)
-                raise click.BadParameter(
+                raise OptionError(
                     f"another run is writing {out} (pid {holder}, lock {path}); wait for it to end or choose another folder",
-                    param_hint=label,
+                    label,
                 ) from None
             try:
                 same = os.fstat(fd).st_ino == os.stat(path).st_ino
@@ -190,35 +184,30 @@ def _refuse_existing(out: Path, force: bool, label: str, inputs: dict[str, Path]
     if not out.is_dir() or not any(out.iterdir()):
         return
     if not force:
-        raise click.BadParameter(
+        raise OptionError(
             f"{out} exists and is not empty (an earlier result?); --force replaces it once this run is complete",
-            param_hint=label,
+            label,
         )
     # --force deletes the old folder: never one that holds what the run reads or where it runs
     target = out.resolve()
     if target == Path.home().resolve() or target == Path(target.anchor):
-        raise click.BadParameter(
-            f"{out} is not a result folder --force may replace; name a new folder", param_hint=label
-        )
+        raise OptionError(f"{out} is not a result folder --force may replace; name a new folder", label)
     guarded = {"the working directory": Path.cwd(), **(_path_inputs(label) if inputs is None else inputs)}
     for what, path in guarded.items():
         if Path(path).resolve().is_relative_to(target):
-            raise click.BadParameter(
-                f"{out} holds {what} ({path}), which --force would delete; name a new folder", param_hint=label
-            )
+            raise OptionError(f"{out} holds {what} ({path}), which --force would delete; name a new folder", label)
 
 
 def _path_inputs(label: str) -> dict[str, Path]:
     """The running command's path options and arguments (what ``--force`` must never delete)."""
-    ctx = click.get_current_context(silent=True)
+    run = current_command()
     found: dict[str, Path] = {}
-    if ctx is None:
+    if run is None:
         return found
-    for param in ctx.command.params:
-        name = param.opts[0] if isinstance(param, click.Option) else param.human_readable_name.rstrip(".")
+    for key, name in run.labels.items():
         if name == label:
             continue
-        value = ctx.params.get(param.name)
+        value = run.params.get(key)
         for i, item in enumerate(value if isinstance(value, (tuple, list)) else (value,)):
             spec = getattr(item, "spec", None)  # a resolved --cost that names a file or folder
             path = (
@@ -269,7 +258,7 @@ def _publish(staged: Path, out: Path) -> None:
     except OSError as err:
         if old is not None:
             old.rename(out)
-        raise click.ClickException(
+        raise NotPublished(
             f"cannot move the results into {out} ({err.strerror or err}); they are in {staged}"
         ) from None
     if old is not None:
@@ -319,9 +308,9 @@ def _open_store(out: Path, incomplete: Path, force: bool, resume: bool, label: s
     if found and not resume:
         if not force:
             kept = len(list(tasks.glob("*.pickle"))) if tasks.is_dir() else 0
-            raise click.BadParameter(
+            raise OptionError(
                 f"{incomplete} holds an interrupted run ({kept} finished task(s)): --resume goes on with it, --force starts over",
-                param_hint=label,
+                label,
             )
         shutil.rmtree(incomplete)
     tasks.mkdir(parents=True, exist_ok=True)
@@ -335,7 +324,7 @@ def _open_store(out: Path, incomplete: Path, force: bool, resume: bool, label: s
         )
         if dropped:
             note += f"; {dropped} made with other settings or inputs were deleted"
-        click.echo(note, err=True)
+        print(note, file=sys.stderr, flush=True)
     _write_note(
         incomplete,
         f"in progress (pid {os.getpid()}, started {time.strftime('%Y-%m-%d %H:%M:%S')}); "
@@ -346,8 +335,8 @@ def _open_store(out: Path, incomplete: Path, force: bool, resume: bool, label: s
 
 
 def _write_note(incomplete: Path, state: str, store) -> None:
-    ctx = click.get_current_context(silent=True)
-    command = ctx.command_path if ctx is not None else "the command"
+    run = current_command()
+    command = run.path if run is not None else "the command"
     write_text_atomic(
         incomplete / INCOMPLETE_NOTE,
         f"This is not a result: it holds the finished tasks of a `{command}` run that has not completed.\n"
@@ -363,16 +352,19 @@ def command_fingerprint(ignore: tuple[str, ...] = ("jobs", "ray_address")) -> st
     """What a study's results depend on: the package version, the command and its settings
     (without ``ignore``: where the tasks run changes nothing), and the contents of the files
     its path options name (a trace rewritten in place is another input)."""
-    ctx = click.get_current_context()
+    run = current_command()
+    params = {} if run is None else run.params
     digest = hashlib.sha256()
     settings = {k: v for k, v in command_settings().items() if k not in ignore}
     digest.update(
-        strict_json({"version": package_version(), "command": ctx.command.name, "settings": settings}).encode()
+        strict_json(
+            {"version": package_version(), "command": None if run is None else run.name, "settings": settings}
+        ).encode()
     )
-    for key in sorted(ctx.params):
+    for key in sorted(params):
         if key in WRITING_OPTIONS or key in ignore:
             continue
-        value = ctx.params[key]
+        value = params[key]
         for item in value if isinstance(value, (tuple, list)) else (value,):
             spec = getattr(item, "spec", None)  # a resolved --cost names its file or folder
             path = item if isinstance(item, Path) else Path(spec) if isinstance(spec, str) else None

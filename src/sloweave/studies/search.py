@@ -18,7 +18,7 @@ uncertainty (SPEC.md: aggregate per request first, then average over seeds).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, replace
 
 import numpy as np
 import pandas as pd
@@ -86,21 +86,6 @@ class SearchLattice:
 
 
 DEFAULT_LATTICE = SearchLattice()
-_RUNNER_FIELDS = ("jobs", "ray")
-
-
-def with_changes(lattice: SearchLattice, runner: Runner, changes: dict, caller: str) -> tuple[SearchLattice, Runner]:
-    """``lattice`` and ``runner`` with the fields given one by one (``steps_per_doubling=8``,
-    ``jobs=2``: the keywords ``CapacityStudy`` and ``tune`` took before the objects)."""
-    lattice_fields = {f.name for f in fields(SearchLattice)}
-    unknown = sorted(set(changes) - lattice_fields - set(_RUNNER_FIELDS))
-    if unknown:
-        raise TypeError(f"{caller}() got an unexpected keyword argument {unknown[0]!r}")
-    lattice_changes = {k: v for k, v in changes.items() if k in lattice_fields}
-    runner_changes = {k: v for k, v in changes.items() if k in _RUNNER_FIELDS}
-    return (replace(lattice, **lattice_changes) if lattice_changes else lattice), (
-        replace(runner, **runner_changes) if runner_changes else runner
-    )
 
 
 @dataclass(frozen=True)
@@ -236,10 +221,7 @@ class CapacityStudy:
         runner: Runner = SERIAL,
         progress: bool = False,
         store=None,
-        **changes,
     ) -> None:
-        # ``changes``: a field of the lattice or the runner given on its own (``steps_per_doubling=8``, ``jobs=2``)
-        lattice, runner = with_changes(lattice, runner, changes, "CapacityStudy")
         if not (math.isfinite(ttft_ms) and ttft_ms > 0) or not all(math.isfinite(t) and t > 0 for t in tpot_targets_ms):
             raise ValueError("SLO targets must be finite numbers of milliseconds > 0")
         if not policies or not tpot_targets_ms:

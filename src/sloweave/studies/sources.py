@@ -20,7 +20,8 @@ from typing import Protocol
 
 import numpy as np
 
-from sloweave.sim.traces import ReplayOptions, Trace, replay_workload, split_windows
+from sloweave.sim.trace_replay import ReplayOptions, replay_workload, split_windows
+from sloweave.sim.traces import Trace
 from sloweave.sim.workloads import Workload, WorkloadError, WorkloadSpec, back_to_back_workloads
 
 DEFAULT_WINDOW_S = 300.0

@@ -14,6 +14,7 @@ Runs on a GPU with vLLM's CUDA release and on a CPU with the CPU build (``vllm-c
 
 from __future__ import annotations
 
+import itertools
 import os
 import time
 from dataclasses import dataclass
@@ -96,7 +97,9 @@ def generate(
 
 
 @dataclass
-class MeasuredRun:
+class ReplayedRun:
+    """A workload replayed in real time on a vLLM engine, as ``run_workload`` measured it."""
+
     requests: pd.DataFrame  # per request, the same columns as sloweave.sim.metrics.per_request_frame
     steps: pd.DataFrame  # per engine step: start_ms, end_ms, requests_out
     wall_s: float
@@ -104,7 +107,7 @@ class MeasuredRun:
 
 def run_workload(
     engine, workload: Workload, vocab_size: int, seed: int = 0, tpot_ms: float | None = None, timeout_s: float = 300.0
-) -> MeasuredRun:
+) -> ReplayedRun:
     """Replay ``workload`` in real time: add each request at its arrival, step until done.
 
     Token times are taken when ``step()`` returns new tokens for a request (what a
@@ -153,9 +156,52 @@ def run_workload(
             token_ms[i].extend([end] * len(out.outputs[0].token_ids))
             finished[i] |= out.finished
     requests = frame_from_token_times(arrival_ms, workload.prompt_tokens, workload.output_tokens, token_ms)
-    return MeasuredRun(
+    return ReplayedRun(
         requests, pd.DataFrame(steps, columns=["start_ms", "end_ms", "requests_out"]), time.perf_counter() - t0
     )
+
+
+class _StepTimer:
+    """Times one engine step at a time, each of a chosen shape: ``n`` requests decoding at a
+    chosen context plus a fresh prompt of ``c`` tokens. Prompts are seeded random token ids."""
+
+    def __init__(self, engine, vocab_size: int, seed: int) -> None:
+        self.engine = engine
+        self.vocab_size = vocab_size
+        self.rng = np.random.default_rng(seed)
+        self._request_ids = itertools.count()
+
+    def add_prompt(self, prompt_tokens: int, max_tokens: int, tag: str) -> str:
+        from vllm.inputs import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind, SamplingParams
+
+        request_id = f"{tag}{next(self._request_ids)}"
+        params = SamplingParams(
+            max_tokens=max_tokens, ignore_eos=True, output_kind=RequestOutputKind.DELTA, detokenize=False
+        )
+        prompt = self.rng.integers(10, self.vocab_size - 10, prompt_tokens).tolist()
+        self.engine.add_request(request_id, TokensPrompt(prompt_token_ids=prompt), params)
+        return request_id
+
+    def start_decodes(self, n_decodes: int, context_tokens: int, tag: str) -> None:
+        """Add ``n_decodes`` requests and step until each has its first token: their prompts run
+        first, and max_tokens=3 leaves them decoding in the step that follows."""
+        background = {self.add_prompt(context_tokens, 3, tag) for _ in range(n_decodes)}
+        started: set[str] = set()
+        while started != background:
+            started |= {o.request_id for o in self.engine.step() if o.outputs and o.outputs[0].token_ids}
+
+    def step_ms(self, n_decodes: int, chunk_tokens: int, context_tokens: int, tag: str) -> float:
+        """The wall time of one step of that shape; the engine is drained after it."""
+        self.start_decodes(n_decodes, context_tokens, tag)
+        if chunk_tokens:
+            self.add_prompt(chunk_tokens, 1, tag)
+        start = time.perf_counter()
+        self.engine.step()
+        elapsed_ms = (time.perf_counter() - start) * 1000.0
+        while self.engine.has_unfinished_requests():  # drain before the next point
+            self.engine.step()
+        return elapsed_ms
 
 
 def profile_steps(
@@ -173,52 +219,21 @@ def profile_steps(
     For each grid point: start ``n`` requests with ``context``-token prompts and let them
     reach decode, then add one prompt of ``c`` tokens; with ``max_num_batched_tokens``
     large enough the next step holds exactly n decodes and the c-token chunk. Writes the
-    profile format of ``sloweave.core.costs.fitted`` (``n_decodes, chunk_tokens, decode_kv_tokens,
+    profile format of ``sloweave.core.costs.step_profiles`` (``n_decodes, chunk_tokens, decode_kv_tokens,
     prefill_prefix_tokens, step_ms``). First, ``warmup_steps`` untimed steps of the grid's largest
     point (requests ``w*``): an engine's first steps run slow (allocations, kernel caches), and a
     profile that starts cold is not monotone where the fit checks it.
     """
-    from vllm.inputs import TokensPrompt
-    from vllm.sampling_params import RequestOutputKind, SamplingParams
-
-    rng = np.random.default_rng(seed)
-    ids = iter(range(10**9))
-
-    def add(tokens: int, max_tokens: int, tag: str) -> str:
-        request_id = f"{tag}{next(ids)}"
-        params = SamplingParams(
-            max_tokens=max_tokens, ignore_eos=True, output_kind=RequestOutputKind.DELTA, detokenize=False
-        )
-        engine.add_request(
-            request_id, TokensPrompt(prompt_token_ids=rng.integers(10, vocab_size - 10, tokens).tolist()), params
-        )
-        return request_id
-
-    def step_ms(n: int, c: int, context: int, tag: str) -> float:
-        # n requests decode in the measured step: their prompts first, then their first token;
-        # max_tokens=3 leaves them decoding in the measured step.
-        background = {add(context, 3, tag) for _ in range(n)}
-        started: set[str] = set()
-        while started != background:
-            started |= {o.request_id for o in engine.step() if o.outputs and o.outputs[0].token_ids}
-        if c:
-            add(c, 1, tag)
-        start = time.perf_counter()
-        engine.step()
-        elapsed_ms = (time.perf_counter() - start) * 1000.0
-        while engine.has_unfinished_requests():  # drain before the next point
-            engine.step()
-        return elapsed_ms
-
+    timer = _StepTimer(engine, vocab_size, seed)
     for _ in range(warmup_steps):
-        step_ms(max(decode_counts), max(chunk_sizes), max(contexts), "w")
+        timer.step_ms(max(decode_counts), max(chunk_sizes), max(contexts), "w")
     rows = [
         {
             "n_decodes": n,
             "chunk_tokens": c,
             "decode_kv_tokens": n * (context + 2),
             "prefill_prefix_tokens": 0,
-            "step_ms": step_ms(n, c, context, "p"),
+            "step_ms": timer.step_ms(n, c, context, "p"),
             "context_tokens": context,
             "repeat": repeat,
         }

@@ -35,6 +35,62 @@ def tiny_model_dir() -> Path:
     return Path(str(resources.files("sloweave.vllm_plugin").joinpath("models/tiny-llama")))
 
 
+def offline_vllm_config(
+    *,
+    async_scheduling: bool,
+    max_num_batched_tokens: int,
+    max_num_seqs: int,
+    max_model_len: int,
+    additional_config: dict | None,
+    model_dir: Path | None,
+    prefix_caching: bool,
+    data_parallel: tuple[int, int],
+    kv_transfer_config,
+) -> VllmConfig:
+    """vLLM's configuration of an engine on CPU with chunked prefill, for the tiny model (or ``model_dir``)."""
+    model_config = ModelConfig(
+        model=str(model_dir or tiny_model_dir()),
+        skip_tokenizer_init=True,
+        dtype="float32",
+        seed=0,
+        max_model_len=max_model_len,
+    )
+    scheduler_config = SchedulerConfig(
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens,
+        max_model_len=max_model_len,
+        enable_chunked_prefill=True,
+        long_prefill_token_threshold=0,
+        async_scheduling=async_scheduling,
+        is_encoder_decoder=False,
+    )
+    cache_config = CacheConfig(
+        block_size=BLOCK_SIZE, gpu_memory_utilization=0.9, cache_dtype="auto", enable_prefix_caching=prefix_caching
+    )
+    return VllmConfig(
+        scheduler_config=scheduler_config,
+        model_config=model_config,
+        cache_config=cache_config,
+        device_config=DeviceConfig(device="cpu"),
+        parallel_config=ParallelConfig(data_parallel_rank=data_parallel[0], data_parallel_size=data_parallel[1]),
+        additional_config=additional_config or {},
+        kv_transfer_config=kv_transfer_config,
+    )
+
+
+def offline_kv_cache(num_blocks: int) -> KVCacheConfig:
+    """A KV cache layout of ``num_blocks`` blocks and no tensors: the scheduler only counts blocks."""
+    return KVCacheConfig(
+        num_blocks=num_blocks,
+        kv_cache_tensors=[],
+        kv_cache_groups=[
+            KVCacheGroupSpec(
+                ["layer"], FullAttentionSpec(block_size=BLOCK_SIZE, num_kv_heads=1, head_size=1, dtype=torch.float32)
+            )
+        ],
+    )
+
+
 def build_scheduler(
     scheduler_cls: type,
     max_num_batched_tokens: int = 4096,
@@ -56,46 +112,20 @@ def build_scheduler(
     cached blocks would hide the prefill work the tests count. With it on (vLLM's
     default), requests need ``block_hasher()`` (vLLM 0.32 fails on requests without one).
     """
-    async_scheduling = issubclass(scheduler_cls, AsyncScheduler)
-    model_config = ModelConfig(
-        model=str(model_dir or tiny_model_dir()),
-        skip_tokenizer_init=True,
-        dtype="float32",
-        seed=0,
-        max_model_len=max_model_len,
-    )
-    scheduler_config = SchedulerConfig(
-        max_num_seqs=max_num_seqs,
+    vllm_config = offline_vllm_config(
+        async_scheduling=issubclass(scheduler_cls, AsyncScheduler),
         max_num_batched_tokens=max_num_batched_tokens,
+        max_num_seqs=max_num_seqs,
         max_model_len=max_model_len,
-        enable_chunked_prefill=True,
-        long_prefill_token_threshold=0,
-        async_scheduling=async_scheduling,
-        is_encoder_decoder=False,
-    )
-    cache_config = CacheConfig(
-        block_size=BLOCK_SIZE, gpu_memory_utilization=0.9, cache_dtype="auto", enable_prefix_caching=prefix_caching
-    )
-    vllm_config = VllmConfig(
-        scheduler_config=scheduler_config,
-        model_config=model_config,
-        cache_config=cache_config,
-        device_config=DeviceConfig(device="cpu"),
-        parallel_config=ParallelConfig(data_parallel_rank=data_parallel[0], data_parallel_size=data_parallel[1]),
-        additional_config=additional_config or {},
+        additional_config=additional_config,
+        model_dir=model_dir,
+        prefix_caching=prefix_caching,
+        data_parallel=data_parallel,
         kv_transfer_config=kv_transfer_config,
     )
     register_all_kvcache_specs(vllm_config)
-    kv_cache_config = KVCacheConfig(
-        num_blocks=num_blocks,
-        kv_cache_tensors=[],
-        kv_cache_groups=[
-            KVCacheGroupSpec(
-                ["layer"], FullAttentionSpec(block_size=BLOCK_SIZE, num_kv_heads=1, head_size=1, dtype=torch.float32)
-            )
-        ],
-    )
-    cache_config.num_gpu_blocks = num_blocks
+    kv_cache_config = offline_kv_cache(num_blocks)
+    vllm_config.cache_config.num_gpu_blocks = num_blocks
     return scheduler_cls(
         vllm_config=vllm_config,
         kv_cache_config=kv_cache_config,
@@ -149,7 +179,7 @@ class ManualClock:
 
 
 @dataclass
-class StepRecord:
+class OfflineStep:
     start_ms: float
     end_ms: float
     num_scheduled_tokens: dict[str, int]
@@ -162,7 +192,7 @@ class StepRecord:
 class _InFlight:
     output: object
     runner_output: ModelRunnerOutput
-    record: StepRecord
+    record: OfflineStep
 
 
 @dataclass
@@ -183,7 +213,7 @@ class OfflineEngine:
     overlap: bool = False
     in_flight: int = 1
     deepest_queue: int = 0  # the most steps that were waiting for their output at once
-    steps: list[StepRecord] = field(default_factory=list)
+    steps: list[OfflineStep] = field(default_factory=list)
     token_times_ms: dict[str, list[float]] = field(default_factory=dict)
     finished: set[str] = field(default_factory=set)
     _in_flight: list[_InFlight] = field(default_factory=list)
@@ -217,7 +247,7 @@ class OfflineEngine:
             req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)}, sampled_token_ids=sampled
         )
         plan = getattr(scheduler, "last_plan", None)
-        record = StepRecord(
+        record = OfflineStep(
             start,
             end,
             dict(output.num_scheduled_tokens),
@@ -240,7 +270,7 @@ class OfflineEngine:
                 if out.finish_reason is not None:
                     self.finished.add(out.request_id)
 
-    def step(self) -> StepRecord | None:
+    def step(self) -> OfflineStep | None:
         """Schedule one step; returns its record (None when nothing could be scheduled)."""
         scheduled = self._schedule()
         if scheduled is not None:

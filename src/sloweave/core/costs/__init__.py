@@ -7,48 +7,15 @@
 | ``context_analytic`` | ``ContextAnalyticCost``: the analytic cost plus what the KV context adds |
 | ``margins`` | ``ZeroMargin``, ``ConstantMargin``, ``RelativeMargin`` |
 | ``noisy`` | ``NoisyCost``: the simulator's actual time (prediction x seeded noise x bias) |
-| ``fitted`` | step-time profiles and the costs fitted from them (``ContextualCost``, regression, lookup table, ``FixedContextCost``, ``ResidualMargin``) |
+| ``step_profiles`` | step-time profiles: their format, ``read_profile``, ``write_profile``, ``validate_profile``, ``ProfileError`` |
+| ``step_grid`` | a profile's steps on their (n, c, context) grid and the check that step time does not drop along it |
+| ``fitted`` | the costs fitted from step-time profiles (``ContextualCost``, regression, lookup table, ``FixedContextCost``, ``ResidualMargin``) |
+| ``fit_acceptance`` | ``accept_fit``: the rule every fitted kind meets before it is used |
+| ``profile_fit`` | ``fit_profile``: a profile fitted into those costs, each through ``accept_fit`` |
 | ``operator_profiles`` | Vidur-format operator profiles (the shipped presets, a folder) |
 | ``profile`` | ``ProfileCost``: T(n, c) from operator profiles |
 | ``calibrated`` | online correction: ``OnlineCalibrator``, ``CalibratedCost``, ``AdaptiveMargin``, ``self_correcting`` |
-| ``resolve`` | a ``--cost`` spec resolved into a model (``resolve_cost``, ``ResolvedCost``, ``cost_option``) |
+| ``resolve`` | a ``--cost`` spec resolved into a model (``resolve_cost``, ``ResolvedCost``) |
 
-Before this package, ``sloweave.core.costs`` was the module now in ``resolve``: its names are
-still found here, with a DeprecationWarning (the other old modules, ``sloweave.core.cost``,
-``sloweave.core.fit`` and the like, are aliases kept by ``sloweave._moved``). Nothing is
-imported until it is asked for, so ``sloweave.core.costs.protocols`` stays light.
+The package itself imports none of them, so ``sloweave.core.costs.protocols`` stays light.
 """
-
-from __future__ import annotations
-
-import importlib
-import warnings
-
-_SUBMODULES = {
-    "analytic",
-    "calibrated",
-    "context_analytic",
-    "fitted",
-    "margins",
-    "noisy",
-    "operator_profiles",
-    "profile",
-    "protocols",
-    "resolve",
-}
-
-
-def __getattr__(name: str):
-    # the old module sloweave.core.costs's names (now sloweave.core.costs.resolve's)
-    if name.startswith("_") or name in _SUBMODULES:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    resolve = importlib.import_module(f"{__name__}.resolve")
-    if not hasattr(resolve, name):
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    warnings.warn(
-        f"sloweave.core.costs.{name} has moved to sloweave.core.costs.resolve; import it from there (the old path will be removed)",
-        DeprecationWarning,
-        stacklevel=2,
-    )
-    value = globals()[name] = getattr(resolve, name)  # warned once (``from ... import`` asks twice)
-    return value

@@ -29,7 +29,7 @@ import pandas as pd
 
 from sloweave.core.csv_shape import check_csv_shape, located
 from sloweave.core.cells import numbers, show
-from sloweave.core.costs.fitted import ProfileError
+from sloweave.core.costs.step_profiles import ProfileError
 from sloweave.core.validate import MARGIN_MS, MAX_TOKENS, REPEATS, Range, RepeatedKeyError, one_value_per_key
 
 # Per-layer token-parallel operators that make up a decoder layer besides attention (Vidur's set:

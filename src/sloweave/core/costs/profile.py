@@ -24,12 +24,13 @@ from __future__ import annotations
 import warnings
 from collections import Counter
 from contextlib import contextmanager
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
 from sloweave.core.costs.protocols import check_monotone_in_chunk
-from sloweave.core.costs.fitted import ContextualCost, ProfileError, nnls
+from sloweave.core.costs.fitted import ContextualCost, nnls
+from sloweave.core.costs.step_profiles import ProfileError
 from sloweave.core.costs.operator_profiles import PRESETS, OperatorProfiles, load_profiles
 
 # Vidur's modelling constant for each all-reduce's launch (not measured).
@@ -262,6 +263,48 @@ class ProfileCost(ContextualCost):
         if self.cpu_overhead:
             return self.layers * per_layer + self._cpu_ms(n_decodes + pieces)
         return self.layers * per_layer
+
+    def chunk_pricer(self, n_decodes: int) -> Callable[[int, int], float]:
+        """T(n_decodes, c) as a function of (n, c), for the context and offer set now: the same
+        floats as ``self(n, c)``, faster for a chunk search, which asks one n about 16 chunks.
+
+        The decode term, both CPU terms and the prefix's prefill rows are looked up once here;
+        any query outside the profiled range (counted, warned), spread over several prompts,
+        or for another n is answered by ``self`` itself. The decode term is looked up (and, past
+        the profile, counted) here as the search's first query, decode-only, would.
+        """
+        n = n_decodes
+        if n <= 0 or n >= self.tokens_max or not self.cpu_overhead or self.prefill_prefix_tokens > self.prefix_max:
+            return self
+        decode_ms = self._decode(n, self.decode_kv_tokens)
+        layers, tokens = self.layers, self._tokens
+        decode_only_ms = layers * (tokens[n] + decode_ms) + self._cpu_ms(n)
+        one_piece_cpu_ms = self._cpu_ms(n + 1)
+        row_a, row_b, row_w = self._prefill_rows[self._row_a], self._prefill_rows[self._row_b], self._row_w
+        # past it a query is priced by ``self``: counted past the profile, or spread over the offer
+        chunk_limit = min(
+            self.chunk_max, self._prefill_row_end[self._row_b if row_w else self._row_a], self.tokens_max - n
+        )
+        offer = self._offer
+        if offer and len(offer) > 1:
+            chunk_limit = min(chunk_limit, offer[0][0])
+        general, step = self, CHUNK_STEP
+
+        def price(n_decodes: int, chunk_tokens: int) -> float:
+            if n_decodes != n or chunk_tokens > chunk_limit:
+                return general(n_decodes, chunk_tokens)
+            if not chunk_tokens:
+                return decode_only_ms
+            k, rest = chunk_tokens // step, chunk_tokens % step
+            at_a = row_a[k]
+            if rest:
+                at_a += rest / step * (row_a[k + 1] - at_a)
+            if row_w:
+                at_b = row_b[k] if not rest else row_b[k] + rest / step * (row_b[k + 1] - row_b[k])
+                at_a += row_w * (at_b - at_a)
+            return layers * (tokens[n + chunk_tokens] + decode_ms + at_a) + one_piece_cpu_ms
+
+        return price
 
     def _spread(self, chunk_tokens: int, offer: list[tuple[int, int]]) -> tuple[float, int]:
         """Attention of a chunk spread FCFS over the prompts on offer, and how many it touches."""

@@ -103,6 +103,15 @@ class Wrapper(Protocol):
 
 
 @runtime_checkable
+class PricesChunks(Protocol):
+    """A cost that prices one decode batch's chunks faster than T(n, c) itself (``ProfileCost``):
+    ``chunk_pricer(n)`` is a function of (n, c) giving the same floats as the cost, meant for a
+    search that asks that n only."""
+
+    def chunk_pricer(self, n_decodes: int) -> CostModel: ...
+
+
+@runtime_checkable
 class Described(Protocol):
     """A cost that says what a result file records about it (``ProfileCost.describe``)."""
 

@@ -14,8 +14,7 @@ prompt plus half its output) it is wrapped in ``FixedContextCost`` instead, as t
 ``ResolvedCost.description`` is read when a result is written, so a profile cost's counts of
 out-of-range (extrapolated) queries cover every simulation that used it; ``summary_lines()`` is
 what a command prints beside its tables (for the 8B preset: that its attention is derived, not
-measured). ``cost_option()`` is the one ``--cost`` option of the command line (click is
-imported only when it is used).
+measured). The command line's ``--cost`` option is ``sloweave.cli.options.cost_option``.
 """
 
 from __future__ import annotations
@@ -25,7 +24,9 @@ from pathlib import Path
 
 from sloweave.core.costs.analytic import AnalyticCost
 from sloweave.core.costs.protocols import ContextAware, CostModel, Described
-from sloweave.core.costs.fitted import ContextualCost, FitResult, FixedContextCost, ProfileError, fit_profile_file
+from sloweave.core.costs.fitted import ContextualCost, FixedContextCost
+from sloweave.core.costs.profile_fit import FitResult, fit_profile_file
+from sloweave.core.costs.step_profiles import ProfileError
 from sloweave.core.costs.operator_profiles import PRESETS
 from sloweave.core.costs.profile import ProfileCost, profile_cost
 from sloweave.core.validate import finite_number
@@ -268,45 +269,13 @@ def context_models(resolved: ResolvedCost) -> tuple[CostModel, CostModel]:
     return model, ContextBlindCost(model)
 
 
-# --------------------------------------------------------------------------- the command line
-
-
-def click_cost(value) -> ResolvedCost:
-    """The ``--cost`` value as a ``ResolvedCost``; a bad spec is a ``click.BadParameter``."""
-    import click
-
-    if isinstance(value, ResolvedCost):
-        return value
-    try:
-        return resolve_cost(value)
-    except ValueError as err:
-        raise click.BadParameter(str(err), param_hint="--cost") from None
-
-
-def cost_option(default: str = ANALYTIC, help: str | None = None):
-    """The ``--cost`` option every command takes: parsed by ``click_cost`` into a ``ResolvedCost``."""
-    import click
-
-    return click.option(
-        "--cost",
-        "cost",
-        default=default,
-        show_default=True,
-        metavar="SPEC",
-        callback=lambda ctx, param, value: click_cost(value),
-        help=help or COST_HELP,
-    )
-
-
 __all__ = [
     "ANALYTIC",
     "COST_HELP",
     "ContextBlindCost",
     "ResolvedCost",
     "analytic_description",
-    "click_cost",
     "context_models",
-    "cost_option",
     "describe_cost",
     "resolve_cost",
 ]

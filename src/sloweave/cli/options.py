@@ -1,0 +1,299 @@
+"""Options several commands share, each declared once so one rule gives one message.
+
+Numbers are checked against their ``sloweave.core.validate.Range`` (``ranged``); options that
+travel together reach the command as one object (``gathered``, ``engine_options``,
+``out_folder_options``).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+import importlib
+import math
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+import click
+
+from sloweave.core.costs.resolve import ANALYTIC, COST_HELP, ResolvedCost, resolve_cost
+from sloweave.core.policy import DEFAULT_MAX_CHUNK_TOKENS
+from sloweave.core.validate import (
+    DEFAULT_MAX_MODEL_LEN_TOKENS,
+    DURATION_MS,
+    REPEATS,
+    TOKENS,
+    Range,
+)
+from sloweave.sim.options import EngineOptions
+from sloweave.sim.traces import FORMATS
+from sloweave.studies.inputs import REQUESTS, runner_of
+from sloweave.studies.result_folders import result_folder
+
+
+class CheckedNumber(click.ParamType):
+    """A command-line number checked against a ``Range`` (the same rule, and words, as the API)."""
+
+    def __init__(self, limits: Range, infinity: bool = False) -> None:
+        self.limits, self.infinity = limits, infinity  # infinity: "inf" also means "no limit"
+        self.name = "integer" if limits.whole else "float"
+
+    def convert(self, value, param, ctx):
+        number = (click.INT if self.limits.whole else click.FLOAT).convert(value, param, ctx)
+        if self.infinity and number == math.inf:
+            return number
+        try:
+            return self.limits.check(number, "the value", " (or inf)" if self.infinity else "")
+        except ValueError as err:
+            self.fail(str(err), param, ctx)
+
+
+def ranged(limits: Range, infinity: bool = False) -> CheckedNumber:
+    """``limits`` as a click type (``infinity``: "inf" is accepted too, meaning no limit)."""
+    return CheckedNumber(limits, infinity)
+
+
+def stacked(*options):
+    """Several option decorators as one, in the order the help shows them."""
+
+    def decorate(command):
+        for option in reversed(options):
+            command = option(command)
+        return command
+
+    return decorate
+
+
+def gathered(dest: str, build, names: tuple[str, ...]):
+    """Hand the command its parameters ``names`` as one object, ``build(**those)``, named ``dest``.
+
+    The options themselves are declared where they stand in the help; this only groups what
+    the command receives (the result files still record every option by its own name)."""
+
+    def decorate(command):
+        @functools.wraps(command)
+        def wrapper(*args, **kwargs):
+            kwargs[dest] = build(**{name: kwargs.pop(name) for name in names})
+            return command(*args, **kwargs)
+
+        return wrapper
+
+    return decorate
+
+
+# --------------------------------------------------------------------------- result folders
+
+
+@dataclass(frozen=True)
+class OutFolder:
+    """Where a command writes its results (``--out``) and how (``--force``, ``--resume``)."""
+
+    path: Path | None
+    force: bool = False
+    resume: bool = False
+
+    def open(self, resumable: bool = False, inputs: dict[str, Path] | None = None):
+        """The result folder (``sloweave.studies.result_folders.result_folder``) of this run."""
+        return result_folder(self.path, self.force, self.resume, resumable=resumable, inputs=inputs)
+
+
+def out_folder_options(resumable: bool = False, dest: str = "out", **settings):
+    """``--out`` (a folder), ``--force`` and, for a study that runs independent tasks that a
+    later run can reuse, ``--resume``: one ``OutFolder`` named ``dest``. ``settings``: the
+    ``--out`` option's own (``default``, ``required``, ``help``)."""
+    if settings.get("default") is not None:
+        settings = {"show_default": True, **settings}
+    names = ("out_dir", "force", "resume") if resumable else ("out_dir", "force")
+
+    def build(out_dir, force, resume=False):
+        return OutFolder(out_dir, force, resume)
+
+    def decorate(command):
+        command = gathered(dest, build, names)(command)
+        if resumable:
+            command = click.option(
+                "--resume",
+                is_flag=True,
+                help="go on with an interrupted run: reuse the finished tasks it kept in OUT.incomplete, compute the rest "
+                "(the results are an uninterrupted run's, byte for byte)",
+            )(command)
+        command = click.option(
+            "--force", is_flag=True, help="replace --out if it holds an earlier result (once this run is complete)"
+        )(command)
+        return click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), **settings)(command)
+
+    return decorate
+
+
+# --------------------------------------------------------------------------- the cost model
+
+
+def _resolved_cost(ctx, param, value) -> ResolvedCost:
+    """The ``--cost`` value as a ``ResolvedCost``; a bad spec is that option's error."""
+    if isinstance(value, ResolvedCost):
+        return value
+    try:
+        return resolve_cost(value)
+    except ValueError as err:
+        raise click.BadParameter(str(err), param_hint="--cost") from None
+
+
+def cost_option(default: str = ANALYTIC, help: str | None = None):
+    """The ``--cost`` option every command takes, resolved into a ``ResolvedCost``."""
+    return click.option(
+        "--cost",
+        "cost",
+        default=default,
+        show_default=True,
+        metavar="SPEC",
+        callback=_resolved_cost,
+        help=help or COST_HELP,
+    )
+
+
+# --------------------------------------------------------------------------- the engine
+
+
+def option_of_field(spec) -> Callable:
+    """The click option a described config field (``core.validate.setting``) asks for: its
+    flag, help and default from the field, its type from the values it takes; a boolean is an
+    on/off pair."""
+    name, default, meta = spec.name, spec.default, spec.metadata
+    flag = meta["flag"] or "--" + name.replace("_", "-")
+    settings = {"default": default, "help": meta["help"], "show_default": default is not None}
+    values = meta["values"]
+    if isinstance(values, Range):
+        settings["type"] = ranged(values)
+    elif values is not None:
+        settings["type"] = click.Choice(values)
+    elif isinstance(default, bool):
+        flag = f"{flag}/--no-{flag[2:]}"
+    return click.option(flag, name, **settings)
+
+
+def described_fields(config) -> list:
+    """The fields of a config dataclass that carry help text, in declaration order."""
+    return [spec for spec in fields(config) if "help" in spec.metadata]
+
+
+def _engine_of(**given) -> EngineOptions:
+    try:
+        return EngineOptions(**given)
+    except ValueError as err:
+        raise click.UsageError(str(err)) from None
+
+
+def engine_options(dest: str = "engine"):
+    """The engine options every study command takes, turned into one ``EngineOptions``
+    passed to the command as ``dest``.
+
+    Each option is built from its ``EngineOptions`` field: the flag's parameter is the field's
+    name, its default, help and type the field's (``option_of_field``)."""
+    described = described_fields(EngineOptions)
+
+    def decorate(command):
+        command = gathered(dest, _engine_of, tuple(spec.name for spec in described))(command)
+        return stacked(*map(option_of_field, described))(command)
+
+    return decorate
+
+
+# --------------------------------------------------------------------------- what every study reads
+
+
+def tpot_ms_option(default: float | None = 25.0, name: str = "tpot_ms", **settings):
+    """``--tpot-ms``: the time-per-output-token target, the parameter ``name`` (``settings``:
+    ``help``, ``multiple``, ...)."""
+    if default is not None:
+        settings = {"default": default, "show_default": True, **settings}
+    return click.option("--tpot-ms", name, type=ranged(DURATION_MS), **settings)
+
+
+def ttft_ms_option(default: float | None = None, **settings):
+    """``--ttft-ms``: the time-to-first-token target."""
+    if default is not None:
+        settings = {"show_default": True, **settings}
+    return click.option("--ttft-ms", type=ranged(DURATION_MS), default=default, **settings)
+
+
+def requests_option(default: int | None = None, **settings):
+    """``--requests``: requests a run generates (``num_requests``)."""
+    if default is not None:
+        settings = {"show_default": True, **settings}
+    return click.option("--requests", "num_requests", type=ranged(REQUESTS), default=default, **settings)
+
+
+def max_chunk_option(default: int = DEFAULT_MAX_CHUNK_TOKENS, **settings):
+    """``--max-chunk``: SLOWeave's C_max, in tokens."""
+    return click.option("--max-chunk", type=ranged(TOKENS), default=default, show_default=True, **settings)
+
+
+def trace_format_option():
+    """``--format``: how a trace file is read."""
+    return click.option("--format", "fmt", type=click.Choice(FORMATS), default="auto", show_default=True)
+
+
+def max_model_len_option():
+    """``--max-model-len``: the longest request a trace may hold (``max_model_len_tokens``)."""
+    return click.option(
+        "--max-model-len",
+        "max_model_len_tokens",
+        type=ranged(TOKENS),
+        default=None,
+        help=f"longest request (prompt + output tokens) the served model's context allows; a trace "
+        f"request beyond it is refused with its line [default: {DEFAULT_MAX_MODEL_LEN_TOKENS}]",
+    )
+
+
+def once_each(ctx, param, values: tuple) -> tuple:
+    """A repeatable option's callback: a value given twice is refused, naming it (one rule for
+    every command). Names compare as the commands read them (case and surrounding spaces do not
+    make a new policy)."""
+    seen = set()
+    for value in values:
+        key = value.strip().lower() if isinstance(value, str) else value
+        if key in seen:
+            raise click.BadParameter(
+                f"{value!r} is given more than once (each value is run once)", ctx=ctx, param=param
+            )
+        seen.add(key)
+    return values
+
+
+def _ray_address(ctx, param, value: str | None) -> str | None:
+    if value is None:
+        return None
+    if not value.strip():
+        raise click.BadParameter("give 'local', 'auto' or a cluster address (host:port, ray://host:10001)")
+    try:  # checked before the work, not after it
+        importlib.import_module("ray")
+    except ImportError as err:
+        from sloweave.studies.parallel import RAY_EXTRA_HINT
+
+        raise click.BadParameter(f"Ray cannot be imported ({err}); {RAY_EXTRA_HINT}") from None
+    return value.strip()
+
+
+def parallel_options(dest: str = "runner"):
+    """``--jobs`` and ``--ray``: where a study's independent simulations run, one ``Runner``
+    named ``dest`` (``sloweave.studies.inputs.runner_of``)."""
+
+    def decorate(command):
+        command = gathered(dest, runner_of, ("jobs", "ray_address"))(command)
+        command = click.option(
+            "--ray",
+            "ray_address",
+            default=None,
+            callback=_ray_address,
+            metavar="local|auto|ADDRESS",
+            help="run the simulations as Ray tasks: 'local' starts a private Ray instance on loopback with --jobs CPUs, "
+            "'auto' joins the cluster Ray finds (RAY_ADDRESS, `ray start`), or give its address; results are the serial run's",
+        )(command)
+        return click.option(
+            "--jobs",
+            type=ranged(REPEATS),
+            default=None,
+            help="parallel simulation processes on this machine [default: all local cores]; results are the serial run's",
+        )(command)
+
+    return decorate

@@ -1,0 +1,231 @@
+"""``sloweave tune``: the best fixed token budget for engines that only have one (``sloweave.studies.tune``)."""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+import click
+
+from sloweave.cli.command import command
+from sloweave.cli.options import (
+    OutFolder,
+    cost_option,
+    engine_options,
+    gathered,
+    max_chunk_option,
+    max_model_len_option,
+    once_each,
+    out_folder_options,
+    parallel_options,
+    ranged,
+    requests_option,
+    tpot_ms_option,
+    trace_format_option,
+    ttft_ms_option,
+)
+from sloweave.core.costs.resolve import KIND_STEP_PROFILE, ResolvedCost
+from sloweave.core.validate import ATTAINMENT, DURATION_S, MAX_TOKENS, REPEATS, SCALE, TOKENS, Range
+from sloweave.sim.options import EngineOptions
+from sloweave.sim.traces import TraceError, load_trace
+from sloweave.sim.workloads import ALL_WORKLOADS, WorkloadError
+from sloweave.studies.inputs import model_len_or_default
+from sloweave.studies.outputs import check_writable, command_settings
+from sloweave.studies.parallel import Runner
+from sloweave.studies.replay import DEFAULT_TRACE_TTFT_MS
+from sloweave.studies.search import DEFAULT_ATTAINMENT, SearchLattice
+from sloweave.studies.sources import DEFAULT_WINDOW_S, SpecSource, trace_source
+from sloweave.studies.tune import DEFAULT_BUDGETS_TOKENS, QUICK_BUDGETS_TOKENS, RULES, step_profile_cost, tune
+from sloweave.studies.tune_report import ENGINES, tune_table, write_outputs
+
+# options that only a step-time profile file as --cost reads
+STEP_PROFILE_OPTIONS = (("cost_kind", "--cost-kind"), ("context_tokens", "--context-tokens"))
+
+
+@dataclass(frozen=True)
+class TuneLoad:
+    """The operator's load: a workload or a trace, cut into seeds."""
+
+    workload: str | None
+    trace_path: Path | None
+    fmt: str
+    seeds: int | None
+    num_requests: int | None
+    window_s: float
+    max_model_len_tokens: int | None
+
+
+def _load_source(load: TuneLoad, quick: bool, ttft_ms: float | None):
+    """The load source, and the TTFT target (the source's default unless given)."""
+    seeds = load.seeds or (3 if quick else 5)
+    if load.trace_path is not None:
+        trace = load_trace(load.trace_path, load.fmt, model_len_or_default(load.max_model_len_tokens))
+        window_s = load.window_s if trace.has_arrivals else None
+        return trace_source(
+            trace, seeds, window_s, requests_per_seed=load.num_requests
+        ), ttft_ms or DEFAULT_TRACE_TTFT_MS
+    spec = ALL_WORKLOADS[load.workload]
+    return SpecSource(spec, load.num_requests or (800 if quick else 2000), tuple(range(seeds))), ttft_ms or spec.ttft_ms
+
+
+def _check_inputs(load: TuneLoad) -> None:
+    if (load.trace_path is None) == (load.workload is None):
+        raise click.UsageError("give exactly one of --workload NAME or --trace PATH")
+    if load.workload is not None and load.max_model_len_tokens is not None:
+        raise click.UsageError("--max-model-len applies to --trace only")
+
+
+def _refuse_step_profile_options(cost: ResolvedCost) -> None:
+    """--cost-kind and --context-tokens, given on the command line, need a step-time profile file as --cost."""
+    if cost.kind == KIND_STEP_PROFILE:
+        return
+    given = click.get_current_context().get_parameter_source
+    for name, label in STEP_PROFILE_OPTIONS:
+        if given(name) == click.core.ParameterSource.COMMANDLINE:
+            raise click.BadParameter(
+                f"applies to a step-time profile file only, not --cost {cost.spec}", param_hint=label
+            )
+
+
+def _print_advice(result, payload: dict, notes: list[str], out_dir: Path) -> None:
+    for line in notes:
+        click.echo(line)
+    click.echo(tune_table(result))
+    for line in payload["advice"]:
+        click.echo(line)
+    click.echo(f"wrote {out_dir}/tune.csv, tune.md, tune.json, tune.png ({result.simulations} simulations)", err=True)
+    sys.stdout.flush()
+
+
+@command("tune")
+@click.option("--workload", type=click.Choice(list(ALL_WORKLOADS)), default=None, help="synthetic workload or scenario")
+@click.option(
+    "--trace",
+    "trace_path",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="request trace file instead",
+)
+@trace_format_option()
+@click.option(
+    "--engine", type=click.Choice(list(ENGINES)), default="vllm", show_default=True, help="whose flag to print"
+)
+@click.option(
+    "--rule",
+    type=click.Choice(RULES),
+    default=None,
+    help="the engine's budget rule [default: the engine's: vllm/trtllm sarathi, sglang fixed]",
+)
+@tpot_ms_option()
+@ttft_ms_option(help=f"TTFT target [default: the workload's; {DEFAULT_TRACE_TTFT_MS:g} for a trace]")
+@click.option("--attainment", type=ranged(ATTAINMENT), default=DEFAULT_ATTAINMENT, show_default=True)
+@click.option(
+    "--budget",
+    "budgets",
+    type=ranged(TOKENS),
+    multiple=True,
+    callback=once_each,
+    help="repeat for a custom sweep [default: 256 ... 8192, powers of two and 1.5x between]",
+)
+@click.option(
+    "--load-scale",
+    type=ranged(SCALE),
+    default=None,
+    help="load for the goodput comparison, as a rate scale [default: the best budget's capacity]",
+)
+@cost_option()
+@click.option(
+    "--cost-kind",
+    type=click.Choice(["regression", "table"]),
+    default="regression",
+    show_default=True,
+    help="model fitted from a step-time profile file",
+)
+@click.option(
+    "--context-tokens",
+    type=ranged(Range(0, MAX_TOKENS, " of tokens", low_open=True)),
+    default=None,
+    help="KV context per decode for a step-time profile file [default: mean prompt + half the mean output]",
+)
+@click.option("--seeds", type=ranged(REPEATS), default=None, help="seeds / trace windows [default: 5; --quick 3]")
+@requests_option(help="requests per seed of a workload [default: 2000; --quick 800]")
+@click.option(
+    "--window-s", type=ranged(DURATION_S), default=DEFAULT_WINDOW_S, show_default=True, help="trace window length"
+)
+@click.option(
+    "--min-scale",
+    type=ranged(SCALE),
+    default=1.0 / 16.0,
+    show_default=True,
+    help="lowest load searched (rate scale); lower it for slow cost models",
+)
+@max_chunk_option(help="SLOWeave's C_max")
+@click.option(
+    "--refine/--no-refine",
+    default=True,
+    show_default=True,
+    help="one more round between the best budget and its neighbours",
+)
+@click.option("--quick", is_flag=True, help="3 seeds, 800 requests, 6 budgets (powers of two), lattice step 9 %")
+@parallel_options()
+@max_model_len_option()
+@gathered("load", TuneLoad, tuple(f.name for f in fields(TuneLoad)))
+@engine_options(dest="engine_opts")
+@out_folder_options(default=Path("results/tune"), resumable=True)
+def tune_command(
+    load: TuneLoad,
+    engine,
+    rule,
+    tpot_ms,
+    ttft_ms,
+    attainment,
+    budgets,
+    load_scale,
+    cost: ResolvedCost,
+    cost_kind,
+    context_tokens,
+    min_scale,
+    max_chunk,
+    refine,
+    quick,
+    runner: Runner,
+    engine_opts: EngineOptions,
+    out: OutFolder,
+) -> None:
+    """Sweep the fixed token budget of an engine and print the value to set."""
+    _check_inputs(load)
+    check_writable(out.path, "--out")
+    _refuse_step_profile_options(cost)
+    budgets = tuple(budgets) or (QUICK_BUDGETS_TOKENS if quick else DEFAULT_BUDGETS_TOKENS)
+    try:
+        source, ttft_ms = _load_source(load, quick, ttft_ms)
+        if cost.kind == KIND_STEP_PROFILE:
+            cost = step_profile_cost(cost, cost_kind, context_tokens, source)
+        lattice = SearchLattice(attainment, 8 if quick else 16, min_scale)
+    except (TraceError, WorkloadError, ValueError) as err:
+        raise click.UsageError(str(err)) from None
+    with out.open(resumable=True) as folder:
+        try:
+            result = tune(
+                source,
+                rule or ENGINES[engine][1],
+                budgets,
+                tpot_ms,
+                ttft_ms,
+                cost.model,
+                load_scale,
+                refine,
+                lattice,
+                max_chunk_tokens=max_chunk,
+                options=engine_opts,
+                runner=runner,
+                progress=True,
+                store=folder.store,
+            )
+        except (TraceError, WorkloadError, ValueError) as err:
+            raise click.UsageError(str(err)) from None
+        notes = [] if cost.is_analytic else cost.summary_lines()
+        meta = {"command": "tune", "options": command_settings(), "cost": cost.description}
+        payload = write_outputs(result, engine, folder.path, meta, notes)
+    _print_advice(result, payload, notes, out.path)
