@@ -1682,6 +1682,9 @@ def config_problems(values: dict, profile_file: str) -> set[str]:
             ok = v in ("regression", "table") and isinstance(v, str)
         elif key == "analytic":
             ok = isinstance(v, dict)
+        elif key == "margin_form":  # a form other than relative needs online_correction
+            ok = isinstance(v, str) and v in ("relative", "per-step")
+            ok = ok and (v == "relative" or values.get("online_correction") is True)
         else:  # profile_margin, online_correction
             ok = isinstance(v, bool)
         if not ok:
@@ -1730,6 +1733,7 @@ GOOD_CONFIG = {
     "profile_margin": [False, True],
     "aging_ms": [0, 2000.0],
     "online_correction": [False, True],
+    "margin_form": ["relative", "per-step"],
 }
 
 

@@ -135,9 +135,8 @@ def test_kv_capacity_refuses_what_never_fits_and_preempts_the_newest_until_decod
     r = requests([40, 40], output=[50, 50])
     batch, ledger, queue = DecodeBatch(r), KVLedger(), PrefillQueue(r)
     for request in (0, 1):
-        ledger.prefill_started(40)
         batch.start(request, 0)
-        ledger.prefill_done(40, decoding=True)
+        ledger.decode_kv += 40 + 1  # its prompt and first token (what the engine adds when a prefill completes)
     ledger.decode_kv += 2 * 20  # 20 more iterations of decodes
     assert ledger.decode_kv == 122 and memory.free_tokens(ledger, 2) == 100 - 122 - 3
     left = []

@@ -19,8 +19,8 @@ import pytest
 import yaml
 from click.testing import CliRunner
 
-from sloweave.observability.dashboard import RULES_FILE, dashboard_command, queries, rule_expressions
-from sloweave.cli.observability import served_run
+from sloweave.observability.dashboard import RULES_FILE, queries, rule_expressions
+from sloweave.cli.observability import dashboard, served_run
 
 from prometheus_server import running_prometheus
 from real_engine import CPU_ANALYTIC
@@ -164,7 +164,7 @@ def test_the_served_run_is_drawn_from_its_step_log_and_the_dashboard_from_promet
         "--step-s",
         "1",
     ]
-    result = runner.invoke(dashboard_command, args)
+    result = runner.invoke(dashboard, args)
     assert result.exit_code == 0, result.output
     for picture in (tmp / "served" / "timeline.png", tmp / "dashboard" / "dashboard.png"):
         assert picture.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -1,5 +1,7 @@
 """The SLOWeave plug-in inside real vLLM V1 schedulers, offline on CPU, on a manual clock."""
 
+import math
+
 import numpy as np
 import pytest
 from vllm.config import SchedulerConfig
@@ -194,6 +196,49 @@ def test_profile_margin_with_online_correction_fails_at_start_up(tmp_path):
             SLOWeaveScheduler,
             additional_config={"sloweave": {"cost": str(profile), "profile_margin": True, "online_correction": True}},
         )
+
+
+@pytest.mark.parametrize(
+    "config, message",
+    [
+        ({"online_correction": True, "margin_form": "ms"}, "margin_form must be one of relative, per-step"),
+        ({"margin_form": "per-step"}, "margin_form 'per-step' needs online_correction"),
+    ],
+)
+def test_bad_margin_form_fails_at_start_up(config, message):
+    with pytest.raises(PluginConfigError, match=message):
+        build_scheduler(SLOWeaveScheduler, additional_config={"sloweave": config})
+
+
+def test_margin_form_per_step_learns_from_the_steps_vllm_ran():
+    """margin_form per-step: the controller decides with the core's StepMargin, whose residuals in
+    ms are the steps vLLM ran (1.2x the model plus up to 1 ms); past 50 steps its margin is no
+    longer the relative one, and every plan's margin is finite and >= 0."""
+    from sloweave.core.costs.step_margin import StepMargin
+
+    scheduler = build_scheduler(
+        SLOWeaveScheduler,
+        max_num_batched_tokens=8192,
+        additional_config={"sloweave": {"tpot_ms": 10.0, "online_correction": True, "margin_form": "per-step"}},
+    )
+    rng = np.random.default_rng(0)
+    eng = OfflineEngine(scheduler, step_ms=lambda d, p: 1.2 * COST(d, p) + float(rng.uniform(0.0, 1.0)))
+    controller = scheduler.sloweave
+    assert isinstance(controller.policy.margin, StepMargin)
+    for _ in range(4):
+        eng.add(make_request(300, 400))
+    margins = []
+    for _ in range(120):
+        if not scheduler.waiting and not any(r.num_computed_tokens < r.num_prompt_tokens for r in scheduler.running):
+            eng.add(make_request(8000, 2))
+        eng.step()
+        margins.append(scheduler.last_plan.margin_ms)
+    residuals = controller.correction.step_residuals
+    assert (
+        residuals is controller.policy.margin.residuals
+        and residuals.observed == len(controller.correction.recent_residuals) >= 100
+    )
+    assert all(math.isfinite(m) and m >= 0 for m in margins) and max(margins) > 0
 
 
 def test_vllm_default_scheduler_runs_in_the_same_harness():

@@ -12,6 +12,7 @@ import pandas as pd
 from sloweave.cli.command import command
 from sloweave.cli.options import (
     OutFolder,
+    config_options,
     cost_option,
     engine_options,
     gathered,
@@ -28,7 +29,7 @@ from sloweave.cli.options import (
     ttft_ms_option,
 )
 from sloweave.core.costs.resolve import ResolvedCost
-from sloweave.core.validate import ATTAINMENT, DURATION_MS, DURATION_S, RATE_RPS, REPEATS, SCALE, TOKENS
+from sloweave.core.validate import ATTAINMENT, DURATION_MS, DURATION_S, RATE_RPS, REPEATS, SCALE, TOKENS, setting
 from sloweave.sim.options import EngineOptions
 from sloweave.sim.traces import TraceError, load_trace
 from sloweave.sim.workloads import ALL_WORKLOADS, WorkloadError
@@ -72,9 +73,11 @@ class Targets:
 class Lattice:
     """The load lattice options (``quick`` gives the coarser defaults)."""
 
-    steps_per_doubling: int | None
-    min_scale: float
-    max_scale: float
+    steps_per_doubling: int | None = setting(
+        None, "load lattice resolution [default: 16 (4.4%); --quick 8 (9%)]", values=REPEATS
+    )
+    min_scale: float = setting(1.0 / 16.0, "lowest load scale searched", values=SCALE)
+    max_scale: float = setting(256.0, "highest load scale searched", values=SCALE)
 
     def search(self, attainment: float, quick: bool) -> SearchLattice:
         steps = self.steps_per_doubling or (8 if quick else 16)
@@ -243,15 +246,7 @@ seed_share_options = stacked(
 @click.option("--attainment", type=ranged(ATTAINMENT), default=DEFAULT_ATTAINMENT, show_default=True)
 @gathered("targets", Targets, ("tpot_targets", "tpot_change_ms", "ttft_ms", "attainment"))
 @seed_share_options
-@click.option(
-    "--steps-per-doubling",
-    type=ranged(REPEATS),
-    default=None,
-    help="load lattice resolution [default: 16 (4.4%); --quick 8 (9%)]",
-)
-@click.option("--min-scale", type=ranged(SCALE), default=1.0 / 16.0, show_default=True)
-@click.option("--max-scale", type=ranged(SCALE), default=256.0, show_default=True)
-@gathered("lattice", Lattice, ("steps_per_doubling", "min_scale", "max_scale"))
+@config_options(Lattice, "lattice")
 @max_chunk_option()
 @click.option(
     "--quick",

@@ -176,26 +176,28 @@ def described_fields(config) -> list:
     return [spec for spec in fields(config) if "help" in spec.metadata]
 
 
-def _engine_of(**given) -> EngineOptions:
-    try:
-        return EngineOptions(**given)
-    except ValueError as err:
-        raise click.UsageError(str(err)) from None
+def config_options(config, dest: str):
+    """The options of a config dataclass whose fields describe themselves (``core.validate.setting``),
+    handed to the command as one ``config`` object named ``dest``; a value the config refuses
+    (ValueError) is a usage error. Fields without help get no option and keep their default."""
+    described = described_fields(config)
 
-
-def engine_options(dest: str = "engine"):
-    """The engine options every study command takes, turned into one ``EngineOptions``
-    passed to the command as ``dest``.
-
-    Each option is built from its ``EngineOptions`` field: the flag's parameter is the field's
-    name, its default, help and type the field's (``option_of_field``)."""
-    described = described_fields(EngineOptions)
+    def build(**given):
+        try:
+            return config(**given)
+        except ValueError as err:
+            raise click.UsageError(str(err)) from None
 
     def decorate(command):
-        command = gathered(dest, _engine_of, tuple(spec.name for spec in described))(command)
+        command = gathered(dest, build, tuple(spec.name for spec in described))(command)
         return stacked(*map(option_of_field, described))(command)
 
     return decorate
+
+
+def engine_options(dest: str = "engine"):
+    """The engine options every study command takes, one ``EngineOptions`` named ``dest``."""
+    return config_options(EngineOptions, dest)
 
 
 # --------------------------------------------------------------------------- what every study reads

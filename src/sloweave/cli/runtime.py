@@ -20,6 +20,7 @@ from sloweave.cli.options import (
     tpot_ms_option,
     ttft_ms_option,
 )
+from sloweave.core.costs.calibrated import DEFAULT_MARGIN_FORM, MARGIN_FORMS
 from sloweave.core.costs.fit_acceptance import HOLDOUT_ERROR, MAX_HOLDOUT_ERROR
 from sloweave.core.validate import (
     DURATION_MS,
@@ -235,6 +236,14 @@ controller_options = stacked(
         default=True,
         show_default=True,
         help="online recalibration (SLOWeave)",
+    ),
+    click.option(
+        "--margin-form",
+        type=click.Choice(MARGIN_FORMS),
+        default=DEFAULT_MARGIN_FORM,
+        show_default=True,
+        help="with --calibrate, SLOWeave's adaptive margin: relative (one quantile of measured / predicted - 1, "
+        "times the prediction) or per-step (milliseconds, the quantile of steps of the same kind and predicted time)",
     ),
     click.option(
         "--stale-factor",

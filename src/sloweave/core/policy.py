@@ -10,13 +10,13 @@ policy object decide in the simulator, the CPU runtime and the vLLM plug-in.
 
 from __future__ import annotations
 
-import bisect
 import math
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import NamedTuple, Protocol
 
+from sloweave.core.fastest_chunk import fastest_chunk, rate_can_peak
 from sloweave.core.validate import positive_ms, positive_tokens
 from sloweave.core.costs.analytic import AnalyticCost
 from sloweave.core.costs.margins import ConstantMargin, ZeroMargin
@@ -32,6 +32,9 @@ from sloweave.core.costs.protocols import (
 )
 
 DEFAULT_MAX_CHUNK_TOKENS = 4096
+# Which deadline-safe chunk SLOWeave takes: the one that prefills the most tokens per ms of the
+# step (``sloweave.core.fastest_chunk``), or the largest (``sloweave-largest``, for comparison).
+CHUNK_CHOICES = ("fastest", "largest")
 
 
 class Decision(NamedTuple):
@@ -39,6 +42,13 @@ class Decision(NamedTuple):
     # True when even a decode-only iteration is predicted to miss the earliest deadline
     # (T(n, 0) + delta(n, 0) > B): the overload case of SPEC.md.
     infeasible: bool = False
+
+
+# The decisions every decode-only iteration returns, built once; any other is built with
+# ``tuple.__new__``, which skips the Python-level ``Decision.__new__`` of a NamedTuple (every iteration).
+_DECODE_ONLY = Decision(0)
+_INFEASIBLE = Decision(0, True)
+_decision = tuple.__new__
 
 
 class Policy(Protocol):
@@ -79,10 +89,13 @@ def _pricer(cost: CostModel, margin: Margin) -> Callable[[int], CostModel] | Non
 
 @dataclass(frozen=True)
 class SLOWeave:
-    """The largest prefill chunk whose predicted iteration time meets the earliest deadline.
+    """The prefill chunk that meets the earliest deadline and prefills fastest.
 
     c* = max { c in [0, min(C_max, L)] : T(n, c) + delta(n, c) <= B }, found by binary
-    search because T is monotone in c. Decode-only when no prompt waits or nothing fits;
+    search because T is monotone in c, is the largest safe chunk; every smaller one is safe too.
+    When c* < L, ``chunk_choice="fastest"`` takes the safe chunk with the highest rate
+    c / (T + delta), which is c* itself on a cost whose rate never peaks (the analytic model):
+    ``sloweave.core.fastest_chunk``. Decode-only when no prompt waits or nothing fits;
     the largest chunk when nothing is decoding (no deadline to protect).
     """
 
@@ -94,10 +107,13 @@ class SLOWeave:
     uses_deadlines: bool = True
     # Two-iteration view (off by default, see ``decide_lookahead``).
     lookahead: bool = False
+    chunk_choice: str = "fastest"  # one of CHUNK_CHOICES
 
     @property
     def name(self) -> str:
         base = "sloweave" if self.max_prefills == 1 else "sloweave-multi"
+        if self.chunk_choice == "largest":
+            base += "-largest"
         return base + "+lookahead" if self.lookahead else base
 
     def max_prefill_tokens(self, n_decodes: int) -> float:
@@ -106,6 +122,8 @@ class SLOWeave:
     def __post_init__(self) -> None:
         positive_tokens(self.max_chunk_tokens, "max_chunk_tokens")
         _check_max_prefills(self.max_prefills)
+        if self.chunk_choice not in CHUNK_CHOICES:
+            raise ValueError(f"chunk_choice must be one of {CHUNK_CHOICES}, got {self.chunk_choice!r}")
         if self.repair_non_monotone:
             # negative or non-finite times are refused, not repaired (the running maximum would hide them)
             with uncounted(self.cost):
@@ -129,6 +147,13 @@ class SLOWeave:
         )
         edges = cost.tile_edges if isinstance(cost, HasTileEdges) else None
         object.__setattr__(self, "_tile_edges", list(edges) if edges else None)
+        # Tile edges are where the per-token time rises: the rate peaks there. Otherwise the rate is
+        # checked on a grid, once: where it never peaks the largest chunk is the fastest, no search.
+        seeks_fastest = self.chunk_choice == "fastest"
+        if seeks_fastest and not edges:
+            with uncounted(cost):
+                seeks_fastest = rate_can_peak(cost, predicted, self.max_chunk_tokens)
+        object.__setattr__(self, "_seeks_fastest", seeks_fastest)
 
     def predicted_ms(self, n_decodes: int, chunk_tokens: int) -> float:
         return self._predicted(n_decodes, chunk_tokens)
@@ -144,42 +169,28 @@ class SLOWeave:
         # Cheap comparisons, on the hot path on purpose: a NaN budget compares False with
         # everything and would otherwise pass as "fits", a negative count gives a negative chunk.
         try:
-            valid = n_decodes >= 0 and waiting_tokens >= 0 and budget_ms == budget_ms
+            if not (n_decodes >= 0 and waiting_tokens >= 0 and budget_ms == budget_ms):
+                raise TypeError  # one error for every bad argument, raised below
         except TypeError:
-            valid = False
-        if not valid:
             raise ValueError(
                 f"decide needs n_decodes >= 0, waiting_tokens >= 0 and a budget_ms that is a number (+inf: no deadline); "
                 f"got n_decodes={n_decodes!r}, waiting_tokens={waiting_tokens!r}, budget_ms={budget_ms!r}"
-            )
+            ) from None
+        max_chunk = self.max_chunk_tokens  # a conditional, not min(): a builtin call less per iteration
+        upper = waiting_tokens if waiting_tokens < max_chunk else max_chunk
         if n_decodes == 0:  # no deadline to protect: the largest chunk
-            return Decision(min(self.max_chunk_tokens, waiting_tokens))
-        pricer = self._pricer  # inlined ``_predicted_at``: this is the hot path
+            return _decision(Decision, (upper, False))
+        # ``_predicted_at`` and ``_largest_fitting`` inlined up to the search: this runs every iteration
+        pricer = self._pricer
         predicted = self._predicted if pricer is None else pricer(n_decodes)
-        decision = self._largest_fitting(n_decodes, waiting_tokens, budget_ms, predicted)
-        chunk = decision.chunk_tokens
-        if self._tile_edges is None or not chunk or chunk >= min(self.max_chunk_tokens, waiting_tokens):
-            return decision  # nothing to weigh, or the whole prompt fits: finishing it serves TTFT best
-        return Decision(self._best_rate(predicted, n_decodes, chunk))
-
-    def _best_rate(self, predicted: CostModel, n_decodes: int, chunk: int) -> int:
-        """``chunk``, or the chunk ending at the tile edge just below it if that prefills faster,
-        c / (T(n, c) + delta(n, c)).
-
-        On a linear cost the largest chunk is the fastest. On a GPU's measured cost the
-        token-parallel kernels run in tiles, so T jumps just past each tile edge, and the largest
-        chunk that fits can land just past one and pay the jump with a few tokens. The edges come
-        from the cost model (``tile_edges``: profiled token counts after which the per-token time
-        rises); one more cost query per decision.
-        """
-        i = bisect.bisect_left(self._tile_edges, n_decodes + chunk)
-        if i == 0:
-            return chunk
-        edge_chunk = self._tile_edges[i - 1] - n_decodes
-        if edge_chunk <= 0:
-            return chunk
-        faster = edge_chunk * predicted(n_decodes, chunk) > chunk * predicted(n_decodes, edge_chunk)
-        return edge_chunk if faster else chunk
+        if predicted(n_decodes, 0) > budget_ms:
+            return _INFEASIBLE
+        if upper <= 0:
+            return _DECODE_ONLY
+        chunk = self._fitting_chunk(n_decodes, upper, budget_ms, predicted)
+        if not self._seeks_fastest or not chunk or chunk >= upper:
+            return _decision(Decision, (chunk, False))  # the whole prompt fits: finishing it serves TTFT best
+        return _decision(Decision, (fastest_chunk(predicted, n_decodes, chunk, self._tile_edges), False))
 
     def _predicted_at(self, n_decodes: int) -> CostModel:
         """T + delta as a function of (n, c), for a search that asks this n only."""
@@ -200,30 +211,35 @@ class SLOWeave:
             return Decision(0, True)
         if upper <= 0:
             return Decision(0)
+        return Decision(self._fitting_chunk(n_decodes, upper, budget_ms, predicted))
+
+    def _fitting_chunk(self, n_decodes: int, upper: int, budget_ms: float, predicted: CostModel) -> int:
+        """The largest chunk in [0, upper] whose T + delta fits the budget, given that 0 fits."""
         lo, hi = 0, upper  # invariant: lo fits the budget; hi does not, once checked
         if self._estimate is not None:
             # A linear model can be inverted; the guess is checked against T + delta and
             # only narrows [lo, hi], so the answer is exactly the binary search's.
             # Float rounding can put it one token off either way, so its neighbour is checked.
-            guess = min(max(self._estimate(n_decodes, budget_ms - self._constant_margin_ms), 1), upper)
+            guess = self._estimate(n_decodes, budget_ms - self._constant_margin_ms)
+            guess = 1 if guess < 1 else upper if upper < guess else guess  # in [1, upper]: min(max(guess, 1), upper)
             if predicted(n_decodes, guess) > budget_ms:
                 if predicted(n_decodes, guess - 1) <= budget_ms:
-                    return Decision(guess - 1)
+                    return guess - 1
                 hi = guess - 1
             elif guess == upper or predicted(n_decodes, guess + 1) > budget_ms:
-                return Decision(guess)
+                return guess
             else:
                 lo = guess + 1
         if hi == upper:
             if predicted(n_decodes, upper) <= budget_ms:
-                return Decision(upper)
+                return upper
         while hi - lo > 1:
             mid = (lo + hi) // 2
             if predicted(n_decodes, mid) <= budget_ms:
                 lo = mid
             else:
                 hi = mid
-        return Decision(lo)
+        return lo
 
     def decide_lookahead(
         self,
@@ -348,7 +364,7 @@ class FullPrefill:
         return math.inf
 
     def decide(self, n_decodes: int, waiting_tokens: int, budget_ms: float) -> Decision:
-        return Decision(waiting_tokens)
+        return _decision(Decision, (waiting_tokens, False))
 
 
 @dataclass(frozen=True)
@@ -360,6 +376,7 @@ class FixedChunk:
 
     def __post_init__(self) -> None:
         positive_tokens(self.chunk_tokens, "Fixed-C chunk size")
+        object.__setattr__(self, "_full_chunk", Decision(self.chunk_tokens))  # built once: most decisions
 
     @property
     def name(self) -> str:
@@ -372,7 +389,10 @@ class FixedChunk:
         return self.chunk_tokens
 
     def decide(self, n_decodes: int, waiting_tokens: int, budget_ms: float) -> Decision:
-        return Decision(min(self.chunk_tokens, waiting_tokens))
+        # min(C, waiting) without a builtin call, and without a new Decision for a full chunk or none
+        if waiting_tokens >= self.chunk_tokens:
+            return self._full_chunk
+        return _decision(Decision, (waiting_tokens, False)) if waiting_tokens else _DECODE_ONLY
 
 
 @dataclass(frozen=True)
@@ -404,7 +424,7 @@ class TokenBudget:
         return max(0, self.budget_tokens - n_decodes)
 
     def decide(self, n_decodes: int, waiting_tokens: int, budget_ms: float) -> Decision:
-        return Decision(min(waiting_tokens, max(0, self.budget_tokens - n_decodes)))
+        return _decision(Decision, (min(waiting_tokens, max(0, self.budget_tokens - n_decodes)), False))
 
 
 _SPEC_RE = re.compile(r"^(fixed|budget|sarathi)-(\d+)$")
@@ -418,7 +438,8 @@ def make_policy(
 ) -> Policy:
     """Build a policy from its name.
 
-    ``sloweave`` / ``sloweave-multi`` (either with ``+lookahead``), ``full`` / ``orca``, ``fixed-C``, ``budget-B`` (one
+    ``sloweave`` / ``sloweave-multi`` (either may end in ``-largest``: the largest deadline-safe chunk
+    rather than the fastest, and either with ``+lookahead``), ``full`` / ``orca``, ``fixed-C``, ``budget-B`` (one
     prompt per iteration) or ``sarathi-B`` (several prompts per iteration).
 
     ``cost`` is the model every policy is simulated on: SLOWeave also decides with it; a static
@@ -430,6 +451,9 @@ def make_policy(
         raise ValueError(f"a policy is named by a string (e.g. 'sloweave', 'fixed-1024'), got {spec!r}")
     spec = spec.strip().lower()
     base, plus, option = spec.partition("+")
+    largest = base.endswith("-largest")
+    if largest:
+        base = base.removesuffix("-largest")
     if base in ("sloweave", "sloweave-multi") and (not plus or option == "lookahead"):
         return SLOWeave(
             cost=cost or AnalyticCost(),
@@ -437,6 +461,7 @@ def make_policy(
             max_chunk_tokens=max_chunk_tokens,
             max_prefills=1 if base == "sloweave" else None,
             lookahead=bool(plus),
+            chunk_choice="largest" if largest else "fastest",
         )
     static = spec in ("full", "orca") or _SPEC_RE.match(spec)
     if static and margin is not None and not isinstance(margin, ZeroMargin):
@@ -452,6 +477,6 @@ def make_policy(
             return FixedChunk(size, cost=cost)
         return TokenBudget(size, max_prefills=1 if kind == "budget" else None, cost=cost)
     raise ValueError(
-        f"unknown policy {spec!r}: expected 'sloweave', 'sloweave-multi' (either may end in '+lookahead'), 'full', 'orca', 'fixed-<tokens>', "
+        f"unknown policy {spec!r}: expected 'sloweave', 'sloweave-multi' (either may end in '-largest', then '+lookahead'), 'full', 'orca', 'fixed-<tokens>', "
         "'budget-<tokens>' or 'sarathi-<tokens>' (e.g. fixed-1024, budget-2048) with a positive whole number of tokens"
     )

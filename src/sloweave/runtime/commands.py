@@ -12,6 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from sloweave.core.costs.calibrated import DEFAULT_MARGIN_FORM
 from sloweave.core.validate import OptionError
 from sloweave.sim.workloads import get_workload_spec
 from sloweave.studies.outputs import command_settings, write_result_json
@@ -88,6 +89,13 @@ class ControllerSettings:
     aging_ms: float | None
     aging_chunk_tokens: int
     horizon_s: float | None
+    margin_form: str = DEFAULT_MARGIN_FORM  # SLOWeave's adaptive margin (core.costs.calibrated.MARGIN_FORMS)
+
+    def __post_init__(self) -> None:
+        if self.margin_form != DEFAULT_MARGIN_FORM and not self.calibrate:
+            raise OptionError(
+                f"--margin-form {self.margin_form} needs --calibrate (it shapes the adaptive margin)", "--margin-form"
+            )
 
 
 def load_servable_model(model: str, served: CpuWorkload):
@@ -169,6 +177,7 @@ def _serve_seed(model_obj, fit, workload, policies, seed, settings, ttft_ms, thr
             settings.horizon_s,
             aging_ms=settings.aging_ms,
             aging_chunk_tokens=settings.aging_chunk_tokens,
+            margin_form=settings.margin_form,
         )
         row.update(seed=seed, workload=workload.name, tpot_target_ms=settings.tpot_ms, ttft_target_ms=ttft_ms)
         rows.append(row)

@@ -18,7 +18,13 @@ from sloweave.core.costs.fitted import ContextualCost, FixedContextCost, Residua
 from sloweave.core.costs.profile_fit import FitResult
 from sloweave.sim.metrics import evaluate
 from sloweave.core.policy import Aging, SLOWeave, make_policy
-from sloweave.core.costs.calibrated import OnlineCalibrator, ScaledCost, SelfCorrection, self_correcting
+from sloweave.core.costs.calibrated import (
+    DEFAULT_MARGIN_FORM,
+    OnlineCalibrator,
+    ScaledCost,
+    SelfCorrection,
+    self_correcting,
+)
 from sloweave.runtime.engine import TransformersEngine
 from sloweave.runtime.runner import MeasuredRun, RequestSpec, run_requests
 from sloweave.sim.engine import simulate
@@ -70,12 +76,14 @@ def build_policy_setup(
     calibrate: bool = True,
     max_chunk_tokens: int = 1024,
     stale_factor: float = 1.0,
+    margin_form: str = DEFAULT_MARGIN_FORM,
 ) -> PolicySetup:
     """A policy plus the cost objects the runner needs. Static policies still get the
     (uncalibrated) cost so their steps' predictions can be reported next to SLOWeave's.
 
     ``stale_factor`` != 1 scales the fitted cost on purpose (a profile taken on a faster or
-    slower machine) to show what online calibration does against drift.
+    slower machine) to show what online calibration does against drift. ``margin_form``
+    shapes the adaptive margin (``core.costs.calibrated.MARGIN_FORMS``; with ``calibrate``).
     """
     base: ContextualCost = fit.cost(cost_kind)
     if stale_factor != 1.0:
@@ -91,7 +99,7 @@ def build_policy_setup(
     # residuals once enough steps are in, the profile's table (read through the corrected cost)
     # before that.
     fallback = fit.margin(base)
-    correction = self_correcting(base, fallback=fallback)
+    correction = self_correcting(base, fallback=fallback, margin_form=margin_form)
     fallback.cost = correction.cost
     margin = correction.margin if use_margin else None
     policy = SLOWeave(cost=correction.cost, margin=margin or _zero, max_chunk_tokens=max_chunk_tokens)
@@ -138,11 +146,12 @@ def measure_policy(
     progress: bool = True,
     aging_ms: float | None = None,
     aging_chunk_tokens: int = 256,
+    margin_form: str = DEFAULT_MARGIN_FORM,
 ) -> tuple[dict, MeasuredRun]:
     """One measured run; returns a flat summary row and the full run.
 
     ``aging_ms`` (None: off) applies to every policy, in the run and in the simulated one."""
-    setup = build_policy_setup(name, fit, cost_kind, use_margin, calibrate, max_chunk_tokens, stale_factor)
+    setup = build_policy_setup(name, fit, cost_kind, use_margin, calibrate, max_chunk_tokens, stale_factor, margin_form)
     run = run_requests(
         engine,
         RequestSpec.from_workload(workload),

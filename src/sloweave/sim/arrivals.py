@@ -99,25 +99,37 @@ class Arrivals:
 
     def admit(self, engine) -> None:
         """Queue (or refuse) every request that arrived by ``engine.now_ms``."""
-        arrival_ms, now_ms, gate, memory, queue = self.arrival_ms, engine.now_ms, self.gate, engine.memory, engine.queue
+        arrival_ms, now_ms, gate = self.arrival_ms, engine.now_ms, self.gate
         request, end = self.next, len(arrival_ms)
         if request < end and arrival_ms[request] <= now_ms:
-            r, checked = engine.requests, memory.limited or gate.refuses
-            while request < end and arrival_ms[request] <= now_ms:
-                reason = (
-                    (memory.refusal(r.prompt[request], r.output[request]) or gate.refusal(engine, request))
-                    if checked
-                    else ""
-                )
-                if reason:
-                    gate.refuse(engine, request, reason)
-                else:
-                    queue.append(request)
-                request += 1
+            if engine.memory.limited or gate.refuses:
+                request = self._admit_checked(engine, request, now_ms)
+            else:  # nothing to check: ``queue.append`` inlined, a call less per arriving request
+                queue, remaining, queued_tokens = engine.queue, engine.requests.remaining_prompt, 0
+                waiting = queue.waiting
+                while request < end and arrival_ms[request] <= now_ms:
+                    waiting.append(request)
+                    queued_tokens += remaining[request]
+                    request += 1
+                queue.queued_tokens += queued_tokens
             self.next = request
             self.next_ms = arrival_ms[request] if request < end else math.inf
         if gate.acts_each_iteration:
             gate.before_iteration(engine)
+
+    def _admit_checked(self, engine, request: int, now_ms: float) -> int:
+        """Queue or refuse, one at a time, the requests from ``request`` on that arrived by
+        ``now_ms`` (a refusal reads the queue as it is); returns the first that has not arrived."""
+        arrival_ms, end, gate = self.arrival_ms, len(self.arrival_ms), self.gate
+        memory, queue, r = engine.memory, engine.queue, engine.requests
+        while request < end and arrival_ms[request] <= now_ms:
+            reason = memory.refusal(r.prompt[request], r.output[request]) or gate.refusal(engine, request)
+            if reason:
+                gate.refuse(engine, request, reason)
+            else:
+                queue.append(request)
+            request += 1
+        return request
 
     def next_arrival_ms(self) -> float | None:
         return self.arrival_ms[self.next] if self.next < len(self.arrival_ms) else None

@@ -47,15 +47,14 @@ class DecodeBatch:
         due = self.finishing_at.pop(iteration, None)
         if not due:
             return _NONE
-        done = []
+        running, finish_iter, done = self.running, self.requests.finish_iter, []
         for request in due:
-            if self.running.get(request) != iteration:
-                continue  # preempted since; it finishes later
-            del self.running[request]
-            self.n -= 1
-            self.finished += 1
-            self.requests.finish_iter[request] = iteration
-            done.append(request)
+            if running.get(request) == iteration:  # else preempted since: it finishes later
+                del running[request]
+                finish_iter[request] = iteration
+                done.append(request)
+        self.n -= len(done)
+        self.finished += len(done)
         return done
 
     def preempt_newest(self, iteration: int) -> tuple[int, int]:

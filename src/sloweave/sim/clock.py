@@ -16,7 +16,7 @@
 from __future__ import annotations
 
 from sloweave.core.costs.calibrated import OnlineCalibrator
-from sloweave.core.costs.protocols import Calibrated, ContextFeed, Wrapper
+from sloweave.core.costs.protocols import Calibrated, ContextFeed
 
 
 class IterationClock:
@@ -32,8 +32,10 @@ class IterationClock:
             )
         # Costs that read the KV context get it before every decision (each model once); costs
         # that price the prefill piece by piece also get the prompts on offer. Sorted once, here.
-        inner = duration.cost if isinstance(duration, Wrapper) else None
-        self._feed = feed = ContextFeed(policy_cost, duration, inner)
+        # ``getattr`` and ``hasattr`` ask what the protocols' ``isinstance`` would (``Wrapper``: has a
+        # ``cost``; ``ContextAware``: has ``set_context``, among others), without their cost per run.
+        inner = getattr(duration, "cost", None)
+        self._feed = feed = ContextFeed(*(m for m in (policy_cost, duration, inner) if hasattr(m, "set_context")))
         self.reads_context = feed.reads_context
         self.reads_offer = feed.reads_offer
         self.set_offer = feed.set_offer

@@ -107,7 +107,9 @@ class CumulativeTargets(SharedTarget):
             while heap and running.get(heap[0][2]) != heap[0][1]:
                 heapq.heappop(heap)
             if heap:
-                earliest = min(earliest, heap[0][0] + iteration * target)
+                deadline_ms = heap[0][0] + iteration * target
+                if deadline_ms < earliest:  # min() without a builtin call, every iteration
+                    earliest = deadline_ms
         return budget_until(earliest, now_ms)
 
     def started(self, request: int, end_ms: float, iteration: int, last_iter: int) -> None:

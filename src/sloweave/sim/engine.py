@@ -183,19 +183,24 @@ class Engine:
 
     def _finish(self, iteration: int) -> None:
         """The requests whose last token came out of ``iteration`` leave: their KV and deadline go."""
-        r, kv, deadlines = self.requests, self.kv, self.deadlines
-        for request in self.batch.finish_due(iteration):
-            kv.released(r.prefill_total[request] + (iteration - r.segment_first[request]))
-            if self._per_request_deadlines:
-                deadlines.left(request)
+        done, r, released_kv = self.batch.finish_due(iteration), self.requests, 0
+        for request in done:
+            released_kv += r.prefill_total[request] + (iteration - r.segment_first[request])  # its context
+        self.kv.decode_kv -= released_kv
+        if self._per_request_deadlines:
+            for request in done:
+                self.deadlines.left(request)
 
     def prefill_completed(self, request: int) -> None:
         """Its prefill completed this iteration: its (next) token comes out at the iteration's end."""
         iteration = self.iteration
         last_iter = self.batch.start(request, iteration)
-        self.kv.prefill_done(self.requests.prefill_total[request], last_iter is not None)
-        if last_iter is not None and self._per_request_deadlines:
-            self.deadlines.started(request, self.end_ms, iteration, last_iter)
+        kv, prompt_kv = self.kv, self.requests.prefill_total[request]
+        kv.reserved_kv -= prompt_kv
+        if last_iter is not None:
+            kv.decode_kv += prompt_kv + 1  # its context and the token it just emitted
+            if self._per_request_deadlines:
+                self.deadlines.started(request, self.end_ms, iteration, last_iter)
 
     def result(self) -> SimResult:
         r, gated = self.requests, isinstance(self.arrivals.gate, AdmissionGate)

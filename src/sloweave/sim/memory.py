@@ -18,20 +18,15 @@ from sloweave.core.admission import EXCEEDS_KV_CAPACITY
 
 
 class KVLedger:
+    """The two counters. Their owners add and subtract in place, without a method around it
+    (a call per prefill start, completion and finish otherwise): the queue reserves a prompt's
+    KV when its prefill starts, the engine moves it to ``decode_kv`` when the prefill completes
+    (prompt + the token just emitted) and releases a request's context when it finishes, and
+    the memory releases a preempted request's."""
+
     def __init__(self) -> None:
         self.decode_kv = 0  # KV tokens the running decodes read in the next iteration
         self.reserved_kv = 0  # KV held by prompts whose prefill started but did not complete
-
-    def prefill_started(self, tokens: int) -> None:
-        self.reserved_kv += tokens
-
-    def prefill_done(self, tokens: int, decoding: bool) -> None:
-        self.reserved_kv -= tokens
-        if decoding:
-            self.decode_kv += tokens + 1  # its context and the token it just emitted
-
-    def released(self, tokens: int) -> None:
-        self.decode_kv -= tokens
 
 
 class UnlimitedKV:
@@ -70,7 +65,7 @@ class KVCapacity(UnlimitedKV):
         ledger, batch, requests = engine.kv, engine.batch, engine.requests
         while ledger.decode_kv + ledger.reserved_kv > self.capacity_tokens and batch.n:
             victim, held = batch.preempt_newest(engine.iteration)
-            ledger.released(held)
+            ledger.decode_kv -= held
             self.recompute_tokens += requests.prefill_total[victim]
             self.preemptions += 1
             requests.progress_ms[victim] = engine.now_ms

@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass, replace
 import numpy as np
 
 from sloweave.core.admission import ADMISSION_ACTIONS, AdmissionControl
-from sloweave.core.costs.calibrated import self_correcting
+from sloweave.core.costs.calibrated import DEFAULT_MARGIN_FORM, MARGIN_FORMS, self_correcting
 from sloweave.core.costs.noisy import NoisyCost
 from sloweave.core.costs.protocols import CostModel
 from sloweave.core.policy import Aging, Policy
@@ -76,6 +76,12 @@ class EngineOptions:
         False,
         "deadline-aware policies correct the model online and keep an adaptive P99.7 margin (no hand-set margin)",
     )
+    margin_form: str = setting(
+        DEFAULT_MARGIN_FORM,
+        "with --correction, the adaptive margin's form: relative (one quantile of measured / predicted - 1, "
+        "times the prediction) or per-step (milliseconds, the quantile of steps of the same kind and predicted time)",
+        values=MARGIN_FORMS,
+    )
 
     def __post_init__(self) -> None:
         if self.max_batch_size is not None:
@@ -95,6 +101,10 @@ class EngineOptions:
         SCALE.check(self.bias, "bias")  # 1 = the model is exact
         if not isinstance(self.correction, bool):
             raise ValueError(f"correction must be true or false, got {self.correction!r}")
+        if self.margin_form not in MARGIN_FORMS:
+            raise ValueError(f"margin_form must be one of {', '.join(MARGIN_FORMS)}, got {self.margin_form!r}")
+        if self.margin_form != DEFAULT_MARGIN_FORM and not self.correction:
+            raise ValueError(f"margin_form {self.margin_form} needs correction (it shapes the adaptive margin)")
 
     @property
     def exact_prediction(self) -> bool:
@@ -130,7 +140,7 @@ class EngineOptions:
         """
         calibrator = None
         if self.correction and policy.uses_deadlines:
-            corrected = self_correcting(policy.cost)
+            corrected = self_correcting(policy.cost, margin_form=self.margin_form)
             policy, calibrator = replace(policy, cost=corrected.cost, margin=corrected.margin), corrected.calibrator
         return simulate(
             workload,

@@ -76,20 +76,20 @@ class PrefillQueue:
         A prompt whose prefill completes leaves the queue and starts decoding
         (``engine.prefill_completed``): its next token comes out of this iteration.
         """
-        remaining, total, waiting, recorder = self._remaining, self._total, self.waiting, engine.recorder
-        iteration, end_ms = engine.iteration, engine.end_ms
+        # Mostly one piece: what is read once is read where it is used, not bound first.
+        remaining, waiting, recorder = self._remaining, self.waiting, engine.recorder
         left = chunk_tokens
         self.queued_tokens -= chunk_tokens
         while left:
             head = waiting[0]
             head_left = remaining[head]
-            if head_left == total[head]:
-                engine.kv.prefill_started(head_left)  # its prefill starts: the prompt's KV is held
+            if head_left == self._total[head]:
+                engine.kv.reserved_kv += head_left  # its prefill starts: the prompt's KV is held
             take = left if left < head_left else head_left
             left -= take
             remaining[head] = head_left = head_left - take
-            self._progress_ms[head] = end_ms
-            recorder.piece_iter.append(iteration)
+            self._progress_ms[head] = engine.end_ms
+            recorder.piece_iter.append(engine.iteration)
             recorder.piece_request.append(head)
             recorder.piece_tokens.append(take)
             if head_left:

@@ -18,6 +18,7 @@ Sources, later ones win: defaults, environment variables ``SLOWEAVE_*``, and vLL
 | step_log | SLOWEAVE_STEP_LOG | (off) | a file to write every step planned and ran into, one JSON line each (`sloweave.core.step_log`; read by `sloweave served-run`); replaced at start-up; data-parallel rank N > 0 writes `<file>.N` |
 | step_log_max_steps | SLOWEAVE_STEP_LOG_MAX_STEPS | 1000000 | the log stops (and says so in its last line) after this many steps, about 400 bytes each |
 | online_correction | SLOWEAVE_ONLINE_CORRECTION | false | self-correction from the measured step times (`sloweave.core.costs.calibrated.self_correcting`, as the CPU runtime and the simulator): the cost is recalibrated online and the margin is the adaptive P99.7 of the corrected model's recent residuals |
+| margin_form | SLOWEAVE_MARGIN_FORM | relative | with `online_correction`, the adaptive margin's form: `relative` (the P99.7 of measured / corrected - 1 over all recent steps, times the step's prediction) or `per-step` (milliseconds: the P99.7 of measured - corrected of recent steps of the same kind and predicted time, `sloweave.core.costs.step_margin`); `per-step` needs `online_correction` |
 
 With ``online_correction`` the controller decides with ``SelfCorrection.cost`` (the ``cost``
 prior times the factors learned per decode-count bucket and step kind) and
@@ -101,6 +102,7 @@ class PluginConfig:
     aging_ms: float = 2000.0
     aging_chunk_tokens: int = 256
     online_correction: bool = False
+    margin_form: str = "relative"
     step_log: str = ""
     step_log_max_steps: int = DEFAULT_MAX_STEPS
 
@@ -149,6 +151,7 @@ class PluginConfig:
                 "the margin is the adaptive P99.7 of the measured residuals, which starts from the profile's margin "
                 "by itself; drop profile_margin"
             )
+        _check_margin_form(self.margin_form, self.online_correction)
         if not isinstance(self.analytic, dict):
             raise PluginConfigError(
                 f"sloweave config: analytic must be an object of coefficients, got {self.analytic!r}"
@@ -210,7 +213,7 @@ class PluginConfig:
             from sloweave.core.costs.calibrated import self_correcting
 
             fallback = resolved.fit.margin(None) if resolved.fit is not None else None
-            correction = self_correcting(resolved.model, fallback=fallback)
+            correction = self_correcting(resolved.model, fallback=fallback, margin_form=self.margin_form)
             if fallback is not None:
                 fallback.cost = correction.cost  # the profile's table, read through the corrected model
             margin = _sum_margins(correction.margin, self._plain_margin(correction.cost))
@@ -308,6 +311,23 @@ def _check_step_log(path) -> None:
     if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
         raise PluginConfigError(
             f"sloweave config: step_log {path!r}: its folder {folder} does not exist or is not writable"
+        )
+
+
+def _check_margin_form(margin_form, online_correction: bool) -> None:
+    """One of the core's margin forms; any but the default shapes the adaptive margin, so it needs
+    ``online_correction`` (refused rather than ignored). The core is imported only then."""
+    if margin_form == "relative":
+        return
+    from sloweave.core.costs.calibrated import MARGIN_FORMS
+
+    if not isinstance(margin_form, str) or margin_form not in MARGIN_FORMS:
+        raise PluginConfigError(
+            f"sloweave config: margin_form must be one of {', '.join(MARGIN_FORMS)}, got {margin_form!r}"
+        )
+    if not online_correction:
+        raise PluginConfigError(
+            f"sloweave config: margin_form {margin_form!r} needs online_correction (it shapes the adaptive margin)"
         )
 
 

@@ -15,6 +15,7 @@
 | ``operator_profiles`` | Vidur-format operator profiles (the shipped presets, a folder) |
 | ``profile`` | ``ProfileCost``: T(n, c) from operator profiles |
 | ``calibrated`` | online correction: ``OnlineCalibrator``, ``CalibratedCost``, ``AdaptiveMargin``, ``self_correcting`` |
+| ``step_margin`` | the per-step margin in ms: residual quantiles by step kind and predicted time (``margin_form="per-step"``) |
 | ``resolve`` | a ``--cost`` spec resolved into a model (``resolve_cost``, ``ResolvedCost``) |
 
 The package itself imports none of them, so ``sloweave.core.costs.protocols`` stays light.

@@ -23,6 +23,7 @@ import numpy as np
 
 from sloweave.core.costs.protocols import CostModel, OfferAware
 from sloweave.core.costs.fitted import N_BUCKET_EDGES, ContextualCost, ResidualMargin
+from sloweave.core.costs.step_margin import StepMargin, StepResiduals
 from sloweave.core.validate import finite_number, whole_number
 
 
@@ -66,6 +67,9 @@ class OnlineCalibrator:
         # that is left once the bias is removed, i.e. what a margin still has to cover.
         self.recent_residuals: deque[float] = deque(maxlen=window_steps)
         self._quantiles: dict[float, float] = {}
+        # The same residuals in ms per step kind and predicted time, for the per-step margin
+        # (``step_margin.StepMargin``); None when the margin is the relative one.
+        self.step_residuals: StepResiduals | None = None
 
     @staticmethod
     def _bucket(n_decodes: int) -> int:
@@ -95,6 +99,8 @@ class OnlineCalibrator:
             return
         corrected = predicted_ms * self.factor(n_decodes, chunk_tokens > 0)
         self.recent_residuals.append(measured_ms / corrected - 1.0)
+        if self.step_residuals is not None:
+            self.step_residuals.add(chunk_tokens > 0, corrected, measured_ms)
         # The window's quantiles are re-read every few steps, not every step: a quantile of
         # hundreds of steps barely moves in one, and sorting them per step would cost more
         # than the decision itself.
@@ -198,6 +204,10 @@ class AdaptiveMargin:
             return self.fallback.fraction(n_decodes, chunk_tokens)
         return calibrator.residual_quantile(self.quantile)
 
+    def window_fraction(self) -> float:
+        """r of the recent residuals, whatever their number (at least one step seen)."""
+        return self.cost.calibrator.residual_quantile(self.quantile)
+
     def __call__(self, n_decodes: int, chunk_tokens: int) -> float:
         return self.fraction(n_decodes, chunk_tokens) * self.cost(n_decodes, chunk_tokens)
 
@@ -226,26 +236,43 @@ class SelfCorrection:
 
     Every body builds it the same way (``self_correcting``) and feeds ``calibrator`` the
     (base prediction, measured time) of every step it runs; the policy decides with
-    ``cost`` and ``margin``.
+    ``cost`` and ``margin`` (``AdaptiveMargin``, or ``StepMargin`` for the per-step form).
     """
 
     calibrator: OnlineCalibrator
     cost: CalibratedCost
-    margin: AdaptiveMargin
+    margin: AdaptiveMargin | StepMargin
+
+
+# How the adaptive margin is shaped: ``relative``, one quantile of measured / corrected - 1 over
+# all recent steps, times the step's corrected prediction; ``per-step``, in milliseconds, the
+# quantile of the residuals of steps of the same kind and predicted time (``step_margin``).
+MARGIN_FORMS = ("relative", "per-step")
+DEFAULT_MARGIN_FORM = "relative"
 
 
 def self_correcting(
-    cost: CostModel, fallback=None, quantile: float = DEFAULT_MARGIN_QUANTILE, min_steps: int = 50
+    cost: CostModel,
+    fallback=None,
+    quantile: float = DEFAULT_MARGIN_QUANTILE,
+    min_steps: int = 50,
+    margin_form: str = DEFAULT_MARGIN_FORM,
 ) -> SelfCorrection:
     """Wrap ``cost`` (the prior: analytic, a profile or a fit) for online correction.
 
     ``fallback`` is the margin used until ``min_steps`` steps are seen (a profile's
-    ``ResidualMargin``; None: no margin until then).
+    ``ResidualMargin``; None: no margin until then). ``margin_form`` is one of ``MARGIN_FORMS``.
     """
     if not 50.0 <= quantile < 100.0:
         raise ValueError(f"margin quantile must be in [50, 100) %, got {quantile!r}")
+    if margin_form not in MARGIN_FORMS:
+        raise ValueError(f"margin form must be one of {', '.join(MARGIN_FORMS)}, got {margin_form!r}")
     calibrator = OnlineCalibrator()
     corrected = CalibratedCost(as_contextual(cost), calibrator)
-    return SelfCorrection(
-        calibrator, corrected, AdaptiveMargin(corrected, fallback or ProfileFreeMargin(), quantile, min_steps)
-    )
+    margin = AdaptiveMargin(corrected, fallback or ProfileFreeMargin(), quantile, min_steps)
+    if margin_form == "per-step":
+        calibrator.step_residuals = StepResiduals()
+        margin = StepMargin(
+            corrected, calibrator.step_residuals, margin, quantile, max(min_steps, 1), QUANTILE_REFRESH_STEPS
+        )
+    return SelfCorrection(calibrator, corrected, margin)

@@ -65,7 +65,7 @@ class OfferAware(Protocol):
 @runtime_checkable
 class HasTileEdges(Protocol):
     """A cost whose per-token time rises past these token counts (a GPU's kernel tiles): the
-    policy weighs a chunk ending at an edge against the largest one (``SLOWeave._best_rate``)."""
+    policy weighs the chunks ending at the edges below the largest safe one (``sloweave.core.fastest_chunk``)."""
 
     tile_edges: list[int]
 

@@ -1,0 +1,227 @@
+"""A margin in milliseconds conditioned on the step it guards, learnt online (the ``per-step`` form).
+
+The relative margin (``calibrated.AdaptiveMargin``) applies one quantile of measured /
+corrected - 1, pooled over every step, to every step: delta = r x T'. A machine's step-time
+noise is mostly additive (a 5 ms decode-only step and a 50 ms step with a chunk spread by a
+few milliseconds each), so r is set by the small steps and multiplied onto the large ones,
+and the small ones, a minority of the pool, are under-covered at the same time.
+
+``StepResiduals`` keeps the residuals in milliseconds (measured - corrected prediction) per
+step kind (decode-only, with a chunk) and per predicted-time bucket (edges a factor sqrt(2)
+apart), each in a bounded window. ``StepMargin`` reads, for a step of corrected prediction p,
+the ``quantile`` of its bucket's residuals. A bucket with too few steps for that quantile
+pools its nearest buckets of the same kind (the larger side first: noise grows with the step);
+a kind with too few steps in all takes the relative margin r x p. Quantiles are re-read every
+``refresh_steps`` observed steps, not per call.
+
+The corrected model plus margin stays monotone in the chunk: within a kind (fixed for every
+c >= 1) the total is g(p) = max(p + a_b + r_b p, F_b), a_b, r_b >= 0 the bucket's additive and
+relative parts, F_b the largest total any lower bucket can reach (its upper edge plus its
+margin), so g never drops at a bucket edge; T'(n, c) is monotone in c, hence so is g(T'(n, c)).
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from collections.abc import Callable
+
+import numpy as np
+
+# Lower edges of the predicted-time buckets, in ms: 2**(k/2) from 0.25 ms to 2**17 ms (131 s),
+# and a first bucket from 0. A factor sqrt(2) keeps additive noise near constant within a bucket.
+PREDICTED_MS_EDGES = (0.0, *(2.0 ** (k / 2) for k in range(-4, 35)))
+DECODE_ONLY, WITH_CHUNK = 0, 1
+_UPPER_EDGES_MS = np.array(PREDICTED_MS_EDGES[1:])
+STEP_KINDS = ("decode-only", "with-chunk")
+# A bucket's window: its quantile at P99.7 is then about its third largest residual.
+BUCKET_WINDOW_STEPS = 1000
+
+
+def predicted_bucket(predicted_ms: float) -> int:
+    """The bucket of a corrected prediction (an index into ``PREDICTED_MS_EDGES``)."""
+    return max(bisect.bisect_right(PREDICTED_MS_EDGES, predicted_ms) - 1, 0)
+
+
+def steps_for_quantile(quantile: float) -> int:
+    """The fewest residuals whose order statistic covers ``quantile`` (%) of a next step, n >= q / (100 - q)."""
+    return max(math.ceil(quantile / (100.0 - quantile) - 1e-9), 1)
+
+
+def covering_value(residuals_ms: np.ndarray, quantile: float) -> float:
+    """The ceil((n + 1) q)-th smallest of n residuals: a next exchangeable step lies at or below
+    it with probability >= q (the conformal quantile; n >= ``steps_for_quantile`` needed)."""
+    n = residuals_ms.size
+    rank = min(math.ceil(round((n + 1) * quantile / 100.0, 9)), n)
+    return float(np.partition(residuals_ms, rank - 1)[rank - 1])
+
+
+class StepResiduals:
+    """Residuals in ms of the corrected prediction, per step kind and predicted-time bucket, windowed.
+
+    Each bucket's window is a ring of ``window_steps`` numbers, made on its first step: a
+    quantile reads it as an array, with no copy out of a Python container."""
+
+    def __init__(self, window_steps: int = BUCKET_WINDOW_STEPS) -> None:
+        if isinstance(window_steps, bool) or not isinstance(window_steps, int) or window_steps < 1:
+            raise ValueError(f"window_steps must be a whole number >= 1, got {window_steps!r}")
+        self.window_steps = window_steps
+        self.rings: list[list[np.ndarray | None]] = [[None] * len(PREDICTED_MS_EDGES) for _ in STEP_KINDS]
+        self.added = np.zeros((len(STEP_KINDS), len(PREDICTED_MS_EDGES)), dtype=np.int64)
+        self.observed = 0
+
+    def add(self, with_chunk: bool, predicted_ms: float, measured_ms: float) -> None:
+        """One step: its corrected prediction and its measured time (finite, >= 0 ms)."""
+        if not (0 <= predicted_ms < math.inf and 0 <= measured_ms < math.inf):
+            raise ValueError(
+                f"a step needs finite times >= 0 ms, got predicted_ms={predicted_ms!r}, measured_ms={measured_ms!r}"
+            )
+        kind, bucket = int(with_chunk), predicted_bucket(predicted_ms)
+        ring = self.rings[kind][bucket]
+        if ring is None:
+            ring = self.rings[kind][bucket] = np.empty(self.window_steps)
+        added = int(self.added[kind, bucket])
+        ring[added % self.window_steps] = measured_ms - predicted_ms
+        self.added[kind, bucket] = added + 1
+        self.observed += 1
+
+    def counts(self, kind: int) -> list[int]:
+        return np.minimum(self.added[kind], self.window_steps).tolist()
+
+    def window(self, kind: int, bucket: int) -> np.ndarray:
+        """The residuals in ``bucket``'s window (in no particular order)."""
+        ring = self.rings[kind][bucket]
+        return np.empty(0) if ring is None else ring[: min(int(self.added[kind, bucket]), self.window_steps)]
+
+
+def _nearest_first(bucket: int, low: int, high: int):
+    """Buckets from ``low`` to ``high`` by distance to ``bucket``, the larger one first on a tie."""
+    yield bucket
+    for distance in range(1, high - low + 1):
+        if bucket + distance <= high:
+            yield bucket + distance
+        if bucket - distance >= low:
+            yield bucket - distance
+
+
+def _additive_parts(residuals: StepResiduals, kind: int, quantile: float) -> list[float | None]:
+    """Each bucket's additive margin in ms (None: the kind has too few steps for ``quantile``).
+    A thin bucket pools its nearest buckets with data until the pool holds enough steps."""
+    counts = residuals.counts(kind)
+    needed = steps_for_quantile(quantile)
+    if sum(counts) < needed:
+        return [None] * len(counts)
+    filled = [b for b, count in enumerate(counts) if count]
+    low, high = filled[0], filled[-1]
+    by_pool: dict[tuple, float] = {}
+    parts: list[float | None] = [None] * len(counts)
+    for bucket in range(low, high + 1):
+        pool, pooled = [], 0
+        for neighbour in _nearest_first(bucket, low, high):
+            if counts[neighbour]:
+                pool.append(neighbour)
+                pooled += counts[neighbour]
+            if pooled >= needed:
+                break
+        key = tuple(sorted(pool))
+        if key not in by_pool:
+            pooled_ms = np.concatenate([residuals.window(kind, b) for b in key])
+            by_pool[key] = max(covering_value(pooled_ms, quantile), 0.0)
+        parts[bucket] = by_pool[key]
+    # outside the range seen, the nearest bucket seen (its pool is theirs)
+    parts[:low] = [parts[low]] * low
+    parts[high + 1 :] = [parts[high]] * (len(counts) - high - 1)
+    return parts
+
+
+def margin_table(residuals: StepResiduals, kind: int, quantile: float, relative_fraction: float) -> tuple:
+    """Per bucket of ``kind``: additive ms a_b, relative fraction r_b, and the floor F_b (the
+    largest total p + a + r p any lower bucket reaches, at its upper edge)."""
+    parts = _additive_parts(residuals, kind, quantile)
+    additive = np.array([0.0 if part is None else part for part in parts])
+    relative = np.array([relative_fraction if part is None else 0.0 for part in parts])
+    # each bucket's total at its upper edge, in the float expression the policy adds (cost + margin),
+    # so that no rounding breaks the order at an edge
+    totals = _UPPER_EDGES_MS + (additive[:-1] + relative[:-1] * _UPPER_EDGES_MS)
+    floors = np.concatenate(([0.0], np.maximum.accumulate(totals)))
+    # A floor with an odd last bit can be out of reach of p + m: when p's bits below the floor's
+    # last are exactly half of it, the sum rounds to even whatever m is. Even floors are always reached.
+    odd = (floors.view(np.int64) & 1).astype(bool)
+    floors[odd] = np.nextafter(floors[odd], np.inf)
+    return additive.tolist(), relative.tolist(), floors.tolist()
+
+
+def _margin_reaching(predicted_ms: float, total_ms: float) -> float:
+    """The margin m with predicted_ms + m == total_ms in floating point (an even floor is always
+    reached within an ulp or two of total - predicted); never one that falls short of it."""
+    margin = total_ms - predicted_ms
+    for _ in range(4):
+        reached = predicted_ms + margin
+        if reached == total_ms:
+            return margin
+        margin = math.nextafter(margin, math.inf if reached < total_ms else -math.inf)
+    while predicted_ms + margin < total_ms:
+        margin = math.nextafter(margin, math.inf)
+    return margin
+
+
+class StepMargin:
+    """delta(n, c) in ms: the ``quantile`` of the residuals of steps like this one (kind, predicted time).
+
+    ``cost`` is the corrected cost the policy decides with (T'), ``residuals`` what its
+    calibrator feeds, ``relative`` the relative form (``AdaptiveMargin``): used until
+    ``min_steps`` steps are seen (its own fallback: the profile's margin), and, past that, its
+    fraction for a kind with fewer steps than the quantile needs.
+    """
+
+    def __init__(
+        self,
+        cost: Callable[[int, int], float],
+        residuals: StepResiduals,
+        relative,
+        quantile: float,
+        min_steps: int,
+        refresh_steps: int,
+    ) -> None:
+        if isinstance(quantile, bool) or not (isinstance(quantile, (int, float)) and 50.0 <= quantile < 100.0):
+            raise ValueError(f"margin quantile must be in [50, 100) %, got {quantile!r}")
+        self.cost = cost
+        self.residuals = residuals
+        self.relative = relative
+        self.quantile = quantile
+        self.min_steps = min_steps
+        self.refresh_steps = refresh_steps
+        self._tables: tuple | None = None
+        self._read_at = -1
+
+    def tables(self) -> tuple:
+        """Per step kind: (additive ms, relative fraction, floor ms) per bucket, re-read every ``refresh_steps``."""
+        epoch = self.residuals.observed // self.refresh_steps
+        if epoch != self._read_at:
+            fraction = self.relative.window_fraction()
+            self._tables = tuple(
+                margin_table(self.residuals, kind, self.quantile, fraction) for kind in range(len(STEP_KINDS))
+            )
+            self._read_at = epoch
+        return self._tables
+
+    def __call__(self, n_decodes: int, chunk_tokens: int) -> float:
+        if self.residuals.observed < self.min_steps:
+            return self.relative(n_decodes, chunk_tokens)
+        additive, relative, floors = self.tables()[WITH_CHUNK if chunk_tokens > 0 else DECODE_ONLY]
+        predicted = self.cost(n_decodes, chunk_tokens)
+        bucket = predicted_bucket(predicted)
+        margin = additive[bucket] + relative[bucket] * predicted
+        if predicted + margin >= floors[bucket]:
+            return margin
+        return _margin_reaching(predicted, floors[bucket])
+
+    def as_dict(self) -> dict:
+        """The margin per bucket that has one of its own or pooled (for a run's record)."""
+        tables = self.tables() if self.residuals.observed >= self.min_steps else None
+        described = {"quantile": self.quantile, "bucket_lower_edges_ms": list(PREDICTED_MS_EDGES)}
+        for kind, name in enumerate(STEP_KINDS):
+            described[f"steps_{name}"] = self.residuals.counts(kind)
+            if tables is not None:
+                described[f"additive_ms_{name}"] = [round(a, 4) for a in tables[kind][0]]
+        return described

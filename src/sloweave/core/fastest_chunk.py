@@ -1,0 +1,137 @@
+"""The deadline-safe chunk that prefills fastest: the most prompt tokens per millisecond of the step.
+
+SLOWeave's binary search gives the largest chunk whose T + delta fits the budget. Every smaller
+chunk fits too (T is monotone in c), so any of them is deadline-safe; the question is which one
+prefills fastest, rate(c) = c / (T(n, c) + delta(n, c)), decodes included in the step time. On a
+cost whose per-token time does not rise with the chunk (T = a + b c, the analytic model) the rate
+only grows with c and the largest chunk is the answer. On a measured cost it need not be: a
+CPU's matrix products slow down per token past a cache-sized chunk, a GPU's kernels run in
+tiles, so T jumps just past each tile edge.
+
+``rate_can_peak`` decides once, when a policy is built, whether the search is worth running;
+``fastest_chunk`` is the search, a bounded number of extra cost queries per decision.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Callable
+
+import numpy as np
+
+from sloweave.core.costs.protocols import ContextAware, CostModel
+
+# Probes below the largest safe chunk C at C * LADDER_RATIO ** (1, 2, 4, 8, ...): the first
+# probe is close (a peak just below C costs little), later ones reach a peak far below in a few.
+LADDER_RATIO = 0.9
+# The refinement stops once the peak is bracketed within this factor: on the worst rate shape of
+# a convex cost, c / (a + k c^2), a chunk within a factor x of the peak keeps 2 / (x + 1/x) of its
+# rate, over 99.3 % at 1.12.
+BRACKET_RATIO = 1.12
+GOLDEN = 0.3819660112501051  # (3 - sqrt(5)) / 2: the golden section of a bracket, in log c
+MAX_REFINEMENTS = 12
+# The rate check's grid: decode counts (no decodes: no deadline, no search), chunk points, and
+# KV contexts a context-aware cost is checked at (decodes' KV tokens, the chunked prompt's prefix).
+_CHECK_DECODES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+_CHECK_POINTS = 129
+_CHECK_CONTEXTS = ((0, 0), (0, 8192), (131_072, 0))
+
+
+def rate_can_peak(cost: CostModel, predicted: CostModel, max_chunk_tokens: int) -> bool:
+    """Whether c / predicted(n, c) decreases anywhere on a grid of n and c in [1, C_max].
+
+    Asked once, when a policy is built (the caller makes the queries uncounted). Where it never
+    decreases, the largest safe chunk prefills fastest and the search is skipped: no extra query
+    per decision. A cost that reads the KV context is checked at a few contexts, set on it and
+    put back; a peak only at another context goes unseen and that cost keeps the largest chunk.
+    """
+    chunks = np.unique(np.linspace(1, max_chunk_tokens, _CHECK_POINTS).round().astype(int))
+    if isinstance(cost, ContextAware):
+        kept = (getattr(cost, "decode_kv_tokens", 0), getattr(cost, "prefill_prefix_tokens", 0))
+        try:
+            for kv_tokens, prefix_tokens in _CHECK_CONTEXTS:
+                cost.set_context(kv_tokens, prefix_tokens)
+                if _rate_drops(predicted, chunks):
+                    return True
+            return False
+        finally:
+            cost.set_context(*kept)
+    return _rate_drops(predicted, chunks)
+
+
+def _rate_drops(predicted: CostModel, chunks: np.ndarray) -> bool:
+    for n in _CHECK_DECODES:
+        rates = chunks / np.array([predicted(n, int(c)) for c in chunks], dtype=float)
+        # a relative tolerance: a rate that is flat (T proportional to c) must not read as a peak
+        if np.any(np.diff(rates) < -1e-9 * rates[1:]):
+            return True
+    return False
+
+
+def fastest_chunk(
+    predicted: Callable[[int, int], float], n_decodes: int, largest: int, tile_edges: list[int] | None
+) -> int:
+    """The chunk in [1, largest] that prefills fastest, ``largest`` being the largest safe one.
+
+    A halving-in-log ladder walks down from ``largest`` while each probe prefills faster than the
+    best so far, which brackets the peak of a rate with one peak; a golden-section search in log c
+    narrows the bracket to ``BRACKET_RATIO``; the chunks ending at the tile edges just below
+    ``largest`` and below the best (``tile_edges``, token counts) are weighed last. A chunk
+    replaces the best only when it prefills strictly faster, so the answer never prefills slower
+    than ``largest`` nor than the edge below it. Every candidate is smaller than ``largest``,
+    hence deadline-safe. Cost queries: 1 for ``largest``, at most 8 on the ladder from 4,096
+    tokens, at most ``MAX_REFINEMENTS``, and at most 2 tile edges.
+    """
+    best, best_ms, low, high = _ladder(predicted, n_decodes, largest)
+    if high > low * BRACKET_RATIO:
+        best, best_ms = _refine(predicted, n_decodes, best, best_ms, low, high)
+    if tile_edges:
+        for top in (largest, best):
+            i = bisect.bisect_left(tile_edges, n_decodes + top)
+            edge_chunk = tile_edges[i - 1] - n_decodes if i else 0
+            if 0 < edge_chunk < largest and edge_chunk != best:
+                edge_ms = predicted(n_decodes, edge_chunk)
+                if edge_chunk * best_ms > best * edge_ms:
+                    best, best_ms = edge_chunk, edge_ms
+    return best
+
+
+def _ladder(predicted: Callable[[int, int], float], n_decodes: int, largest: int) -> tuple[int, float, int, int]:
+    """(best, its T + delta, low, high): probes walk down from ``largest`` while they prefill
+    faster; the first slower one (or 1) is ``low``, the probe above the best is ``high``."""
+    best, best_ms = largest, predicted(n_decodes, largest)
+    high, exponent = largest, 1
+    while best > 1:
+        probe = int(largest * LADDER_RATIO**exponent)
+        probe = 1 if probe < 1 else best - 1 if probe >= best else probe
+        probe_ms = predicted(n_decodes, probe)
+        if probe * best_ms <= best * probe_ms:  # not faster: the peak lies above the probe
+            return best, best_ms, probe, high
+        high, best, best_ms = best, probe, probe_ms
+        exponent *= 2
+    return best, best_ms, 1, high
+
+
+def _refine(
+    predicted: Callable[[int, int], float], n_decodes: int, best: int, best_ms: float, low: int, high: int
+) -> tuple[int, float]:
+    """Golden-section search in log c for the fastest chunk in [low, high], ``best`` inside it:
+    each probe splits the wider side of the best, and the side past a slower probe is dropped."""
+    for _ in range(MAX_REFINEMENTS):
+        if high <= low * BRACKET_RATIO:
+            break
+        upper_side = high * low > best * best  # high / best > best / low: the wider side is above
+        probe = round(best * (high / best) ** GOLDEN) if upper_side else round(best / (best / low) ** GOLDEN)
+        if probe == best:
+            probe += 1 if upper_side else -1
+        if not low < probe < high:
+            break  # the bracket is down to whole tokens
+        probe_ms = predicted(n_decodes, probe)
+        if probe * best_ms > best * probe_ms:  # faster: the bracket closes on the probe
+            low, high = (best, high) if probe > best else (low, best)
+            best, best_ms = probe, probe_ms
+        elif probe > best:
+            high = probe
+        else:
+            low = probe
+    return best, best_ms

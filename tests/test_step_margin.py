@@ -1,0 +1,244 @@
+"""The per-step margin (``sloweave.core.costs.step_margin``): milliseconds learnt per step kind and
+predicted time, against the relative margin it can replace, in the core and in every body."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from sloweave.core.costs.calibrated import (
+    DEFAULT_MARGIN_QUANTILE,
+    MARGIN_FORMS,
+    AdaptiveMargin,
+    self_correcting,
+)
+from sloweave.core.costs.fitted import ContextualCost
+from sloweave.core.costs.step_margin import (
+    PREDICTED_MS_EDGES,
+    StepMargin,
+    StepResiduals,
+    covering_value,
+    predicted_bucket,
+    steps_for_quantile,
+)
+from sloweave.core.policy import SLOWeave
+from sloweave.sim.options import EngineOptions
+from sloweave.sim.workloads import get_workload_spec
+
+
+class LinearCost(ContextualCost):
+    """T(n, c) = base + per_decode n + per_token c, in ms (no context)."""
+
+    def __init__(self, base_ms: float = 4.0, per_decode_ms: float = 0.1, per_token_ms: float = 0.02) -> None:
+        self.base_ms, self.per_decode_ms, self.per_token_ms = base_ms, per_decode_ms, per_token_ms
+
+    def predict(self, n_decodes: int, chunk_tokens: int, decode_kv_tokens: int, prefill_prefix_tokens: int) -> float:
+        return self.base_ms + self.per_decode_ms * n_decodes + self.per_token_ms * chunk_tokens
+
+
+def additive_noise_run(margin_form: str, steps: int = 20_000, warmup_steps: int = 2_000, seed: int = 0) -> dict:
+    """Steps of 4-6 ms (decode-only, a fifth of them) and 24-45 ms (a chunk of 1,000-2,048 tokens),
+    each measured as the model plus the same seeded N(0, 1 ms) noise, replayed as a body does:
+    the margin read before the step, the step observed after. Per (kind, predicted bucket):
+    [covered, margin ms] of every step after the warm-up."""
+    cost = LinearCost()
+    correction = self_correcting(cost, margin_form=margin_form)
+    rng = np.random.default_rng(seed)
+    seen: dict[tuple, list] = {}
+    for step in range(steps):
+        n = int(rng.integers(1, 17))
+        c = 0 if rng.random() < 0.2 else int(rng.integers(1000, 2049))
+        margin_ms, predicted_ms = correction.margin(n, c), correction.cost(n, c)
+        base_ms = cost.predict(n, c, 0, 0)
+        measured_ms = base_ms + float(rng.normal(0.0, 1.0))
+        if step >= warmup_steps:
+            seen.setdefault((c > 0, predicted_bucket(predicted_ms)), []).append(
+                (measured_ms <= predicted_ms + margin_ms, margin_ms)
+            )
+        correction.calibrator.observe(n, c, base_ms, measured_ms)
+    return {key: np.array(rows) for key, rows in seen.items()}
+
+
+@pytest.fixture(scope="module")
+def additive_runs():
+    return {form: additive_noise_run(form) for form in MARGIN_FORMS}
+
+
+def test_per_step_margin_covers_the_target_in_every_bucket_of_additive_noise(additive_runs):
+    """P99.7 per bucket (a binomial allowance: 0.994 over >= 1,000 steps), decode-only and with a chunk."""
+    per_step = additive_runs["per-step"]
+    buckets = [key for key, rows in per_step.items() if len(rows) >= 1000]
+    assert {with_chunk for with_chunk, _ in buckets} == {False, True}
+    for key in buckets:
+        coverage = per_step[key][:, 0].mean()
+        assert coverage >= 0.994, (key, coverage)
+
+
+def test_relative_margin_under_covers_small_steps_and_over_covers_large_ones(additive_runs):
+    """One relative quantile, pooled: the few small steps get less than the target, the large ones
+    all of it with a margin several times the per-step one (what the per-step form gives back)."""
+    relative, per_step = additive_runs["relative"], additive_runs["per-step"]
+    small = np.concatenate([rows for (with_chunk, _), rows in relative.items() if not with_chunk])
+    large = np.concatenate([rows for (with_chunk, _), rows in relative.items() if with_chunk])
+    assert small[:, 0].mean() < 0.99
+    assert large[:, 0].mean() == 1.0
+    large_per_step = np.concatenate([rows for (with_chunk, _), rows in per_step.items() if with_chunk])
+    assert large[:, 1].mean() > 3 * large_per_step[:, 1].mean()
+
+
+def test_the_relative_form_stays_the_default_and_is_the_adaptive_margin():
+    assert isinstance(self_correcting(LinearCost()).margin, AdaptiveMargin)
+    per_step = self_correcting(LinearCost(), margin_form="per-step")
+    assert isinstance(per_step.margin, StepMargin) and per_step.margin.quantile == DEFAULT_MARGIN_QUANTILE
+    assert per_step.calibrator.step_residuals is per_step.margin.residuals
+
+
+def test_the_covering_value_is_the_conformal_order_statistic():
+    residuals = np.arange(1.0, 334.0)  # 333 residuals: the fewest for P99.7
+    assert steps_for_quantile(99.7) == 333 and steps_for_quantile(99.0) == 99 and steps_for_quantile(50.0) == 1
+    assert covering_value(residuals, 99.7) == 333.0
+    assert covering_value(np.arange(1.0, 1001.0), 99.7) == 998.0  # ceil(1001 x 0.997) = 998
+    assert predicted_bucket(0.0) == 0 and predicted_bucket(1.0) == PREDICTED_MS_EDGES.index(1.0)
+
+
+def test_a_thin_bucket_pools_its_neighbours_and_no_margin_is_negative():
+    correction = self_correcting(LinearCost(), margin_form="per-step", quantile=90.0, min_steps=5)
+    for _ in range(30):  # steps of 24 ms, always 2 ms faster than the model
+        correction.calibrator.observe(0, 1000, 24.0, 22.0)
+    assert correction.margin(0, 1000) == 0.0  # the residuals are all negative: no margin, not a negative one
+    for k in range(30):  # now 3 ms slower: a 24 ms step's bucket has 60 residuals
+        correction.calibrator.observe(0, 1000, 24.0, 27.0)
+    far = correction.margin(0, 2000)  # 44 ms: no step of its own, its nearest bucket's residuals
+    assert far == pytest.approx(correction.margin(0, 1000), abs=1e-9) and far > 0
+
+
+LINEAR_COSTS = st.builds(
+    LinearCost,
+    st.floats(0.1, 20.0),
+    st.floats(0.0, 0.5),
+    st.floats(0.0005, 0.1),
+)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    cost=LINEAR_COSTS,
+    seed=st.integers(0, 2**32 - 1),
+    steps=st.integers(0, 1500),
+    quantile=st.sampled_from([60.0, 90.0, 99.0, 99.7]),
+    small_noise_ms=st.floats(0.0, 30.0),
+    large_noise_ms=st.floats(0.0, 30.0),
+    relative_noise=st.floats(0.0, 0.5),
+)
+def test_corrected_cost_plus_per_step_margin_is_monotone_in_the_chunk(
+    cost, seed, steps, quantile, small_noise_ms, large_noise_ms, relative_noise
+):
+    """T'(n, c) + delta(n, c) never drops along c >= 1 (what the policy's binary search needs),
+    whatever residuals were seen: noise that grows or shrinks with the step (so a lower bucket
+    can need more margin than a higher one), biased steps, thin buckets."""
+    correction = self_correcting(cost, margin_form="per-step", quantile=quantile, min_steps=5)
+    rng = np.random.default_rng(seed)
+    for _ in range(steps):
+        n = int(rng.integers(0, 65))
+        c = int(rng.integers(0, 2049)) if rng.random() < 0.7 else 0
+        c = c if n or c else 1
+        base_ms = cost.predict(n, c, 0, 0)
+        noise_ms = small_noise_ms if base_ms < 20.0 else large_noise_ms
+        measured_ms = base_ms * (1.0 + relative_noise * rng.standard_normal()) + noise_ms * rng.exponential()
+        correction.calibrator.observe(n, c, base_ms, max(measured_ms, 0.0))
+    chunks = range(1, 2049)
+    for n in (0, 3, 40):
+        totals = [correction.cost(n, c) + correction.margin(n, c) for c in chunks]
+        drops = [c for c, (a, b) in zip(chunks, zip(totals, totals[1:])) if b < a]
+        assert not drops, (n, drops[:3])
+        assert all(correction.margin(n, c) >= 0 for c in (0, 1, 512, 2048))
+
+
+@pytest.mark.parametrize(
+    "build, message",
+    [
+        (
+            lambda: self_correcting(LinearCost(), margin_form="additive"),
+            "margin form must be one of relative, per-step",
+        ),
+        (lambda: self_correcting(LinearCost(), margin_form="per-step", quantile=100.0), "quantile must be in"),
+        (lambda: self_correcting(LinearCost(), margin_form="per-step", quantile=40.0), "quantile must be in"),
+        (
+            lambda: StepMargin(LinearCost(), StepResiduals(), None, math.nan, 50, 8),
+            "quantile must be in",
+        ),
+        (lambda: StepResiduals(window_steps=0), "window_steps must be a whole number"),
+        (lambda: StepResiduals().add(True, math.nan, 5.0), "finite times >= 0 ms"),
+        (lambda: StepResiduals().add(False, 5.0, -1.0), "finite times >= 0 ms"),
+        (lambda: StepResiduals().add(False, 5.0, math.inf), "finite times >= 0 ms"),
+    ],
+)
+def test_bad_input_is_refused(build, message):
+    with pytest.raises(ValueError, match=message):
+        build()
+
+
+@pytest.mark.parametrize("predicted_ms, measured_ms", [(math.nan, 5.0), (5.0, math.nan), (-1.0, 5.0), (5.0, -2.0)])
+def test_a_bad_step_time_is_refused_before_it_reaches_the_residuals(predicted_ms, measured_ms):
+    correction = self_correcting(LinearCost(), margin_form="per-step")
+    with pytest.raises(ValueError, match="finite times >= 0 ms"):
+        correction.calibrator.observe(2, 64, predicted_ms, measured_ms)
+    assert correction.calibrator.step_residuals.observed == 0
+
+
+def test_engine_options_refuse_a_bad_form_and_a_form_without_correction():
+    with pytest.raises(ValueError, match="margin_form must be one of relative, per-step"):
+        EngineOptions(correction=True, margin_form="ms")
+    with pytest.raises(ValueError, match="margin_form per-step needs correction"):
+        EngineOptions(margin_form="per-step")
+    assert EngineOptions().margin_form == "relative"
+
+
+def test_engine_options_margin_form_reaches_the_simulator(monkeypatch):
+    """A simulated run with noise and correction: the two forms decide with different margins."""
+    import sloweave.sim.options as options
+
+    built = []
+
+    def recording(*args, **kwargs):
+        built.append(self_correcting(*args, **kwargs))
+        return built[-1]
+
+    monkeypatch.setattr(options, "self_correcting", recording)
+    spec = get_workload_spec("mixed")
+    workload = spec.generate(300, 0, 1.0)
+    cost = LinearCost(8.0, 0.05, 0.02)
+    results = {}
+    for form in MARGIN_FORMS:
+        engine = EngineOptions(noise_sigma=0.1, correction=True, margin_form=form)
+        results[form] = engine.simulate(workload, SLOWeave(cost=cost), 50.0, spec.ttft_ms, cost, noise_seed=1)
+    relative, per_step = built
+    assert isinstance(relative.margin, AdaptiveMargin) and isinstance(per_step.margin, StepMargin)
+    assert min(sum(per_step.calibrator.step_residuals.counts(kind)) for kind in (0, 1)) >= 333  # P99.7 per kind
+    assert relative.margin(4, 0) != per_step.margin(4, 0) and relative.margin(4, 1024) != per_step.margin(4, 1024)
+    chunks = [results[form].iter_chunk_tokens for form in MARGIN_FORMS]
+    assert not np.array_equal(*chunks)
+
+
+def test_plugin_config_takes_the_margin_form_only_with_online_correction():
+    from sloweave.vllm_plugin.config import PluginConfig, PluginConfigError
+
+    decision = PluginConfig(online_correction=True, margin_form="per-step").build_decision()
+    assert isinstance(decision.margin, StepMargin) and decision.coverage == pytest.approx(0.997)
+    assert isinstance(PluginConfig(online_correction=True).build_decision().margin, AdaptiveMargin)
+    assert (
+        PluginConfig.from_sources(
+            {}, environ={"SLOWEAVE_MARGIN_FORM": "per-step", "SLOWEAVE_ONLINE_CORRECTION": "1"}
+        ).margin_form
+        == "per-step"
+    )
+    with pytest.raises(PluginConfigError, match="margin_form must be one of relative, per-step, got 'ms'"):
+        PluginConfig(online_correction=True, margin_form="ms")
+    with pytest.raises(PluginConfigError, match="margin_form must be one of relative, per-step, got 1"):
+        PluginConfig.from_sources({"sloweave": {"margin_form": 1, "online_correction": True}}, environ={})
+    with pytest.raises(PluginConfigError, match="margin_form 'per-step' needs online_correction"):
+        PluginConfig(margin_form="per-step")
