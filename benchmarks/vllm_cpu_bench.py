@@ -49,6 +49,14 @@ import pandas as pd
 PLUGIN = "sloweave.vllm_plugin.SLOWeaveScheduler"  # the CPU build schedules synchronously
 VLLM_CPU_DEFAULT_BUDGET = 2048  # `vllm serve`'s max_num_batched_tokens on a CPU (vLLM 0.32)
 VLLM_CPU_DEFAULT_SEQS = 128  # and its max_num_seqs
+# the plug-in's configurations served (besides tpot_ms, the fitted cost and online correction),
+# by engine name: the relative margin on the regression (the default), the per-step margin, and
+# the per-step margin on the table fit (whose prefill rate peaks: the fastest-chunk rule acts)
+PLUGIN_VARIANTS = {
+    "sloweave": {},
+    "sloweave-per-step": {"margin_form": "per-step"},
+    "sloweave-per-step-table": {"margin_form": "per-step", "cost_kind": "table"},
+}
 
 
 def parse_args() -> argparse.Namespace:
@@ -75,6 +83,12 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument(
         "--capacity-steps", type=int, default=4, help="bisection steps of the capacity search (step 5); 0: skip it"
     )
+    parser.add_argument(
+        "--plugin-variants",
+        default="sloweave",
+        help=f"comma-separated plug-in configurations to serve, of {', '.join(PLUGIN_VARIANTS)}",
+    )
+    parser.add_argument("--no-default", action="store_true", help="do not serve vLLM's default budget")
     parser.add_argument("--profile-repeats", type=int, default=3)
     parser.add_argument(
         "--profile-file", type=Path, default=None, help="reuse a profile this script wrote (skips step 1)"
@@ -119,13 +133,18 @@ def profile(args, model_dir: str, vocab: int) -> Path:
     )
 
 
-def simulated(workload, policy_name: str, cost, args, max_chunk: int) -> dict:
+def simulated(workload, policy_name: str, cost, args, max_chunk: int, margin_form: str = "relative") -> dict:
     """The simulator's prediction for one engine: the same workload, the fitted cost."""
     from sloweave.core.policy import make_policy
     from sloweave.sim.metrics import evaluate
     from sloweave.sim.options import EngineOptions
 
-    options = EngineOptions(max_batch_size=VLLM_CPU_DEFAULT_SEQS, correction=policy_name.startswith("sloweave"))
+    deadline_aware = policy_name.startswith("sloweave")
+    options = EngineOptions(
+        max_batch_size=VLLM_CPU_DEFAULT_SEQS,
+        correction=deadline_aware,
+        margin_form=margin_form if deadline_aware else "relative",
+    )
     policy = make_policy(policy_name, cost=cost, max_chunk_tokens=max_chunk)
     result = options.simulate(workload, policy, args.tpot_ms, args.ttft_ms, cost)
     return evaluate(result, args.ttft_ms, args.tpot_ms).as_dict()
@@ -249,9 +268,10 @@ def main() -> None:
         tuned = [int(b) for b in tuning["budget"].iloc[:2]]
 
     plugin_config = {"tpot_ms": args.tpot_ms, "cost": str(profile_path), "online_correction": True}
-    engines = [(f"vllm-default-{VLLM_CPU_DEFAULT_BUDGET}", VLLM_CPU_DEFAULT_BUDGET, None)]
+    engines = [] if args.no_default else [(f"vllm-default-{VLLM_CPU_DEFAULT_BUDGET}", VLLM_CPU_DEFAULT_BUDGET, None)]
     engines += [(f"vllm-tuned-{b}", b, None) for b in tuned]
-    engines += [("sloweave", VLLM_CPU_DEFAULT_BUDGET, plugin_config)]
+    for variant in args.plugin_variants.split(","):
+        engines += [(variant, VLLM_CPU_DEFAULT_BUDGET, plugin_config | PLUGIN_VARIANTS[variant])]
     rows, capacities = [], []
     for name, budget, config in engines:
         engine = engine_for(model_dir, budget, config, warm=args)
@@ -261,7 +281,10 @@ def main() -> None:
                 print(f"{name} seed {seed}: capacity {capacities[-1]['capacity_rps']:.2f} req/s", flush=True)
             workload = workload_for(args, seed, rate)
             policy = "sloweave-multi" if config else f"sarathi-{budget}"
-            sim = simulated(workload, policy, resolved.model, args, budget)
+            cost = (
+                resolve_cost(str(profile_path), cost_kind=config.get("cost_kind", "regression")) if config else resolved
+            )
+            sim = simulated(workload, policy, cost.model, args, budget, (config or {}).get("margin_form", "relative"))
             rows.append({"engine": name, "seed": seed, **measure(engine, workload, args, vocab, seed),
                          **{f"simulated_{k}": sim[k] for k in ("attainment", "goodput_rps", "p99_ttft_ms", "p99_tpot_ms")}})  # fmt: skip
             print(
@@ -271,7 +294,7 @@ def main() -> None:
         shut_down(engine)
     runs = pd.DataFrame(rows)
     runs.to_csv(args.out / "runs.csv", index=False)
-    medians = summarize_runs(runs, f"vllm-default-{VLLM_CPU_DEFAULT_BUDGET}")
+    medians = summarize_runs(runs, None if args.no_default else f"vllm-default-{VLLM_CPU_DEFAULT_BUDGET}")
     if capacities:
         pd.DataFrame(capacities).to_csv(args.out / "capacity.csv", index=False)
         medians = medians.merge(summarize_capacity(pd.DataFrame(capacities)), on="engine")
@@ -280,6 +303,7 @@ def main() -> None:
     write_result_json(args.out / "summary.json", {
         "settings": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
         "rate_rps": rate, "load_search": searched, "arrival_span_s": span_s, "tuned_budgets": tuned, "cost": resolved.description, "plugin_config": plugin_config,
+        "plugin_variants": {name: config for name, _, config in engines if config},
         "load_1min_start": load_start[0], "load_1min_end": os.getloadavg()[0], "wall_s": time.time() - started,
         "medians": medians.to_dict("records"),
     })  # fmt: skip
@@ -313,7 +337,7 @@ def summarize_capacity(capacities: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
-def summarize_runs(runs: pd.DataFrame, baseline: str) -> pd.DataFrame:
+def summarize_runs(runs: pd.DataFrame, baseline: str | None) -> pd.DataFrame:
     """Medians over seeds per engine, and the per-seed attainment/goodput ratios against the
     default and the best tuned budget of the same seed (medians of those ratios)."""
     columns = ["attainment", "goodput_rps", "p99_ttft_ms", "p99_tpot_ms", "p50_tpot_ms", "mean_step_ms",
@@ -321,7 +345,8 @@ def summarize_runs(runs: pd.DataFrame, baseline: str) -> pd.DataFrame:
     medians = runs.groupby("engine", sort=False)[columns].median().reset_index()
     by_seed = runs.pivot(index="seed", columns="engine", values="goodput_rps")
     best = best_tuned(by_seed)
-    medians["goodput_vs_default"] = [float(np.median(by_seed[e] / by_seed[baseline])) for e in medians["engine"]]
+    if baseline is not None:  # the default budget was served
+        medians["goodput_vs_default"] = [float(np.median(by_seed[e] / by_seed[baseline])) for e in medians["engine"]]
     medians["goodput_vs_best_tuned"] = [float(np.median(by_seed[e] / best)) for e in medians["engine"]]
     return medians
 

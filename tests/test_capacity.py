@@ -298,3 +298,21 @@ def test_replay_command_refuses_length_only_files_unless_arrivals_are_generated(
     assert "ARRIVALS generated: Poisson" in ok.output
     payload = json.loads((tmp_path / "b" / "replay.json").read_text())
     assert payload["replay"]["arrivals_generated"] and "no arrival times" in payload["replay"]["arrivals"]
+
+
+def test_capacity_fits_a_step_time_profile_to_the_kind_asked_and_refuses_the_option_otherwise(tmp_path):
+    """--cost-kind picks the table or the regression fitted from a step-time profile file (the CPU
+    engine's table is the fit whose prefill rate peaks below the largest chunk); for any other
+    cost it is refused, not ignored."""
+    profile = Path(__file__).parents[1] / "benchmarks" / "results-vllm-cpu" / "at-load" / "profile.csv"
+    args = ["--trace", str(SMALL_TRACE), "--seeds", "1", "--policy", "sloweave", "--tpot-ms", "40"]
+    args += ["--steps-per-doubling", "2", "--whole-trace", "--no-curves", "--cost", str(profile)]
+    runs = {}
+    for kind in ("table", "regression"):
+        out = tmp_path / kind
+        result = CliRunner().invoke(capacity, [*args, "--cost-kind", kind, "--out", str(out)])
+        assert result.exit_code == 0, result.output
+        runs[kind] = json.loads((out / "capacity.json").read_text())
+    assert runs["table"]["cost"]["kind"] == "table" and runs["regression"]["cost"]["kind"] == "regression"
+    refused = CliRunner().invoke(capacity, [*SMALL_CAPACITY_ARGS, "--cost-kind", "table", "--out", str(tmp_path / "x")])
+    assert refused.exit_code == 2 and "--cost-kind" in refused.output and "step-time profile" in refused.output

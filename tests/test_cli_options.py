@@ -11,10 +11,17 @@ from click.testing import CliRunner
 
 from sloweave.cli import main
 from sloweave.cli.options import described_fields, option_of_field
-from sloweave.core.validate import TOKENS, setting
+from sloweave.core.validate import DURATION_MS, TOKENS, setting
 from sloweave.sim.options import EngineOptions
 
 STUDIES = ["simulate", "capacity", "tune", "replay"]
+
+
+def test_the_capacity_commands_option_groups_are_described_on_their_fields():
+    from sloweave.cli.capacity import Lattice, Targets
+
+    for config in (Targets, Lattice):
+        assert [spec.name for spec in described_fields(config)] == [spec.name for spec in fields(config)]
 
 
 def test_every_engine_option_but_one_is_described_on_its_field():
@@ -36,6 +43,7 @@ def test_a_field_becomes_a_typed_option_named_by_it():
         chunk_tokens: int | None = setting(None, "the chunk", values=TOKENS)
         form: str = setting("a", "the form", values=("a", "b"))
         exact: bool = setting(False, "exact or not", flag="--exact")
+        targets_ms: tuple[float, ...] = setting((), "targets", values=DURATION_MS, flag="--target-ms", repeat=True)
 
     @click.command()
     def show(**given):
@@ -44,8 +52,16 @@ def test_a_field_becomes_a_typed_option_named_by_it():
     for spec in reversed(described_fields(Knobs)):
         show = option_of_field(spec)(show)
     runner = CliRunner()
-    out = runner.invoke(show, ["--chunk-tokens", "64", "--form", "b", "--exact"])
-    assert out.output.strip().endswith("Knobs(chunk_tokens=64, form='b', exact=True)")
+    out = runner.invoke(
+        show, ["--chunk-tokens", "64", "--form", "b", "--exact", "--target-ms", "10", "--target-ms", "5"]
+    )
+    assert out.output.strip().endswith("Knobs(chunk_tokens=64, form='b', exact=True, targets_ms=(10.0, 5.0))")
+    assert (
+        runner.invoke(show, [])
+        .output.strip()
+        .endswith("Knobs(chunk_tokens=None, form='a', exact=False, targets_ms=())")
+    )
+    assert runner.invoke(show, ["--target-ms", "10", "--target-ms", "10"]).exit_code == 2  # each value once
     assert runner.invoke(show, ["--no-exact"]).exit_code == 0
     refused = runner.invoke(show, ["--chunk-tokens", "-1"])
     assert refused.exit_code == 2 and "--chunk-tokens" in refused.output

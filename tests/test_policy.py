@@ -163,7 +163,7 @@ def brute_force_best(cost, n, waiting, budget, max_chunk):
 )
 def test_proposition_1_chunk_is_safe_and_maximal(table, n, waiting, budget, max_chunk):
     cost = table_cost(table)
-    decision = SLOWeave(cost=cost, max_chunk_tokens=max_chunk).decide(n, waiting, budget)
+    decision = SLOWeave(cost=cost, max_chunk_tokens=max_chunk, chunk_choice="largest").decide(n, waiting, budget)
     best = brute_force_best(cost, n, waiting, budget, max_chunk)
     if best is None:  # even decode-only misses: overload
         assert decision == (0, True)
@@ -192,13 +192,17 @@ def test_proposition_1_with_margin_under_bounded_one_sided_error(table, n, waiti
     def actual(n_, c_):
         return predicted(n_, c_) + float(error[n_ % len(table)][c_])
 
-    policy = SLOWeave(cost=predicted, margin=ConstantMargin(margin_ms), max_chunk_tokens=MAX_CHUNK)
-    decision = policy.decide(n, waiting, budget)
-    if not decision.infeasible:
-        assert actual(n, decision.chunk_tokens) <= budget + 1e-9
-        # and it is the largest chunk the guarded prediction allows
-        guarded = lambda n_, c_: predicted(n_, c_) + margin_ms  # noqa: E731
-        assert decision.chunk_tokens == brute_force_best(guarded, n, waiting, budget, MAX_CHUNK)
+    for choice in ("largest", "fastest"):  # the fastest chunk is one of the safe ones, no larger
+        policy = SLOWeave(
+            cost=predicted, margin=ConstantMargin(margin_ms), max_chunk_tokens=MAX_CHUNK, chunk_choice=choice
+        )
+        decision = policy.decide(n, waiting, budget)
+        if not decision.infeasible:
+            assert actual(n, decision.chunk_tokens) <= budget + 1e-9
+            # and it is the largest chunk the guarded prediction allows (the fastest: at most that)
+            guarded = lambda n_, c_: predicted(n_, c_) + margin_ms  # noqa: E731
+            largest = brute_force_best(guarded, n, waiting, budget, MAX_CHUNK)
+            assert decision.chunk_tokens == largest if choice == "largest" else decision.chunk_tokens <= largest
 
 
 def test_relative_margin_covers_a_bounded_multiplicative_error():

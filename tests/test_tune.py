@@ -167,3 +167,12 @@ def test_cli_with_a_step_time_profile_as_the_cost_model(tmp_path, analytic_step_
     assert payload["cost"]["profile"] == str(profile) and payload["cost"]["kind"] == "regression"
     assert payload["cost"]["context_per_decode_tokens"] > 0  # mean prompt + half the mean output
     assert payload["flag"].startswith("--max-num-batched-tokens ")
+
+
+def test_tables_print_capacities_in_significant_figures():
+    """A 70B capacity of 0.03 req/s printed with one decimal read 0.0; whole numbers keep every digit."""
+    from sloweave.studies.markdown import significant
+    from sloweave.studies.tune_report import _fmt
+
+    assert [significant(v) for v in (0.0312, 0.03, 12.345, 1234.5, 0.0)] == ["0.0312", "0.0300", "12.3", "1,234", "0"]
+    assert _fmt(0.03) == "0.0300" and _fmt(float("nan")) == "-" and _fmt(2048) == "2,048"

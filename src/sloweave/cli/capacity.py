@@ -12,6 +12,7 @@ import pandas as pd
 from sloweave.cli.command import command
 from sloweave.cli.options import (
     OutFolder,
+    cost_kind_option,
     config_options,
     cost_option,
     engine_options,
@@ -22,13 +23,12 @@ from sloweave.cli.options import (
     out_folder_options,
     parallel_options,
     ranged,
+    refuse_step_profile_options,
     stacked,
     requests_option,
-    tpot_ms_option,
     trace_format_option,
-    ttft_ms_option,
 )
-from sloweave.core.costs.resolve import ResolvedCost
+from sloweave.core.costs.resolve import KIND_STEP_PROFILE, ResolvedCost
 from sloweave.core.validate import ATTAINMENT, DURATION_MS, DURATION_S, RATE_RPS, REPEATS, SCALE, TOKENS, setting
 from sloweave.sim.options import EngineOptions
 from sloweave.sim.traces import TraceError, load_trace
@@ -63,10 +63,18 @@ class LoadOptions:
 class Targets:
     """The SLO every policy is held to: TPOT targets (one search each), TTFT and attainment."""
 
-    tpot_targets: tuple[float, ...]
-    tpot_change_ms: float | None
-    ttft_ms: float | None
-    attainment: float
+    tpot_targets: tuple[float, ...] = setting(
+        (), "repeat for several [default: 10, 25, 50]", values=DURATION_MS, flag="--tpot-ms", repeat=True
+    )
+    tpot_change_ms: float | None = setting(
+        None,
+        "the TPOT target changes to this for requests arriving in the second half of each run",
+        values=DURATION_MS,
+    )
+    ttft_ms: float | None = setting(
+        None, f"TTFT target [default: the workload's; {DEFAULT_TRACE_TTFT_MS:g} for a trace]", values=DURATION_MS
+    )
+    attainment: float = setting(DEFAULT_ATTAINMENT, "SLO attainment every TPOT target is held to", values=ATTAINMENT)
 
 
 @dataclass(frozen=True)
@@ -233,18 +241,7 @@ seed_share_options = stacked(
     callback=once_each,
     help=f"repeat for several; fixed-tuned / budget-tuned / sarathi-tuned: that rule at its best budget per target, from a refined sweep [default: {', '.join(DEFAULT_POLICIES)}]",
 )
-@tpot_ms_option(
-    None, "tpot_targets", multiple=True, callback=once_each, help="repeat for several [default: 10, 25, 50]"
-)
-@click.option(
-    "--tpot-change-ms",
-    type=ranged(DURATION_MS),
-    default=None,
-    help="the TPOT target changes to this for requests arriving in the second half of each run",
-)
-@ttft_ms_option(help=f"TTFT target [default: the workload's; {DEFAULT_TRACE_TTFT_MS:g} for a trace]")
-@click.option("--attainment", type=ranged(ATTAINMENT), default=DEFAULT_ATTAINMENT, show_default=True)
-@gathered("targets", Targets, ("tpot_targets", "tpot_change_ms", "ttft_ms", "attainment"))
+@config_options(Targets, "targets")
 @seed_share_options
 @config_options(Lattice, "lattice")
 @max_chunk_option()
@@ -259,6 +256,7 @@ seed_share_options = stacked(
 @gathered("load", LoadOptions, tuple(f.name for f in fields(LoadOptions)))
 @engine_options()
 @cost_option()
+@cost_kind_option(help="model fitted from a step-time profile file as --cost (each decode's KV context as simulated)")
 @out_folder_options(default=Path("results/capacity"), resumable=True)
 def capacity(
     policies,
@@ -271,12 +269,16 @@ def capacity(
     load: LoadOptions,
     engine: EngineOptions,
     cost: ResolvedCost,
+    cost_kind: str,
     out: OutFolder,
 ) -> None:
     """Highest load (arrival-rate scale) at which each policy keeps SLO attainment >= the target."""
     if bool(load.trace_paths) == (load.workload is not None):
         raise click.UsageError("give --trace PATH (one or more) or --workload NAME, not both and not neither")
     check_writable(out.path, "--out")
+    refuse_step_profile_options(cost, (("cost_kind", "--cost-kind"),))
+    if cost.kind == KIND_STEP_PROFILE:
+        cost = cost.step_profile(cost_kind)
     policies = list(policies) or list(DEFAULT_POLICIES)
     try:
         source, ttft_ms = load_source(load, load.seeds or (3 if quick else 5), quick, targets.ttft_ms)

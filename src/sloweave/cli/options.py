@@ -16,7 +16,14 @@ from pathlib import Path
 
 import click
 
-from sloweave.core.costs.resolve import ANALYTIC, COST_HELP, ResolvedCost, resolve_cost
+from sloweave.core.costs.resolve import (
+    ANALYTIC,
+    COST_HELP,
+    KIND_STEP_PROFILE,
+    STEP_PROFILE_KINDS,
+    ResolvedCost,
+    resolve_cost,
+)
 from sloweave.core.policy import DEFAULT_MAX_CHUNK_TOKENS
 from sloweave.core.validate import (
     DEFAULT_MAX_MODEL_LEN_TOKENS,
@@ -157,10 +164,12 @@ def cost_option(default: str = ANALYTIC, help: str | None = None):
 def option_of_field(spec) -> Callable:
     """The click option a described config field (``core.validate.setting``) asks for: its
     flag, help and default from the field, its type from the values it takes; a boolean is an
-    on/off pair."""
+    on/off pair, a repeated field an option given once per value."""
     name, default, meta = spec.name, spec.default, spec.metadata
     flag = meta["flag"] or "--" + name.replace("_", "-")
-    settings = {"default": default, "help": meta["help"], "show_default": default is not None}
+    settings = {"default": default, "help": meta["help"], "show_default": default not in (None, ())}
+    if meta.get("repeat"):
+        settings.update(multiple=True, callback=once_each)
     values = meta["values"]
     if isinstance(values, Range):
         settings["type"] = ranged(values)
@@ -193,6 +202,26 @@ def config_options(config, dest: str):
         return stacked(*map(option_of_field, described))(command)
 
     return decorate
+
+
+def cost_kind_option(help: str = "model fitted from a step-time profile file as --cost"):
+    """``--cost-kind``: which model a step-time profile file as ``--cost`` is fitted to."""
+    return click.option(
+        "--cost-kind", type=click.Choice(STEP_PROFILE_KINDS), default="regression", show_default=True, help=help
+    )
+
+
+def refuse_step_profile_options(cost: ResolvedCost, options: tuple[tuple[str, str], ...]) -> None:
+    """Options (parameter, flag) that only a step-time profile file as --cost reads are refused,
+    when given on the command line, for any other cost: nothing is silently ignored."""
+    if cost.kind == KIND_STEP_PROFILE:
+        return
+    given = click.get_current_context().get_parameter_source
+    for name, label in options:
+        if given(name) == click.core.ParameterSource.COMMANDLINE:
+            raise click.BadParameter(
+                f"applies to a step-time profile file only, not --cost {cost.spec}", param_hint=label
+            )
 
 
 def engine_options(dest: str = "engine"):

@@ -11,6 +11,7 @@ import click
 from sloweave.cli.command import command
 from sloweave.cli.options import (
     OutFolder,
+    cost_kind_option,
     cost_option,
     engine_options,
     gathered,
@@ -20,6 +21,7 @@ from sloweave.cli.options import (
     out_folder_options,
     parallel_options,
     ranged,
+    refuse_step_profile_options,
     requests_option,
     tpot_ms_option,
     trace_format_option,
@@ -76,18 +78,6 @@ def _check_inputs(load: TuneLoad) -> None:
         raise click.UsageError("--max-model-len applies to --trace only")
 
 
-def _refuse_step_profile_options(cost: ResolvedCost) -> None:
-    """--cost-kind and --context-tokens, given on the command line, need a step-time profile file as --cost."""
-    if cost.kind == KIND_STEP_PROFILE:
-        return
-    given = click.get_current_context().get_parameter_source
-    for name, label in STEP_PROFILE_OPTIONS:
-        if given(name) == click.core.ParameterSource.COMMANDLINE:
-            raise click.BadParameter(
-                f"applies to a step-time profile file only, not --cost {cost.spec}", param_hint=label
-            )
-
-
 def _print_advice(result, payload: dict, notes: list[str], out_dir: Path) -> None:
     for line in notes:
         click.echo(line)
@@ -135,13 +125,7 @@ def _print_advice(result, payload: dict, notes: list[str], out_dir: Path) -> Non
     help="load for the goodput comparison, as a rate scale [default: the best budget's capacity]",
 )
 @cost_option()
-@click.option(
-    "--cost-kind",
-    type=click.Choice(["regression", "table"]),
-    default="regression",
-    show_default=True,
-    help="model fitted from a step-time profile file",
-)
+@cost_kind_option(help="model fitted from a step-time profile file")
 @click.option(
     "--context-tokens",
     type=ranged(Range(0, MAX_TOKENS, " of tokens", low_open=True)),
@@ -196,7 +180,7 @@ def tune_command(
     """Sweep the fixed token budget of an engine and print the value to set."""
     _check_inputs(load)
     check_writable(out.path, "--out")
-    _refuse_step_profile_options(cost)
+    refuse_step_profile_options(cost, STEP_PROFILE_OPTIONS)
     budgets = tuple(budgets) or (QUICK_BUDGETS_TOKENS if quick else DEFAULT_BUDGETS_TOKENS)
     try:
         source, ttft_ms = _load_source(load, quick, ttft_ms)

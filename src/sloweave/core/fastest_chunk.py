@@ -34,7 +34,7 @@ MAX_REFINEMENTS = 12
 # KV contexts a context-aware cost is checked at (decodes' KV tokens, the chunked prompt's prefix).
 _CHECK_DECODES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 _CHECK_POINTS = 129
-_CHECK_CONTEXTS = ((0, 0), (0, 8192), (131_072, 0))
+_CHECK_CONTEXTS = ((0, 8192), (131_072, 0))
 
 
 def rate_can_peak(cost: CostModel, predicted: CostModel, max_chunk_tokens: int) -> bool:
@@ -42,21 +42,19 @@ def rate_can_peak(cost: CostModel, predicted: CostModel, max_chunk_tokens: int) 
 
     Asked once, when a policy is built (the caller makes the queries uncounted). Where it never
     decreases, the largest safe chunk prefills fastest and the search is skipped: no extra query
-    per decision. A cost that reads the KV context is checked at a few contexts, set on it and
-    put back; a peak only at another context goes unseen and that cost keeps the largest chunk.
+    per decision. A cost that reads the KV context is checked at the context it holds (with the
+    margin) and at a few more through ``predict`` (without it: the context is not set on a model
+    an engine may be feeding); a peak only at another context goes unseen, and that cost keeps
+    the largest chunk.
     """
     chunks = np.unique(np.linspace(1, max_chunk_tokens, _CHECK_POINTS).round().astype(int))
+    if _rate_drops(predicted, chunks):
+        return True
     if isinstance(cost, ContextAware):
-        kept = (getattr(cost, "decode_kv_tokens", 0), getattr(cost, "prefill_prefix_tokens", 0))
-        try:
-            for kv_tokens, prefix_tokens in _CHECK_CONTEXTS:
-                cost.set_context(kv_tokens, prefix_tokens)
-                if _rate_drops(predicted, chunks):
-                    return True
-            return False
-        finally:
-            cost.set_context(*kept)
-    return _rate_drops(predicted, chunks)
+        for kv_tokens, prefix_tokens in _CHECK_CONTEXTS:
+            if _rate_drops(lambda n, c: cost.predict(n, c, kv_tokens, prefix_tokens), chunks):
+                return True
+    return False
 
 
 def _rate_drops(predicted: CostModel, chunks: np.ndarray) -> bool:
@@ -73,8 +71,8 @@ def fastest_chunk(
 ) -> int:
     """The chunk in [1, largest] that prefills fastest, ``largest`` being the largest safe one.
 
-    A halving-in-log ladder walks down from ``largest`` while each probe prefills faster than the
-    best so far, which brackets the peak of a rate with one peak; a golden-section search in log c
+    A ladder of probes at ``largest * LADDER_RATIO ** (1, 2, 4, ...)`` walks down while each
+    prefills faster than the best so far, which brackets the peak of a rate with one peak; a golden-section search in log c
     narrows the bracket to ``BRACKET_RATIO``; the chunks ending at the tile edges just below
     ``largest`` and below the best (``tile_edges``, token counts) are weighed last. A chunk
     replaces the best only when it prefills strictly faster, so the answer never prefills slower

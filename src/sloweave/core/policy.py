@@ -188,7 +188,7 @@ class SLOWeave:
         if upper <= 0:
             return _DECODE_ONLY
         chunk = self._fitting_chunk(n_decodes, upper, budget_ms, predicted)
-        if not self._seeks_fastest or not chunk or chunk >= upper:
+        if not self._seeks_fastest or not chunk or chunk >= waiting_tokens:
             return _decision(Decision, (chunk, False))  # the whole prompt fits: finishing it serves TTFT best
         return _decision(Decision, (fastest_chunk(predicted, n_decodes, chunk, self._tile_edges), False))
 

@@ -143,11 +143,19 @@ def over_context(prompt_tokens, output_tokens, max_model_len_tokens: int) -> str
     )
 
 
-def setting(default, help: str, *, values: Range | tuple[str, ...] | None = None, flag: str | None = None):
+def setting(
+    default,
+    help: str,
+    *,
+    values: Range | tuple[str, ...] | None = None,
+    flag: str | None = None,
+    repeat: bool = False,
+):
     """A config field that describes itself: its default, its help text and the values it takes
     (a ``Range`` or a tuple of names), from which a command line builds its option (``flag``:
-    the option's name when it is not ``--<field-name>``)."""
-    return field(default=default, metadata={"help": help, "values": values, "flag": flag})
+    the option's name when it is not ``--<field-name>``; ``repeat``: the option may be given
+    several times, each value once, and the field holds them as a tuple, ``()`` if none)."""
+    return field(default=default, metadata={"help": help, "values": values, "flag": flag, "repeat": repeat})
 
 
 class OptionError(ValueError):

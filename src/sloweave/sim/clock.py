@@ -15,6 +15,8 @@
 
 from __future__ import annotations
 
+from types import FunctionType
+
 from sloweave.core.costs.calibrated import OnlineCalibrator
 from sloweave.core.costs.protocols import Calibrated, ContextFeed
 
@@ -38,11 +40,17 @@ class IterationClock:
         self._feed = feed = ContextFeed(*(m for m in (policy_cost, duration, inner) if hasattr(m, "set_context")))
         self.reads_context = feed.reads_context
         self.reads_offer = feed.reads_offer
-        self.set_offer = feed.set_offer
+        # One model to tell (the usual case): its own methods, one call less per decision each.
+        self.set_offer = feed.offer_models[0].set_offer if len(feed.offer_models) == 1 else feed.set_offer
         self._decode_kv = self._prefix = 0
         if correction is None:
-            self.iteration_ms = duration  # nothing to learn: the cost itself (one call less per iteration)
-            self.set_context = feed.set_context  # nor a context to keep for it (one call less per decision)
+            # nothing to learn: the cost itself (one call less per iteration), and a cost object's
+            # bound ``__call__`` at that, which CPython calls faster than the object
+            own_call = isinstance(getattr(type(duration), "__call__", None), FunctionType)
+            self.iteration_ms = duration.__call__ if own_call else duration
+            # nor a context to keep for it
+            models = feed.context_models
+            self.set_context = models[0].set_context if len(models) == 1 else feed.set_context
 
     def set_context(self, decode_kv_tokens: int, prefill_prefix_tokens: int) -> None:
         """The step's context, to the models that read it and, with correction, kept for its base prediction."""

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import pandas as pd
 
+from sloweave.studies.markdown import significant
 from sloweave.studies.outputs import write_result_json
 from sloweave.studies.pictures import pyplot
 
@@ -31,7 +32,7 @@ def flag_for(engine: str, budget_tokens: int) -> str:
     return ENGINES[engine][0].format(n=int(budget_tokens))
 
 
-def _fmt(value, digits: int = 1) -> str:
+def _fmt(value, digits: int = 3) -> str:
     if value is None or (isinstance(value, float) and not math.isfinite(value)):
         return "-"
     if isinstance(value, (bool, np.bool_)):
@@ -39,7 +40,7 @@ def _fmt(value, digits: int = 1) -> str:
     if isinstance(value, (int, np.integer)):
         return f"{int(value):,}"
     if isinstance(value, float):
-        return f"{value:,.{digits}f}"
+        return significant(value, digits)
     return str(value)
 
 
@@ -59,7 +60,7 @@ def tune_table(result: TuneResult) -> str:
         label = row["policy"] if row["budget_tokens"] is None else _fmt(row["budget_tokens"])
         lines.append(
             f"| {label} | {_fmt(row['capacity_rps'])} ± {_fmt(row['capacity_rps_std'])} | {_fmt(row['goodput_rps'])} "
-            f"| {100 * row['attainment']:.1f} % | {_fmt(row['p99_ttft_ms'], 0)} | {_fmt(row['p99_tpot_ms'])} | {', '.join(notes)} |"
+            f"| {100 * row['attainment']:.1f} % | {_fmt(row['p99_ttft_ms'])} | {_fmt(row['p99_tpot_ms'])} | {', '.join(notes)} |"
         )
     return "\n".join(lines) + "\n"
 

@@ -93,7 +93,7 @@ class ProfileCost(ContextualCost):
         self._build_decode()
         self._build_prefill()
         self._build_cpu()
-        self._decode_key = None
+        self._decode_n = self._decode_kv = -1  # the last decode term's (n, KV), none yet
         self._decode_ms = 0.0
         self._offer: list[tuple[int, int]] | None = None
         self.prefill_prefix_tokens = -1  # forces the first set_context to place the prefix
@@ -110,7 +110,7 @@ class ProfileCost(ContextualCost):
                 except ValueError as err:
                     raise ProfileError(f"{self.profiles.where}: {err}") from None
         self.set_context(0, 0)  # the first context: places the head prompt's prefix rows
-        self._decode_key = None
+        self._decode_n = self._decode_kv = -1
 
     # ---- tables ---------------------------------------------------------------------------
 
@@ -232,14 +232,22 @@ class ProfileCost(ContextualCost):
             self._set_prefix(int(prefill_prefix_tokens))
 
     def _set_prefix(self, prefix: int) -> None:
+        """Place the prefill rows of ``prefix``: the two profiled-prefix rows around it, its weight
+        between them, and the longest chunk ``__call__`` may read off them without counting."""
         self.prefill_prefix_tokens = prefix
-        if prefix >= self.prefix_max:
-            self._row_a = self._row_b = len(self._prefill_rows) - 1
-            self._row_w = 0.0
+        rows, ends = self._prefill_rows, self._prefill_row_end
+        if prefix < self.prefix_max:
+            # on whole tokens, exactly divmod(prefix / PREFIX_STEP, 1.0) (a power of two divides
+            # exactly); the row after it is there, the rows running to prefix_max rounded up
+            row_a = prefix // PREFIX_STEP
+            w = self._row_w = prefix % PREFIX_STEP / PREFIX_STEP
+            self._row_a_values, self._row_b_values = rows[row_a], rows[row_a + 1]
+            end = self._row_end = ends[row_a + 1] if w else ends[row_a]  # the longest chunk profiled
         else:
-            j, self._row_w = divmod(prefix / PREFIX_STEP, 1.0)
-            self._row_a = int(j)
-            self._row_b = min(self._row_a + 1, len(self._prefill_rows) - 1)
+            self._row_w = 0.0
+            self._row_a_values = self._row_b_values = rows[-1]
+            end = self._row_end = ends[-1]
+        self._chunk_end = -1 if prefix > self.prefix_max else end if end < self.chunk_max else self.chunk_max
 
     def set_offer(self, offered: list[tuple[int, int]] | None) -> None:
         """The prompts a chunk is taken from, FCFS: (remaining tokens, prefix) each, the first being
@@ -248,14 +256,42 @@ class ProfileCost(ContextualCost):
         self._offer = offered
 
     def __call__(self, n_decodes: int, chunk_tokens: int) -> float:
-        per_layer = self._token_ops(n_decodes + chunk_tokens)
+        # Once per simulated iteration (and a dozen times per decision): the in-range lookups are
+        # spelled out here rather than called, the rare cases go to the methods that count them.
+        tokens = n_decodes + chunk_tokens
+        per_layer = self._tokens[tokens] if tokens <= self.tokens_max else self._token_ops(tokens)
         if n_decodes:
-            per_layer += self._decode(n_decodes, self.decode_kv_tokens)
+            decode_kv = self.decode_kv_tokens
+            # on whole tokens: kv / n <= the profiled KV exactly when kv <= it x n; and the row's
+            # point and weight (kv / n) / step in whole and fraction, as ``_decode`` takes them
+            # (a power of two scales a rounded quotient exactly; no quotient comes near a whole one)
+            if decode_kv <= self.decode_kv_max * n_decodes and n_decodes <= self.decode_batch_max:
+                row = self._decode_rows[n_decodes]
+                per_step = n_decodes * DECODE_KV_STEP
+                i = decode_kv // per_step
+                w = decode_kv / per_step - i
+                value = row[i] if w == 0.0 else row[i] + w * (row[i + 1] - row[i])
+                self._decode_n, self._decode_kv, self._decode_ms = n_decodes, decode_kv, value
+                per_layer += value
+            else:
+                per_layer += self._decode(n_decodes, decode_kv)
         pieces = 0
         if chunk_tokens:
             offer = self._offer
             if not offer or chunk_tokens <= offer[0][0] or len(offer) == 1:
-                per_layer += self._prefill(chunk_tokens, self.prefill_prefix_tokens)
+                if chunk_tokens <= self._chunk_end:
+                    k = chunk_tokens // CHUNK_STEP
+                    u = chunk_tokens / CHUNK_STEP - k
+                    a = self._row_a_values
+                    at_a = a[k] if u == 0.0 else a[k] + u * (a[k + 1] - a[k])
+                    w = self._row_w
+                    if w:
+                        b = self._row_b_values
+                        at_b = b[k] if u == 0.0 else b[k] + u * (b[k + 1] - b[k])
+                        at_a += w * (at_b - at_a)
+                    per_layer += at_a
+                else:
+                    per_layer += self._prefill(chunk_tokens, self.prefill_prefix_tokens)
                 pieces = 1
             else:
                 attention, pieces = self._spread(chunk_tokens, offer)
@@ -280,11 +316,9 @@ class ProfileCost(ContextualCost):
         layers, tokens = self.layers, self._tokens
         decode_only_ms = layers * (tokens[n] + decode_ms) + self._cpu_ms(n)
         one_piece_cpu_ms = self._cpu_ms(n + 1)
-        row_a, row_b, row_w = self._prefill_rows[self._row_a], self._prefill_rows[self._row_b], self._row_w
+        row_a, row_b, row_w = self._row_a_values, self._row_b_values, self._row_w
         # past it a query is priced by ``self``: counted past the profile, or spread over the offer
-        chunk_limit = min(
-            self.chunk_max, self._prefill_row_end[self._row_b if row_w else self._row_a], self.tokens_max - n
-        )
+        chunk_limit = min(self._chunk_end, self.tokens_max - n)
         offer = self._offer
         if offer and len(offer) > 1:
             chunk_limit = min(chunk_limit, offer[0][0])
@@ -324,12 +358,12 @@ class ProfileCost(ContextualCost):
 
     def _prefill_at(self, chunk: int, prefix: int) -> float:
         """Prefill attention at another prefix than the context's (the head's)."""
-        saved = self._row_a, self._row_b, self._row_w, self.prefill_prefix_tokens
+        saved = self.prefill_prefix_tokens
         self._set_prefix(prefix)
         try:
             return self._prefill(chunk, prefix)
         finally:
-            self._row_a, self._row_b, self._row_w, self.prefill_prefix_tokens = saved
+            self._set_prefix(saved)  # the context's rows again (a function of the prefix alone)
 
     def predict(self, n_decodes: int, chunk_tokens: int, decode_kv_tokens: int, prefill_prefix_tokens: int) -> float:
         """T with an explicit context, the chunk as one piece (the ``ContextualCost`` interface)."""
@@ -359,23 +393,24 @@ class ProfileCost(ContextualCost):
         return self._tokens[-1] + self._tokens_slope * (tokens - self.tokens_max)
 
     def _decode(self, n: int, decode_kv_tokens: int) -> float:
-        key = (n, decode_kv_tokens)
-        if key == self._decode_key:
+        if n == self._decode_n and decode_kv_tokens == self._decode_kv:
             return self._decode_ms
-        batch = min(n, self.decode_batch_max)
+        batch = n if n < self.decode_batch_max else self.decode_batch_max
         kv = decode_kv_tokens / n
-        row, slope = self._decode_rows[batch], self._decode_kv_slope[batch]
+        row = self._decode_rows[batch]
         if kv <= self.decode_kv_max:
-            i, w = divmod(kv / DECODE_KV_STEP, 1.0)
-            i = int(i)
+            # x - int(x) is divmod(x, 1.0)'s remainder, exactly, for the x >= 0 here
+            x = kv / DECODE_KV_STEP
+            i = int(x)
+            w = x - i
             value = row[i] if w == 0.0 else row[i] + w * (row[i + 1] - row[i])
         else:
             self._beyond("decode_kv", f"{kv:.0f} KV tokens per decode > {self.decode_kv_max} profiled")
-            value = row[-1] + slope * (kv - self.decode_kv_max)
+            value = row[-1] + self._decode_kv_slope[batch] * (kv - self.decode_kv_max)
         if n > self.decode_batch_max:
             self._beyond("decode_batch", f"{n} decodes > {self.decode_batch_max} profiled")
             value *= n / self.decode_batch_max  # memory-bound: linear in the KV read
-        self._decode_key, self._decode_ms = key, value
+        self._decode_n, self._decode_kv, self._decode_ms = n, decode_kv_tokens, value
         return value
 
     def _prefill(self, chunk: int, prefix: int) -> float:
@@ -387,17 +422,18 @@ class ProfileCost(ContextualCost):
                 + self._prefill_b * (chunk - self.chunk_max)
                 + self._prefill_g * (self._pairs(chunk, prefix) - self._pairs(self.chunk_max, prefix))
             )
-        if chunk > self._prefill_row_end[self._row_b if self._row_w else self._row_a]:
+        if chunk > self._row_end:
             self._beyond(
                 "prefill_chunk_at_prefix",
                 f"a {chunk}-token chunk on a {prefix}-token prefix, past the profiled chunk + prefix",
             )
-        k, u = divmod(chunk / CHUNK_STEP, 1.0)
-        k = int(k)
-        a, b = self._prefill_rows[self._row_a], self._prefill_rows[self._row_b]
+        x = chunk / CHUNK_STEP  # read as ``__call__`` reads it in range
+        k = int(x)
+        u = x - k
+        a, b = self._row_a_values, self._row_b_values
         at_a = a[k] if u == 0.0 else a[k] + u * (a[k + 1] - a[k])
         at_b = b[k] if u == 0.0 else b[k] + u * (b[k + 1] - b[k])
-        value = at_a + self._row_w * (at_b - at_a)
+        value = at_a + self._row_w * (at_b - at_a) if self._row_w else at_a
         if prefix > self.prefix_max:
             self._beyond("prefill_prefix", f"a {prefix}-token prefix > {self.prefix_max} profiled")
             value += self._prefill_g * chunk * (prefix - self.prefix_max)

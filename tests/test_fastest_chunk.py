@@ -1,0 +1,192 @@
+"""SLOWeave's fastest deadline-safe chunk (``sloweave.core.fastest_chunk``).
+
+Among the chunks whose T + delta fits the budget, the one with the most prompt tokens per ms of
+the step; on a cost whose rate never peaks (affine, the analytic model) the largest, with no
+extra cost query.
+"""
+
+from __future__ import annotations
+
+import bisect
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from sloweave.core.costs.analytic import AnalyticCost
+from sloweave.core.costs.margins import ConstantMargin
+from sloweave.core.costs.profile_fit import fit_profile_file
+from sloweave.core.fastest_chunk import BRACKET_RATIO, MAX_REFINEMENTS
+from sloweave.core.policy import SLOWeave, make_policy
+
+CPU_PROFILE = Path(__file__).resolve().parent.parent / "benchmarks" / "results-vllm-cpu" / "at-load" / "profile.csv"
+
+
+class QuadraticCost:
+    """T(n, c) = a + b n + p c + k c^2: per-token time rising with the chunk when k > 0."""
+
+    def __init__(self, a, b, p, k):
+        self.a, self.b, self.p, self.k = a, b, p, k
+        self.queries = 0
+
+    def __call__(self, n, c):
+        self.queries += 1
+        return self.a + self.b * n + self.p * c + self.k * c * c
+
+
+def rate(cost, n, c):
+    return c / cost(n, c)
+
+
+def largest_safe(cost, n, upper, budget):
+    """The largest chunk in [0, upper] whose T fits the budget (T is monotone: scan down)."""
+    for c in range(upper, -1, -1):
+        if cost(n, c) <= budget:
+            return c
+    return None
+
+
+quadratics = st.builds(
+    QuadraticCost,
+    a=st.floats(0.05, 20.0),
+    b=st.floats(0.0, 0.5),
+    p=st.floats(0.0, 0.05),
+    k=st.one_of(st.just(0.0), st.floats(-8.0, -3.0).map(lambda e: 10.0**e)),  # log-uniform: peaks anywhere
+)
+
+
+@settings(max_examples=300, deadline=None, derandomize=True)
+@given(
+    cost=quadratics,
+    n=st.integers(1, 300),
+    waiting=st.integers(1, 8000),
+    budget=st.floats(0.1, 300.0),
+    max_chunk=st.integers(1, 4096),
+)
+def test_the_chosen_chunk_is_safe_no_larger_no_slower_and_within_1_percent_of_the_fastest(
+    cost, n, waiting, budget, max_chunk
+):
+    policy = SLOWeave(cost=cost, max_chunk_tokens=max_chunk)
+    largest_policy = SLOWeave(cost=cost, max_chunk_tokens=max_chunk, chunk_choice="largest")
+    upper = min(waiting, max_chunk)
+    chunk, infeasible = policy.decide(n, waiting, budget)
+    largest = largest_safe(cost, n, upper, budget)
+    assert largest_policy.decide(n, waiting, budget) == ((0, True) if largest is None else (largest, False))
+    if largest is None:
+        assert (chunk, infeasible) == (0, True)
+        return
+    assert not infeasible and cost(n, chunk) <= budget and chunk <= largest
+    if largest in (0, waiting):  # nothing fits, or the whole prompt does: finishing it serves TTFT
+        assert chunk == largest
+        return
+    assert rate(cost, n, chunk) >= rate(cost, n, largest)
+    rates = np.arange(1, largest + 1) / np.array([cost(n, c) for c in range(1, largest + 1)])
+    assert rate(cost, n, chunk) >= 0.99 * rates.max()
+    if cost.k == 0.0:  # affine: the rate only grows with the chunk
+        assert chunk == largest
+
+
+@settings(max_examples=100, deadline=None, derandomize=True)
+@given(cost=quadratics, n=st.integers(1, 300), budget=st.floats(0.1, 300.0))
+def test_a_search_asks_a_bounded_number_of_extra_queries(cost, n, budget):
+    fastest = SLOWeave(cost=cost)
+    largest = SLOWeave(cost=cost, chunk_choice="largest")
+    cost.queries = 0
+    largest.decide(n, 100_000, budget)
+    plain = cost.queries
+    cost.queries = 0
+    fastest.decide(n, 100_000, budget)
+    # one for the largest chunk, at most 8 ladder probes from 4,096 tokens, the refinements
+    assert cost.queries - plain <= 1 + 8 + MAX_REFINEMENTS
+    if not fastest._seeks_fastest:
+        assert cost.queries == plain
+
+
+@pytest.mark.parametrize(
+    "cost", [AnalyticCost(), AnalyticCost(decode_per_req_ms=1.0), QuadraticCost(2.0, 0.05, 0.01, 0.0)]
+)
+def test_a_cost_whose_rate_never_peaks_keeps_the_largest_chunk_with_no_extra_query(cost):
+    policy = SLOWeave(cost=cost, margin=ConstantMargin(0.5))
+    assert not policy._seeks_fastest
+    for n, budget in ((1, 5.0), (4, 10.0), (64, 25.0), (200, 40.0), (8, 300.0)):
+        assert policy.decide(n, 100_000, budget) == policy._largest_fitting(n, 100_000, budget)
+
+
+def test_a_convex_cost_takes_the_chunk_at_its_peak_rate():
+    # T = 4 + 0.01 c + 1e-5 c^2 at n = 0 terms aside: the rate peaks at sqrt(4 / 1e-5) = 632 tokens
+    cost = QuadraticCost(4.0, 0.0, 0.01, 1e-5)
+    policy = SLOWeave(cost=cost)
+    assert policy._seeks_fastest
+    largest = policy._largest_fitting(1, 5000, 100.0).chunk_tokens
+    chunk = policy.decide(1, 5000, 100.0).chunk_tokens
+    assert largest > 2000 and abs(chunk - 632) < 632 * (BRACKET_RATIO - 1)
+    assert policy.decide(1, 1500, 100.0).chunk_tokens == 1500  # the whole prompt fits: finished
+    assert make_policy("sloweave-largest", cost=cost).decide(1, 5000, 100.0).chunk_tokens == largest
+
+
+class TiledCost:
+    """1 + 0.01 n + 0.01 (n + c) + a 2 ms ramp over the 8 tokens past every 128 (a GPU's tile step)."""
+
+    tile_edges = [128, 256, 384]
+
+    def __call__(self, n, c):
+        if not c:
+            return 1.0 + 0.01 * n
+        tokens = n + c
+        steps = sum(min(1.0, max(0.0, (tokens - edge) / 8)) for edge in self.tile_edges)
+        return 1.0 + 0.01 * n + 0.01 * tokens + 2.0 * steps
+
+
+def tile_edge_rule(cost, n, largest):
+    """The rule before the search: the largest chunk, or the one ending at the edge below if faster."""
+    i = bisect.bisect_left(cost.tile_edges, n + largest)
+    edge_chunk = cost.tile_edges[i - 1] - n if i else 0
+    if edge_chunk > 0 and edge_chunk * cost(n, largest) > largest * cost(n, edge_chunk):
+        return edge_chunk
+    return largest
+
+
+@settings(max_examples=200, deadline=None, derandomize=True)
+@given(n=st.integers(1, 300), budget=st.floats(1.0, 12.0))
+def test_with_tile_edges_the_tile_edge_rule_is_kept_or_improved(n, budget):
+    cost = TiledCost()
+    policy = SLOWeave(cost=cost)
+    largest, infeasible = policy._largest_fitting(n, 100_000, budget)
+    chunk = policy.decide(n, 100_000, budget).chunk_tokens
+    if infeasible or not largest:
+        assert chunk == 0
+        return
+    assert cost(n, chunk) <= budget and chunk <= largest
+    assert rate(cost, n, chunk) >= rate(cost, n, tile_edge_rule(cost, n, largest))
+
+
+def test_on_the_cpu_engines_profile_the_fitted_table_takes_a_smaller_faster_chunk():
+    """The CPU engine's fitted costs at a 39 ms budget with a few decodes. The regression is affine in
+    the chunk (no KV term fitted here): its rate never peaks, so it keeps the largest chunk. The
+    table follows the measured steps, whose per-token time rises past about 1,024 tokens: its fastest
+    chunk is smaller than the largest fitting one and prefills faster."""
+    fit = fit_profile_file(CPU_PROFILE)
+    regression = SLOWeave(cost=fit.cost("regression"))
+    assert not regression._seeks_fastest
+    table_cost = fit.cost("table")
+    table = SLOWeave(cost=table_cost)
+    assert table._seeks_fastest
+    for n in (2, 4, 8):
+        assert regression.decide(n, 8000, 39.0) == regression._largest_fitting(n, 8000, 39.0)
+        largest = table._largest_fitting(n, 8000, 39.0).chunk_tokens
+        chunk = table.decide(n, 8000, 39.0).chunk_tokens
+        assert table_cost(n, chunk) <= 39.0 and chunk < largest
+        assert rate(table_cost, n, chunk) > 1.1 * rate(table_cost, n, largest)
+
+
+def test_the_choice_is_named_and_checked():
+    assert make_policy("sloweave").chunk_choice == "fastest"
+    for name in ("sloweave-largest", "sloweave-multi-largest", "sloweave-largest+lookahead"):
+        policy = make_policy(name)
+        assert policy.chunk_choice == "largest" and policy.name == name
+    with pytest.raises(ValueError, match="chunk_choice must be one of"):
+        SLOWeave(chunk_choice="smallest")
+    with pytest.raises(ValueError, match="unknown policy"):
+        make_policy("fixed-512-largest")
