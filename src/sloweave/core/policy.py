@@ -444,8 +444,7 @@ def make_policy(
 
     ``cost`` is the model every policy is simulated on: SLOWeave also decides with it; a static
     rule predicts nothing but keeps it as its machine, so ``simulate(workload, make_policy(name,
-    cost=fitted))`` times every policy with ``fitted`` (it used to time the static ones with
-    the analytic model). A static rule has no margin: one given is refused, not dropped.
+    cost=fitted))`` times every policy with ``fitted``, static ones included. A static rule has no margin: one given is refused, not dropped.
     """
     if not isinstance(spec, str):
         raise ValueError(f"a policy is named by a string (e.g. 'sloweave', 'fixed-1024'), got {spec!r}")

@@ -22,7 +22,7 @@ DEFAULT_MAX_MODEL_LEN_TOKENS = 1_048_576
 
 # 2**31 tokens: 2,048 times the default context, so any chunk, budget, KV capacity or context a
 # machine can hold fits, while a product of two token counts (a chunk x a context) stays exact in
-# int64 (1e20 used to wrap to a negative chunk or fail to cast inside numpy).
+# int64 (a larger count such as 1e20 wraps to a negative chunk or fails to cast inside numpy).
 MAX_TOKENS = 2**31
 # 1e10 ms (116 days) for any duration in ms: a target, an aging threshold, a step time. A clock
 # at 1e10 s (below) in ms still resolves 0.002 ms, so it can add a step of any size.
