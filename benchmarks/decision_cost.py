@@ -29,7 +29,6 @@ import os
 import statistics
 import subprocess
 import sys
-import tarfile
 import tempfile
 import time
 import warnings
@@ -41,6 +40,9 @@ from sloweave.core.costs.analytic import AnalyticCost
 from sloweave.core.deadlines import DeadlineTracker
 from sloweave.core.policy import FixedChunk, SLOWeave
 from sloweave.core.costs.profile import profile_cost
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from simulator_speed import extract  # noqa: E402  (one way to take an older revision's src/)
 
 DECISIONS = 2000
 REPEATS = 5
@@ -151,14 +153,6 @@ def profile_decisions() -> dict:
         if cost is not None:
             digest.update(repr(sorted(cost.out_of_range.items())).encode())
     return {"timings": timings, "digest": digest.hexdigest()}
-
-
-def extract(rev: str, into: Path) -> Path:
-    archive = into / "src.tar"
-    subprocess.run(["git", "-C", str(REPO), "archive", "--format=tar", "-o", str(archive), rev, "src"], check=True)
-    with tarfile.open(archive) as tar:
-        tar.extractall(into, filter="data")
-    return into / "src"
 
 
 def time_tree(src: Path) -> dict:
