@@ -21,7 +21,7 @@ import argparse
 import json
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -53,6 +53,50 @@ class Condition:
     tpot_change_ms: float | None = None
     what: str = ""
     extra: dict = field(default_factory=dict)
+    model_kv: bool = False  # the measured model's KV cache on its GPUs (admission by memory, preemption)
+    ttft_ms: float | None = None  # instead of the input's own TTFT target
+
+
+# Where adaptivity should win, on measured GPU costs with the model's KV memory: each preset's
+# TPOT targets follow its own decode step (8B TP1 12-21 ms, 70B TP2 57-110 ms), the target
+# change tightens the looser one to the tighter; Mooncake's prompts need 30 s TTFT on the 70B.
+MEASURED = {
+    "llama3-8b-tp1-a100": ("8b", (25.0, 50.0), 10000.0),
+    "llama2-70b-tp2-a100": ("70b", (100.0, 150.0), 30000.0),
+}
+
+
+def measured_conditions() -> list[Condition]:
+    out = []
+    for preset, (short, tpots, long_ttft_ms) in MEASURED.items():
+        memory = dict(cost=preset, model_kv=True)
+        out += [
+            Condition(f"drift-{short}", "drift", tpots=tpots, what=f"drift on {preset}, model KV memory", **memory),
+            Condition(
+                f"target-change-{short}",
+                "mixed",
+                tpots=(tpots[1],),
+                tpot_change_ms=tpots[0],
+                what=f"TPOT {tpots[1]:g} ms, then {tpots[0]:g} ms, on {preset}, model KV memory",
+                **memory,
+            ),
+            Condition(
+                f"azure+mooncake-{short}",
+                "azure+mooncake",
+                tpots=tpots,
+                ttft_ms=long_ttft_ms,
+                what=f"two traces back to back on {preset}, model KV memory",
+                **memory,
+            ),
+        ]
+    return out
+
+
+def engine_of(condition: Condition, cost) -> EngineOptions:
+    """The condition's engine options, with the model's KV capacity where it asks for it."""
+    if not condition.model_kv:
+        return condition.options
+    return replace(condition.options, kv_capacity_tokens=cost.model_kv_memory(0.9).tokens)
 
 
 def conditions() -> list[Condition]:
@@ -109,7 +153,7 @@ def conditions() -> list[Condition]:
         for s in ("mixed", "azure")
     ]
     out += [corrected(label, opts, "long") for label, opts in errors]
-    return out
+    return out + measured_conditions()
 
 
 def source_of(name: str, seeds: int, requests: int):
@@ -129,6 +173,7 @@ def run(condition: Condition, args) -> dict:
     if done.exists():
         return json.loads(done.read_text())
     source, ttft_ms = source_of(condition.source, args.seeds, args.requests)
+    ttft_ms = condition.ttft_ms or ttft_ms
     cost = resolve_cost(condition.cost)
     study = CapacityStudy(
         source,
@@ -137,7 +182,7 @@ def run(condition: Condition, args) -> dict:
         ttft_ms,
         SearchLattice(steps_per_doubling=args.steps, min_scale=1 / 64, max_scale=64.0),
         cost=cost.model,
-        options=condition.options,
+        options=engine_of(condition, cost),
         runner=Runner(jobs=args.jobs),
         tpot_change_ms=condition.tpot_change_ms,
         progress=True,
@@ -150,6 +195,7 @@ def run(condition: Condition, args) -> dict:
         "requests_per_seed": args.requests,
         "seeds": args.seeds,
         "tpot_change_ms": condition.tpot_change_ms,
+        "kv_capacity_tokens": engine_of(condition, cost).kv_capacity_tokens,
     }
     payload = run_capacity(study, out_dir, meta, cost, curves=False)
     payload["seconds"] = round(time.perf_counter() - started, 1)
@@ -176,6 +222,7 @@ def phase_breakdown(condition: Condition, args, payload: dict) -> list[dict]:
     target, and in which phase, for SLOWeave and its best baseline; and the per-request P99
     token gaps there (pooled over seeds: their median, P90 and P99 over requests)."""
     source, ttft_ms = source_of(condition.source, args.seeds, args.requests)
+    ttft_ms = condition.ttft_ms or ttft_ms
     per_seed = pd.read_csv(args.out / condition.name / "capacity_seeds.csv")
     names = {name for r in payload["pairwise"] for name in (r["policy"], r["best_baseline"])}
     cost = resolve_cost(condition.cost)
@@ -186,7 +233,7 @@ def phase_breakdown(condition: Condition, args, payload: dict) -> list[dict]:
         ttft_ms,
         SearchLattice(steps_per_doubling=args.steps, min_scale=1 / 64, max_scale=64.0),
         cost=cost.model,
-        options=condition.options,
+        options=engine_of(condition, cost),
         tpot_change_ms=condition.tpot_change_ms,
     )
     rows = []
@@ -261,6 +308,7 @@ def summary_rows(condition: Condition, payload: dict) -> list[dict]:
                 "input": condition.source,
                 "cost": condition.cost,
                 "options": condition.options.label(),
+                "kv_capacity_tokens": payload.get("kv_capacity_tokens"),
                 **{
                     k: r[k]
                     for k in (

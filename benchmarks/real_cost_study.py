@@ -15,7 +15,13 @@ TPOT targets are set per model from its own decode-only step (not the analytic m
 150 ms. TTFT targets: the workloads' own (chat 1 s, mixed and bursty 2 s, long 5 s), the
 Azure conversation trace 1 s (a chat service), Mooncake 10 s on the 8B and 30 s on the 70B
 (prompts of 12k tokens median, 38.6k at P90, up to 191k: a 70B TP2 prefills about 3k tokens
-a second, so its P90 prompt alone takes 12 s). KV memory is not limited here.
+a second, so its P90 prompt alone takes 12 s).
+
+KV memory is the model's on its GPUs (``ResolvedCost.model_kv_memory``: GPU memory x 0.9 minus
+the weights and an activation reserve, over the KV bytes per token), with admission by memory
+and preemption with recompute; ``--unlimited-kv`` gives the earlier, unlimited study. At each
+pair's capacity (per seed) the runs of both policies are repeated to report their
+preemptions, recomputed tokens and requests refused as too large for the KV cache.
 
 Each (preset, input) is written as soon as it is done (``pairwise_<preset>_<input>.json``) and
 reused by a later run unless ``--fresh``, so an interrupted study resumes.
@@ -31,14 +37,18 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import time
 import warnings
 from importlib.metadata import version
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 
-from sloweave.core.costs.profile import profile_cost
+from sloweave.core.admission import EXCEEDS_KV_CAPACITY
+from sloweave.core.costs.resolve import resolve_cost
+from sloweave.sim.options import EngineOptions
 from sloweave.sim.traces import load_trace
 from sloweave.sim.workloads import WORKLOADS
 from sloweave.studies.capacity import capacity_frame
@@ -101,6 +111,32 @@ def pairwise(frame: pd.DataFrame, per_seed: dict) -> list[dict]:
     return rows
 
 
+def kv_memory(cost, args) -> dict | None:
+    """The model's KV cache on its GPUs (None: unlimited, as asked)."""
+    return None if args.unlimited_kv else cost.model_kv_memory(args.gpu_memory_utilization)
+
+
+def memory_at_capacity(study: CapacityStudy, rows: list[dict], per_seed_k: dict) -> None:
+    """Each pair row gets the mean preemptions, recomputed tokens and KV refusals per seed of
+    its two policies, each at its own capacity (runs repeated: the search keeps only outcomes)."""
+    for row in rows:
+        for side, name in (("", row["policy"]), ("baseline_", row["best_baseline"])):
+            stats = []
+            for seed, k in per_seed_k[(name, row["tpot_ms"])]:
+                if k is None:
+                    continue
+                workload = study.source.workload(seed, study.scale(k))
+                result = study.options.simulate(
+                    workload, study.policies[name], row["tpot_ms"], study.ttft_ms, study.cost, seed
+                )
+                reasons = result.rejected_reason
+                refused = 0 if reasons is None else int(np.sum(reasons == EXCEEDS_KV_CAPACITY))
+                stats.append((result.preemptions, result.recompute_tokens, refused))
+            means = np.mean(stats, axis=0) if stats else (math.nan,) * 3
+            for key, value in zip(("preemptions", "recompute_tokens", "kv_refused"), means):
+                row[f"{side}{key}_at_capacity"] = float(value)
+
+
 def run_one(preset: str, name: str, args, cost) -> tuple[pd.DataFrame, list[dict], dict]:
     tpots = PRESETS[preset]
     policies = (
@@ -109,6 +145,7 @@ def run_one(preset: str, name: str, args, cost) -> tuple[pd.DataFrame, list[dict
         + [f"sarathi-{b}" for b in SARATHI]
     )
     source = source_for(name, args.seeds, args.requests)
+    memory = kv_memory(cost, args)
     ttft_ms = TTFT_BY_PRESET.get((preset, name), INPUTS[name][1])
     study = CapacityStudy(
         source,
@@ -116,26 +153,42 @@ def run_one(preset: str, name: str, args, cost) -> tuple[pd.DataFrame, list[dict
         tpots,
         ttft_ms,
         SearchLattice(steps_per_doubling=8, min_scale=1 / 1024, max_scale=64.0),
-        cost=cost,
+        cost=cost.model,
+        options=EngineOptions(kv_capacity_tokens=None if memory is None else memory.tokens),
     )
     started = time.perf_counter()
     capacities = study.capacities()
     frame = capacity_frame(capacities)
     per_seed = {(c.policy, c.tpot_ms): [s.rps for s in c.seeds] for c in capacities}
     rows = pairwise(frame, per_seed)
+    memory_at_capacity(study, rows, {(c.policy, c.tpot_ms): [(s.seed, s.k) for s in c.seeds] for c in capacities})
     info = {
         "simulations": study.simulations,
         "seconds": round(time.perf_counter() - started, 1),
         "ttft_ms": ttft_ms,
+        "kv_capacity_tokens": None if memory is None else memory.tokens,
         "source": source.describe(),
     }
     return frame, rows, info
 
 
+def memory_cell(row: dict) -> str:
+    def one(side: str) -> str:
+        values = [
+            row.get(f"{side}{key}_at_capacity", math.nan) for key in ("preemptions", "recompute_tokens", "kv_refused")
+        ]
+        if any(v != v for v in values):
+            return "-"
+        return f"{values[0]:.3g} / {values[1] / 1000:.3g} / {values[2]:.3g}"
+
+    return f"{one('')}; {one('baseline_')}"
+
+
 def markdown(summary: list[dict]) -> str:
     lines = [
-        "| cost | input | TPOT ms | policy | capacity req/s | best baseline | its capacity | ratio (seeds min-max) |",
-        "|---|---|---|---|---|---|---|---|",
+        "| cost | KV tokens | input | TPOT ms | policy | capacity req/s | best baseline | its capacity | ratio (seeds min-max) "
+        "| preemptions / recomputed k-tokens / KV-refused per run at capacity (ours; baseline) |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in summary:
         edge = " (edge of sweep)" if r["edge_of_sweep"] else ""
@@ -144,9 +197,10 @@ def markdown(summary: list[dict]) -> str:
             if r["ratio"] is None
             else (f"**{r['ratio']:.2f}x** ({r['ratio_seed_min']:.2f}-{r['ratio_seed_max']:.2f})")
         )
+        kv = "unlimited" if r.get("kv_capacity_tokens") is None else f"{r['kv_capacity_tokens']:,}"
         lines.append(
-            f"| {r['preset']} | {r['input']} | {r['tpot_ms']:g} | {r['policy']} | {r['capacity_rps']:.3g} ± {r['std']:.2g} | {r['best_baseline']}{edge} | "
-            f"{r['baseline_capacity_rps']:.3g} ± {r['baseline_std']:.2g} | {ratio} |"
+            f"| {r['preset']} | {kv} | {r['input']} | {r['tpot_ms']:g} | {r['policy']} | {r['capacity_rps']:.3g} ± {r['std']:.2g} | "
+            f"{r['best_baseline']}{edge} | {r['baseline_capacity_rps']:.3g} ± {r['baseline_std']:.2g} | {ratio} | {memory_cell(r)} |"
         )
     return "\n".join(lines) + "\n"
 
@@ -158,6 +212,10 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=400, help="requests per seed (window)")
     parser.add_argument("--preset", action="append", choices=sorted(PRESETS), help="default: both")
     parser.add_argument("--input", action="append", choices=sorted(INPUTS), help="default: all")
+    parser.add_argument(
+        "--unlimited-kv", action="store_true", help="no KV-memory limit (the study before the model's memory)"
+    )
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9, help="as vLLM's; default 0.9")
     parser.add_argument("--quick", action="store_true", help="2 seeds x 150 requests, chat and mixed only")
     parser.add_argument(
         "--fresh", action="store_true", help="recompute every (preset, input), ignoring earlier results in --out"
@@ -168,10 +226,15 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     summary, costs = [], {}
     for preset in args.preset or list(PRESETS):
-        cost = profile_cost(preset)
+        cost = resolve_cost(preset)
         for name in args.input or list(INPUTS):
             done = args.out / f"pairwise_{preset}_{name}.json"
-            settings = {"seeds": args.seeds, "requests": args.requests}
+            settings = {
+                "seeds": args.seeds,
+                "requests": args.requests,
+                "unlimited_kv": args.unlimited_kv,
+                "gpu_memory_utilization": args.gpu_memory_utilization,
+            }
             if done.exists() and not args.fresh and json.loads(done.read_text())["settings"] == settings:
                 summary.extend(json.loads(done.read_text())["rows"])
                 print(f"{preset} x {name}: reusing {done.name}", flush=True)
@@ -187,14 +250,15 @@ def main() -> None:
             ]
             done.write_text(
                 json.dumps(
-                    {"settings": settings, "rows": mine, "source": info["source"], "cost": cost.describe()},
+                    {"settings": settings, "rows": mine, "source": info["source"], "cost": cost.description},
                     indent=1,
                     allow_nan=False,
                 )
             )
             summary.extend(mine)
             print(markdown(mine), flush=True)
-        costs[preset] = cost.describe()
+        memory = kv_memory(cost, args)
+        costs[preset] = {**cost.description, "kv_memory": None if memory is None else memory.describe()}
     pd.DataFrame(summary).to_csv(args.out / "pairwise.csv", index=False)
     doc = {
         "sloweave_version": version("sloweave"),
@@ -207,6 +271,8 @@ def main() -> None:
             "sarathi_sweep": SARATHI,
             "attainment_target": 0.9,
             "lattice_steps_per_doubling": 8,
+            "unlimited_kv": args.unlimited_kv,
+            "gpu_memory_utilization": args.gpu_memory_utilization,
         },
         "costs": costs,
         "pairwise": summary,

@@ -5,7 +5,7 @@
 Each preset is a folder in Vidur's public CSV format, reduced to the columns the cost model
 reads (the shape columns, the keys and each operator's median; rows unchanged), plus a
 ``model.json`` with what the CSVs do not say (layers, tensor parallelism, where attention
-comes from). Source files: Vidur's profiling data (MIT licence, LICENSE.vidur copied along).
+comes from, the parameter count and GPU memory that size the KV cache). Source files: Vidur's profiling data (MIT licence, LICENSE.vidur copied along).
 """
 
 from __future__ import annotations
@@ -41,6 +41,18 @@ ATTENTION_KEYS = [
 ]
 ALL_REDUCE_KEYS = ["rank", "num_workers", "size", "collective", "devices_per_node", "max_devices_per_node"]
 CPU_KEYS = ["model_name", "batch_size", "tensor_parallel_degree"]
+# The memory figures that size the KV cache (sloweave.core.costs.kv_memory): the parameter
+# count from each model's Hugging Face config (untied LM head), an A100-80GB's memory as CUDA
+# reports it, and vLLM's activation reserve (an estimate).
+A100_80GB_GIB = 79.15
+ACTIVATION_RESERVE_GIB = 2.0
+MEMORY_NOTES = (
+    "parameters: {params}. gpu_memory_gib: an A100-80GB's memory as CUDA reports it "
+    "(torch.cuda.get_device_properties().total_memory; PyTorch's out-of-memory message reads "
+    "'79.15 GiB total capacity', less than the 80 GiB on the label). "
+    "activation_reserve_gib: an estimate of the peak activation memory vLLM's profiling run reserves "
+    "per GPU (not measured here)."
+)
 PRESETS = {
     "llama2-70b-tp2-a100": {
         "model": {
@@ -51,6 +63,13 @@ PRESETS = {
             "attention": "measured",
             "cpu_overheads_of": {"model_name": "meta-llama/Llama-2-70b-hf", "tensor_parallel_degree": 4},
             "notes": "CPU overheads were measured for this model at TP4 only; they are used for TP2.",
+            "parameters": 68_976_648_192,
+            "gpu_memory_gib": A100_80GB_GIB,
+            "activation_reserve_gib": ACTIVATION_RESERVE_GIB,
+            "memory_notes": MEMORY_NOTES.format(
+                params="Llama-2-70B's config (vocab 32000, hidden 8192, intermediate 28672, 80 layers, "
+                "64 query / 8 KV heads of 128, untied LM head)"
+            ),
         },
         "files": {
             "mlp.csv": ("mlp_llama2_70b.csv", MLP_KEYS),
@@ -69,6 +88,13 @@ PRESETS = {
             "cpu_overheads_of": {"model_name": "meta-llama/Llama-2-7b-hf", "tensor_parallel_degree": 1},
             "notes": "No attention profile of Llama-3-8B exists here: attention is derived from the measured Llama-2-70B TP2 one. "
             "CPU overheads are Llama-2-7B's at TP1 (the nearest measured model).",
+            "parameters": 8_030_261_248,
+            "gpu_memory_gib": A100_80GB_GIB,
+            "activation_reserve_gib": ACTIVATION_RESERVE_GIB,
+            "memory_notes": MEMORY_NOTES.format(
+                params="Llama-3-8B's config (vocab 128256, hidden 4096, intermediate 14336, 32 layers, "
+                "32 query / 8 KV heads of 128, untied LM head)"
+            ),
         },
         "files": {"mlp.csv": ("mlp_llama3_8b.csv", MLP_KEYS), "cpu_overheads.csv": ("cpu_overheads.csv", CPU_KEYS)},
     },

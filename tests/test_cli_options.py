@@ -24,9 +24,16 @@ def test_the_capacity_commands_option_groups_are_described_on_their_fields():
         assert [spec.name for spec in described_fields(config)] == [spec.name for spec in fields(config)]
 
 
-def test_every_engine_option_but_one_is_described_on_its_field():
+def test_every_engine_option_but_two_is_described_on_its_field():
+    # kv_memory says how kv_capacity_tokens was obtained: the command line sets it, no flag does
     described = {spec.name for spec in described_fields(EngineOptions)}
-    assert described == {spec.name for spec in fields(EngineOptions)} - {"aging_chunk_tokens"}
+    assert described == {spec.name for spec in fields(EngineOptions)} - {"aging_chunk_tokens", "kv_memory"}
+
+
+@pytest.mark.parametrize("command", STUDIES)
+def test_each_study_command_sizes_the_kv_cache_from_the_model(command):
+    text = " ".join(CliRunner().invoke(main, [command, "--help"], terminal_width=10_000).output.split())
+    assert "--gpu-memory-utilization" in text and "--unlimited-kv" in text and "[default: 0.9]" in text
 
 
 @pytest.mark.parametrize("command", STUDIES)

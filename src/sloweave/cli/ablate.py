@@ -11,6 +11,8 @@ from sloweave.cli.command import command
 from sloweave.cli.options import (
     OutFolder,
     cost_option,
+    given_on_command_line,
+    gpu_memory_utilization_option,
     once_each,
     out_folder_options,
     parallel_options,
@@ -29,6 +31,7 @@ from sloweave.studies.ablate import (
     TRACE_RATE_SCALE,
     TRACE_WINDOW_S,
     Config,
+    kv_rows,
     run_ablation,
     synthetic_source,
     trace_windows_source,
@@ -47,6 +50,25 @@ def _chosen_configs(config_names: tuple[str, ...]) -> tuple[Config, ...]:
         if config.name in names:
             names.add(config.reference)
     return tuple(c for c in CONFIGS if c.name in names)
+
+
+def _with_kv_rows(
+    configs: tuple[Config, ...], cost: ResolvedCost, gpu_memory_utilization: float
+) -> tuple[tuple[Config, ...], ResolvedCost]:
+    """The KV rows at the cost model's KV capacity (``kv_rows``), and the cost stating it when they run."""
+    if not any(c.kv_capacity_tokens is not None for c in configs):
+        if given_on_command_line("gpu_memory_utilization"):
+            raise click.BadParameter(
+                "sizes the kv rows' KV cache; no kv row is run", param_hint="--gpu-memory-utilization"
+            )
+        return configs, cost
+    try:
+        configs, kv = kv_rows(configs, cost, gpu_memory_utilization)
+    except ValueError as err:
+        raise click.BadParameter(str(err), param_hint="--gpu-memory-utilization") from None
+    if given_on_command_line("gpu_memory_utilization") and kv.source != "model":
+        raise click.BadParameter(cost.no_kv_memory_reason(), param_hint="--gpu-memory-utilization")
+    return configs, cost.with_kv_memory(kv)
 
 
 def _print_ablation(out: dict, cost: ResolvedCost, out_dir: Path, elapsed_s: float) -> None:
@@ -102,6 +124,7 @@ def _print_ablation(out: dict, cost: ResolvedCost, out_dir: Path, elapsed_s: flo
     help=f"[default: {TRACE_WINDOW_S:g}, --quick: {QUICK_TRACE_WINDOW_S:g}]",
 )
 @cost_option()
+@gpu_memory_utilization_option()
 @parallel_options()
 def ablate(
     out: OutFolder,
@@ -115,6 +138,7 @@ def ablate(
     trace_rate_scale,
     trace_window_s,
     cost: ResolvedCost,
+    gpu_memory_utilization: float,
     runner: Runner,
 ) -> None:
     """Ablation of the options beyond the paper: CSV, Markdown, JSON and a plot under --out."""
@@ -123,7 +147,7 @@ def ablate(
         num_requests = QUICK_REQUESTS if quick else DEFAULT_REQUESTS
     if trace_window_s is None:
         trace_window_s = QUICK_TRACE_WINDOW_S if quick else TRACE_WINDOW_S
-    configs = _chosen_configs(config_names)
+    configs, cost = _with_kv_rows(_chosen_configs(config_names), cost, gpu_memory_utilization)
     started = time.perf_counter()
     sources = [synthetic_source(name, seeds, num_requests) for name in (workloads or tuple(WORKLOADS))]
     if not no_trace:

@@ -11,7 +11,7 @@ import functools
 from collections.abc import Callable
 import importlib
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
 import click
@@ -23,6 +23,12 @@ from sloweave.core.costs.resolve import (
     STEP_PROFILE_KINDS,
     ResolvedCost,
     resolve_cost,
+)
+from sloweave.core.costs.kv_memory import (
+    DEFAULT_GPU_MEMORY_UTILIZATION,
+    GPU_MEMORY_UTILIZATION,
+    given_kv_memory,
+    unlimited_kv_memory,
 )
 from sloweave.core.policy import DEFAULT_MAX_CHUNK_TOKENS
 from sloweave.core.validate import (
@@ -224,9 +230,96 @@ def refuse_step_profile_options(cost: ResolvedCost, options: tuple[tuple[str, st
             )
 
 
+def gpu_memory_utilization_option():
+    """``--gpu-memory-utilization``: the share of each GPU's memory that sizes the model's KV cache."""
+    return click.option(
+        "--gpu-memory-utilization",
+        type=ranged(GPU_MEMORY_UTILIZATION),
+        default=DEFAULT_GPU_MEMORY_UTILIZATION,
+        show_default=True,
+        help="share of each GPU's memory the engine uses (vLLM's flag): with a preset or a profile folder whose "
+        "model.json gives the weights and GPU memory, the KV capacity is what it leaves after the weights and "
+        "activations",
+    )
+
+
 def engine_options(dest: str = "engine"):
-    """The engine options every study command takes, one ``EngineOptions`` named ``dest``."""
-    return config_options(EngineOptions, dest)
+    """The engine options every study command takes, one ``EngineOptions`` named ``dest``, with
+    the KV capacity of the command's ``--cost`` (``kv_memory_default``) unless ``--kv-capacity-tokens``
+    or ``--unlimited-kv`` says otherwise; the command's ``cost`` then states it (``ResolvedCost.kv_memory``)."""
+    described = described_fields(EngineOptions)
+    names = tuple(spec.name for spec in described)
+
+    def decorate(command):
+        @functools.wraps(command)
+        def wrapper(*args, **kwargs):
+            try:
+                engine = EngineOptions(**{name: kwargs.pop(name) for name in names})
+            except ValueError as err:
+                raise click.UsageError(str(err)) from None
+            utilisation, unlimited = kwargs.pop("gpu_memory_utilization"), kwargs.pop("unlimited_kv")
+            engine, cost = kv_memory_default(engine, kwargs.get("cost"), utilisation, unlimited)
+            kwargs[dest] = engine
+            if cost is not None:
+                kwargs["cost"] = cost
+            return command(*args, **kwargs)
+
+        options = [*map(option_of_field, described), gpu_memory_utilization_option()]
+        options.append(
+            click.option(
+                "--unlimited-kv",
+                is_flag=True,
+                help="no KV capacity: turn off the one the --cost model's memory figures give",
+            )
+        )
+        return stacked(*options)(wrapper)
+
+    return decorate
+
+
+def given_on_command_line(name: str) -> bool:
+    """Whether the parameter ``name`` of the running command was typed on the command line."""
+    context = click.get_current_context(silent=True)
+    return context is not None and context.get_parameter_source(name) == click.core.ParameterSource.COMMANDLINE
+
+
+def kv_memory_default(
+    engine: EngineOptions, cost: ResolvedCost | None, utilisation: float, unlimited: bool
+) -> tuple[EngineOptions, ResolvedCost | None]:
+    """The engine with the KV capacity a run uses, and the cost stating it.
+
+    ``--kv-capacity-tokens`` is used as given, ``--unlimited-kv`` turns the limit off, and
+    otherwise a cost whose model has memory figures gives its capacity at ``utilisation``; a
+    measured cost without them runs unlimited and says why. The analytic cost with neither
+    option is left as it was (no KV limit, nothing added to what its runs record)."""
+    utilisation_given = given_on_command_line("gpu_memory_utilization")
+    if unlimited and engine.kv_capacity_tokens is not None:
+        raise click.UsageError("give --unlimited-kv or --kv-capacity-tokens, not both")
+    if utilisation_given and (unlimited or engine.kv_capacity_tokens is not None):
+        flag = "--unlimited-kv" if unlimited else "--kv-capacity-tokens"
+        raise click.BadParameter(
+            f"sizes the model's KV cache, which {flag} replaces: give one of them",
+            param_hint="--gpu-memory-utilization",
+        )
+    if engine.kv_capacity_tokens is not None:
+        kv = given_kv_memory(engine.kv_capacity_tokens, "given: --kv-capacity-tokens")
+    elif unlimited:
+        kv = unlimited_kv_memory("--unlimited-kv")
+    elif cost is None:
+        return engine, cost
+    else:
+        try:
+            kv = cost.model_kv_memory(utilisation)
+        except ValueError as err:
+            raise click.BadParameter(str(err), param_hint="--gpu-memory-utilization") from None
+        if kv is None:
+            if utilisation_given:
+                raise click.BadParameter(cost.no_kv_memory_reason(), param_hint="--gpu-memory-utilization")
+            if cost.is_analytic:
+                return engine, cost
+            kv = unlimited_kv_memory(cost.no_kv_memory_reason())
+    engine = replace(engine, kv_capacity_tokens=kv.tokens, kv_memory=kv)
+    return engine, None if cost is None else cost.with_kv_memory(kv)
 
 
 # --------------------------------------------------------------------------- what every study reads

@@ -156,7 +156,7 @@ def _replayed_traces(trace_paths, fmt, max_model_len_tokens, window: ReplayOptio
 
 
 def _print_tables(out_dir: Path, stems, replays, tables, cost: ResolvedCost) -> None:
-    if not cost.is_analytic:
+    if not cost.is_analytic or cost.kv_memory is not None:  # the model, and the KV capacity the runs used
         for line in cost.summary_lines():
             click.echo(line)
     for stem, (_, report), table in zip(stems, replays, tables):

@@ -14,6 +14,7 @@ from sloweave.cli.options import (
     OutFolder,
     cost_option,
     engine_options,
+    given_on_command_line,
     max_chunk_option,
     out_folder_options,
     ranged,
@@ -21,6 +22,7 @@ from sloweave.cli.options import (
     tpot_ms_option,
     ttft_ms_option,
 )
+from sloweave.core.costs.kv_memory import given_kv_memory
 from sloweave.core.costs.margins import ConstantMargin, RelativeMargin, ZeroMargin
 from sloweave.core.costs.protocols import ContextAware
 from sloweave.core.costs.resolve import ResolvedCost
@@ -72,16 +74,29 @@ def _margin(kind: str, value: float, cost):
     return RelativeMargin(cost, value)
 
 
-def _with_kv_memory(engine: EngineOptions, cost: ResolvedCost, kv_memory_gib: float | None) -> EngineOptions:
-    """The engine with the KV capacity that ``kv_memory_gib`` holds on the profiled model."""
+def _with_kv_memory(
+    engine: EngineOptions, cost: ResolvedCost, kv_memory_gib: float | None
+) -> tuple[EngineOptions, ResolvedCost]:
+    """The engine with the KV capacity that ``kv_memory_gib`` holds on the profiled model (it
+    replaces the capacity of the model's memory figures), and the cost stating it."""
     if kv_memory_gib is None:
-        return engine
-    if engine.kv_capacity_tokens is not None:
-        raise click.UsageError("give --kv-memory-gib or --kv-capacity-tokens, not both")
+        return engine, cost
+    if given_on_command_line("kv_capacity_tokens") or given_on_command_line("unlimited_kv"):
+        raise click.UsageError("give --kv-memory-gib, --kv-capacity-tokens or --unlimited-kv, one of them")
+    if given_on_command_line("gpu_memory_utilization"):
+        raise click.BadParameter(
+            "sizes the model's KV cache, which --kv-memory-gib replaces: give one of them",
+            param_hint="--gpu-memory-utilization",
+        )
     try:
-        return replace(engine, kv_capacity_tokens=cost.kv_tokens_in(kv_memory_gib))
+        tokens = cost.kv_tokens_in(kv_memory_gib)
     except ValueError as err:
         raise click.BadParameter(str(err), param_hint="--kv-memory-gib") from None
+    per_token = cost.profile_cost.shape.kv_bytes_per_token
+    kv = given_kv_memory(
+        tokens, f"given: --kv-memory-gib {kv_memory_gib:g} GiB (all GPUs) at {per_token / 1024:g} KiB per token"
+    )
+    return replace(engine, kv_capacity_tokens=tokens, kv_memory=kv), cost.with_kv_memory(kv)
 
 
 def _policy(name: str, margin_kind: str, margin_value: float, cost, max_chunk: int):
@@ -109,7 +124,7 @@ def _write_run(folder: Path, result, metrics, policy, resolved: ResolvedCost, en
         "kv_capacity_tokens": engine.kv_capacity_tokens,
         "engine": engine.describe(),
     }
-    if engine.kv_capacity_tokens is not None:
+    if engine.kv_capacity_tokens is not None and resolved.profile_cost is not None:
         run_info["kv_bytes_per_token"] = resolved.profile_cost.shape.kv_bytes_per_token
     write_single_run(result, per_request_frame(result), metrics, folder, run_info)
     # a cost that reads the KV context cannot be re-asked afterwards (the run records no context)
@@ -121,7 +136,7 @@ def _write_run(folder: Path, result, metrics, policy, resolved: ResolvedCost, en
 
 
 def _print_metrics(workload: str, policy, tpot_ms: float, resolved: ResolvedCost, engine, metrics) -> None:
-    if not resolved.is_analytic:
+    if not resolved.is_analytic or resolved.kv_memory is not None:
         for line in resolved.summary_lines():
             click.echo(line, err=True)
     printed = {
@@ -168,7 +183,8 @@ def _print_metrics(workload: str, policy, tpot_ms: float, resolved: ResolvedCost
     "--kv-memory-gib",
     type=ranged(GIB),
     default=None,
-    help="KV cache size in GiB (all GPUs): a capacity in tokens from the profiled model's KV bytes per token; needs a preset or profile folder as --cost",
+    help="KV cache size in GiB (all GPUs): a capacity in tokens from the profiled model's KV bytes per token, "
+    "instead of the one its memory figures give; needs a preset or profile folder as --cost",
 )
 @out_folder_options(
     default=None,
@@ -196,7 +212,7 @@ def simulate_command(
     if out.path is not None:
         check_writable(out.path, "--out")
     spec = get_workload_spec(workload)
-    engine = _with_kv_memory(engine, cost, kv_memory_gib)
+    engine, cost = _with_kv_memory(engine, cost, kv_memory_gib)
     policy = _policy(policy_name, margin_kind, margin_value, cost.model, max_chunk)
     try:
         wl = spec.generate(num_requests, seed, rate_scale)

@@ -9,6 +9,10 @@ core's online recalibration and adaptive P99.7 margin (``core.calibration.self_c
 it changes only deadline-aware policies (a static rule has no model to correct).
 
 A comparison is like for like when every policy runs with one ``EngineOptions``.
+
+``kv_memory`` says how ``kv_capacity_tokens`` was obtained (the model's memory figures, given,
+or unlimited and why: ``sloweave.core.costs.kv_memory.KVMemory``); the command line sets it
+(``sloweave.cli.options.engine_options``), and ``describe`` records it when set.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import numpy as np
 
 from sloweave.core.admission import ADMISSION_ACTIONS, AdmissionControl
 from sloweave.core.costs.calibrated import DEFAULT_MARGIN_FORM, MARGIN_FORMS, self_correcting
+from sloweave.core.costs.kv_memory import KVMemory
 from sloweave.core.costs.noisy import NoisyCost
 from sloweave.core.costs.protocols import CostModel
 from sloweave.core.policy import Aging, Policy
@@ -82,6 +87,7 @@ class EngineOptions:
         "times the prediction) or per-step (milliseconds, the quantile of steps of the same kind and predicted time)",
         values=MARGIN_FORMS,
     )
+    kv_memory: KVMemory | None = None  # how kv_capacity_tokens was obtained (no flag: the command line sets it)
 
     def __post_init__(self) -> None:
         if self.max_batch_size is not None:
@@ -105,17 +111,28 @@ class EngineOptions:
             raise ValueError(f"margin_form must be one of {', '.join(MARGIN_FORMS)}, got {self.margin_form!r}")
         if self.margin_form != DEFAULT_MARGIN_FORM and not self.correction:
             raise ValueError(f"margin_form {self.margin_form} needs correction (it shapes the adaptive margin)")
+        if self.kv_memory is not None:
+            if not isinstance(self.kv_memory, KVMemory):
+                raise ValueError(f"kv_memory must be a KVMemory (or None), got {self.kv_memory!r}")
+            if self.kv_memory.tokens != self.kv_capacity_tokens:
+                raise ValueError(
+                    f"kv_memory states {self.kv_memory.tokens} tokens but kv_capacity_tokens is {self.kv_capacity_tokens}"
+                )
 
     @property
     def exact_prediction(self) -> bool:
         return self.noise_sigma == 0 and self.bias == 1.0
 
     def describe(self) -> dict:
-        return asdict(self)
+        """Every option; ``kv_memory`` only when set (a run without it records what it always has)."""
+        described = {k: v for k, v in asdict(self).items() if k != "kv_memory"}
+        if self.kv_memory is not None:
+            described["kv_memory"] = self.kv_memory.describe()
+        return described
 
     def label(self) -> str:
         """A short name for tables: only the options that differ from the defaults."""
-        changed = [f"{k}={v}" for k, v in asdict(self).items() if v != getattr(DEFAULT_OPTIONS, k)]
+        changed = [f"{k}={v}" for k, v in asdict(self).items() if k != "kv_memory" and v != getattr(DEFAULT_OPTIONS, k)]
         return ", ".join(changed) or "defaults"
 
     def actual_cost(self, cost: CostModel, noise_seed: int) -> CostModel:

@@ -15,7 +15,7 @@ ctx-blind predicts with the same model asked at zero context.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -24,6 +24,7 @@ import pandas as pd
 from sloweave.core.admission import AdmissionControl
 from sloweave.core.costs.analytic import AnalyticCost
 from sloweave.core.costs.context_analytic import ContextAnalyticCost
+from sloweave.core.costs.kv_memory import DEFAULT_GPU_MEMORY_UTILIZATION, KVMemory, given_kv_memory
 from sloweave.core.costs.resolve import ResolvedCost, analytic_description, context_models
 from sloweave.sim.metrics import evaluate_run
 from sloweave.sim.tiers import assign_tiers, default_tiers, tier_report
@@ -45,7 +46,9 @@ TRACE_RATE_SCALE = 8.0
 TRACE_WINDOW_S = 300.0
 QUICK_TRACE_WINDOW_S = 60.0
 TRACE_TTFT_MS = 1000.0  # a chat service, as in the capacity study
-# A KV cache of an 8B model (131 kB per token) on one 80 GB GPU after weights and activations.
+# The KV rows' capacity when the cost has no model to size it (the analytic cost): about an 8B
+# model's KV cache (128 KiB per token) on one 80 GB GPU after weights and activations. A preset or
+# a profile folder with memory figures gives its own (``kv_rows``).
 KV_CAPACITY_TOKENS = 400_000
 AGING_MS = 1000.0
 AGING_CHUNK_TOKENS = 256
@@ -133,6 +136,34 @@ CONFIGS: tuple[Config, ...] = (
     ),
 )
 CONFIG_NAMES = tuple(c.name for c in CONFIGS)
+
+
+def kv_rows(
+    configs: tuple[Config, ...],
+    cost: ResolvedCost | None,
+    gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION,
+) -> tuple[tuple[Config, ...], KVMemory]:
+    """``configs`` with the KV rows at the capacity of ``cost``'s model (its memory figures at
+    ``gpu_memory_utilization``), or at the fixed ``KV_CAPACITY_TOKENS`` when it has none (the
+    analytic cost: no model to size it), and that capacity, saying which."""
+    model = None if cost is None else cost.model_kv_memory(gpu_memory_utilization)
+    if model is None:
+        why = "the analytic cost has no model to size a KV cache" if cost is None else cost.no_kv_memory_reason()
+        model = given_kv_memory(KV_CAPACITY_TOKENS, f"ablate's fixed figure for the kv rows: {why}")
+        source = "fixed: no model to size it"
+    else:
+        source = f"{model.model} on {model.gpus} x {model.device or 'GPU'} at {model.gpu_memory_utilization:g} memory"
+    rows = tuple(
+        c
+        if c.kv_capacity_tokens is None
+        else replace(
+            c,
+            kv_capacity_tokens=model.tokens,
+            what=c.what.replace(f"{KV_CAPACITY_TOKENS:,} tokens", f"{model.tokens:,} tokens ({source})"),
+        )
+        for c in configs
+    )
+    return rows, model
 
 
 @dataclass(frozen=True)

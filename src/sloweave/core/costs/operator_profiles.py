@@ -4,7 +4,7 @@ A profile folder holds (file names as Vidur's profiler writes them):
 
 | file | what | needed |
 |---|---|---|
-| ``model.json`` | what the CSVs do not say: ``name``, ``num_layers``, ``tensor_parallel``; optionally ``attention`` (``"measured"``, or ``{"derived_from": PRESET_OR_FOLDER}``), ``device``, ``notes`` | always |
+| ``model.json`` | what the CSVs do not say: ``name``, ``num_layers``, ``tensor_parallel``; optionally ``attention`` (``"measured"``, or ``{"derived_from": PRESET_OR_FOLDER}``), ``device``, ``notes``, and the memory figures that size the KV cache (``parameters``, ``gpu_memory_gib`` and ``activation_reserve_gib`` per GPU, ``memory_notes``: ``sloweave.core.costs.kv_memory``) | always |
 | ``mlp.csv`` | per-layer token-parallel operators by ``num_tokens`` and ``num_tensor_parallel_workers`` | always |
 | ``attention.csv`` | FlashAttention decode by (``batch_size``, ``kv_cache_size``) and prefill by (``prefill_chunk_size``, ``kv_cache_size``) | unless derived |
 | ``all_reduce.csv`` | all-reduce time by message ``size`` (bytes) and ``num_workers`` | with tensor parallelism |
@@ -29,6 +29,7 @@ import pandas as pd
 
 from sloweave.core.csv_shape import check_csv_shape, located
 from sloweave.core.cells import numbers, show
+from sloweave.core.costs.kv_memory import ModelMemory, read_model_memory
 from sloweave.core.costs.step_profiles import ProfileError
 from sloweave.core.validate import MARGIN_MS, MAX_TOKENS, REPEATS, Range, RepeatedKeyError, one_value_per_key
 
@@ -89,6 +90,8 @@ class OperatorProfiles:
     cpu: pd.DataFrame | None  # batch_size, cpu_ms
     attention_note: str = "measured"
     notes: list[str] = field(default_factory=list)
+    memory: ModelMemory | None = None  # the weights and GPU memory (model.json), None: no default KV capacity
+    device: str | None = None
 
 
 PRESETS = ("llama2-70b-tp2-a100", "llama3-8b-tp1-a100")
@@ -123,7 +126,11 @@ def load_profiles(spec: str | Path) -> OperatorProfiles:
     notes = [str(model["notes"])] if model.get("notes") else []
     if cpu is None:
         notes.append("no cpu_overheads.csv: the engine's per-iteration CPU time is taken as 0")
-    return OperatorProfiles(str(folder), shape, mlp, decode, prefill, all_reduce, cpu, note, notes)
+    memory = read_model_memory(model, folder / "model.json")
+    device = model.get("device")
+    if device is not None and not isinstance(device, str):
+        raise ProfileError(f"{folder / 'model.json'}: device must be a string (the GPU's name), got {device!r}")
+    return OperatorProfiles(str(folder), shape, mlp, decode, prefill, all_reduce, cpu, note, notes, memory, device)
 
 
 # ----------------------------------------------------------------------------- the files

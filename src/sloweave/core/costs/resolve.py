@@ -15,16 +15,21 @@ prompt plus half its output) it is wrapped in ``FixedContextCost`` instead, as t
 out-of-range (extrapolated) queries cover every simulation that used it; ``summary_lines()`` is
 what a command prints beside its tables (for the 8B preset: that its attention is derived, not
 measured). The command line's ``--cost`` option is ``sloweave.cli.options.cost_option``.
+
+A preset or a profile folder whose ``model.json`` gives the memory figures has a KV capacity
+(``model_kv_memory``, ``sloweave.core.costs.kv_memory``); the command line attaches the one a
+run uses (``with_kv_memory``), which the summary lines and the description then state.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from sloweave.core.costs.analytic import AnalyticCost
 from sloweave.core.costs.protocols import ContextAware, CostModel, Described
 from sloweave.core.costs.fitted import ContextualCost, FixedContextCost
+from sloweave.core.costs.kv_memory import DEFAULT_GPU_MEMORY_UTILIZATION, KVMemory, model_kv_memory
 from sloweave.core.costs.profile_fit import FitResult, fit_profile_file
 from sloweave.core.costs.step_profiles import ProfileError
 from sloweave.core.costs.operator_profiles import PRESETS
@@ -62,6 +67,7 @@ class ResolvedCost:
     kind: str
     info: dict = field(default_factory=dict, compare=False)  # the static part of the description
     fit: FitResult | None = field(default=None, compare=False, repr=False)  # step-time profiles: the fit
+    kv_memory: KVMemory | None = field(default=None, compare=False, repr=False)  # the KV capacity a run uses
 
     @property
     def is_analytic(self) -> bool:
@@ -76,8 +82,17 @@ class ResolvedCost:
         """The dict a result file records (read now: a profile cost's out-of-range counts so far)."""
         profile = self.profile_cost
         if profile is not None:
-            return {**profile.describe(), "spec": self.spec, "label": self.label, "preset": self.kind == KIND_PRESET}
-        return dict(self.info)
+            described = {
+                **profile.describe(),
+                "spec": self.spec,
+                "label": self.label,
+                "preset": self.kind == KIND_PRESET,
+            }
+        else:
+            described = dict(self.info)
+        if self.kv_memory is not None:
+            described["kv_memory"] = self.kv_memory.describe()
+        return described
 
     @property
     def attention_note(self) -> str | None:
@@ -89,7 +104,12 @@ class ResolvedCost:
         return None if note == "measured" else note
 
     def summary_lines(self) -> list[str]:
-        """What a command prints beside its tables: the model, a derived attention, extrapolations."""
+        """What a command prints beside its tables: the model, a derived attention, extrapolations,
+        and the KV capacity a run uses (when the command line attached one)."""
+        kv = [] if self.kv_memory is None else [self.kv_memory.summary()]
+        return self._model_lines() + kv
+
+    def _model_lines(self) -> list[str]:
         if self.is_analytic:
             return [f"cost: {self.label} (the paper's T(n, c))"]
         profile = self.profile_cost
@@ -109,6 +129,27 @@ class ResolvedCost:
             counts = ", ".join(f"{k} {v:,}" for k, v in sorted(outside.items()))
             lines.append(f"cost: queries outside the profiled range, extrapolated linearly: {counts}")
         return lines
+
+    def model_kv_memory(self, gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION) -> KVMemory | None:
+        """The KV capacity the model's memory figures leave at this GPU memory utilisation; None
+        when there are none (``no_kv_memory_reason`` says why). ``ValueError`` when nothing is left."""
+        profile = self.profile_cost
+        if profile is None or profile.profiles.memory is None:
+            return None
+        profiles = profile.profiles
+        return model_kv_memory(profile.shape, profiles.memory, profiles.device, gpu_memory_utilization)
+
+    def no_kv_memory_reason(self) -> str:
+        """Why this cost has no KV capacity of its own (for the line that says the KV cache is unlimited)."""
+        if self.is_analytic:
+            return "the analytic cost has no model to size a KV cache"
+        if self.profile_cost is None:
+            return "a step-time profile has no model shape, so no KV size per token"
+        return f"{self.spec}: model.json gives no parameters and gpu_memory_gib, so no default KV capacity"
+
+    def with_kv_memory(self, kv_memory: KVMemory | None) -> ResolvedCost:
+        """This cost, stating the KV capacity a run with it uses."""
+        return replace(self, kv_memory=kv_memory)
 
     def kv_tokens_in(self, gib: float) -> int:
         """KV capacity in tokens of ``gib`` GiB for the profiled model (profile costs only)."""
@@ -132,7 +173,7 @@ class ResolvedCost:
             raise ValueError(
                 f"cost {self.spec!r} is not a step-time profile file: --cost-kind and --context-tokens do not apply"
             )
-        return _step_profile(self.spec, self.fit, cost_kind, context_tokens)
+        return _step_profile(self.spec, self.fit, cost_kind, context_tokens).with_kv_memory(self.kv_memory)
 
 
 def analytic_description(cost: AnalyticCost | None = None) -> dict:
