@@ -42,6 +42,7 @@ import numpy as np
 from sloweave.core.admission import AdmissionControl
 from sloweave.core.costs.calibrated import OnlineCalibrator
 from sloweave.core.costs.analytic import AnalyticCost
+from sloweave.core.costs.empirical_noise import EmpiricalNoiseCost
 from sloweave.core.costs.noisy import NoisyCost
 from sloweave.core.costs.protocols import CostModel
 from sloweave.core.policy import Aging, Policy
@@ -298,7 +299,7 @@ def build_engine(
     duration = actual_cost or getattr(policy, "cost", None) or AnalyticCost()
     # A static rule has no model of its own: its admission check predicts with the machine's
     # model (never with the noisy clock, which would also draw from the noise stream).
-    model = duration.cost if isinstance(duration, NoisyCost) else duration
+    model = duration.cost if isinstance(duration, (NoisyCost, EmpiricalNoiseCost)) else duration
     predicted = getattr(policy, "predicted_ms", None) or getattr(policy, "cost", None) or model
     deadlines = _deadline_source(tpot_ms, requests.tpot_ms, deadline_form, check_deadlines)
     queue = PrefillQueue(requests)

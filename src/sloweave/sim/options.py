@@ -4,7 +4,8 @@ Multi-prefill is part of a policy's rule (``sloweave-multi``, ``sarathi-B``); ev
 else a serving engine offers is here, and any policy runs with any of it: a cap on
 running requests, admission control, aging, a KV capacity, the deadline form, and the
 machine's prediction error (seeded lognormal noise and a systematic bias on the model's
-time). ``correction`` is SLOWeave's answer to that error without a hand-set margin: the
+time, or the machine's own measured noise: ``step_noise_from``, a step log whose residuals
+``sloweave.core.costs.empirical_noise`` replays by predicted step time). ``correction`` is SLOWeave's answer to that error without a hand-set margin: the
 core's online recalibration and adaptive P99.7 margin (``core.calibration.self_correcting``);
 it changes only deadline-aware policies (a static rule has no model to correct).
 
@@ -18,11 +19,13 @@ or unlimited and why: ``sloweave.core.costs.kv_memory.KVMemory``); the command l
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, replace
+from os import PathLike
 
 import numpy as np
 
 from sloweave.core.admission import ADMISSION_ACTIONS, AdmissionControl
 from sloweave.core.costs.calibrated import DEFAULT_MARGIN_FORM, MARGIN_FORMS, self_correcting
+from sloweave.core.costs.empirical_noise import EmpiricalNoiseCost, read_step_samples, step_noise_from_file
 from sloweave.core.costs.kv_memory import KVMemory
 from sloweave.core.costs.noisy import NoisyCost
 from sloweave.core.costs.protocols import CostModel
@@ -77,6 +80,13 @@ class EngineOptions:
     bias: float = setting(
         1.0, "systematic prediction error: the machine is this many times slower than the model", values=SCALE
     )
+    step_noise_from: str | None = setting(
+        None,
+        "the machine's own step-time noise instead of a lognormal: a step log (.jsonl) or a step-time profile "
+        "(CSV/JSON) with measured times; each step adds a residual (measured - predicted) drawn, seeded, from the "
+        "file's steps of about its predicted time, every prediction the run's --cost model's (normally fitted to "
+        "the same file)",
+    )
     correction: bool = setting(
         False,
         "deadline-aware policies correct the model online and keep an adaptive P99.7 margin (no hand-set margin)",
@@ -105,6 +115,8 @@ class EngineOptions:
             raise ValueError(f"deadline_form must be one of {', '.join(DEADLINE_FORMS)}, got {self.deadline_form!r}")
         NOISE_SIGMA.check(self.noise_sigma, "noise_sigma")
         SCALE.check(self.bias, "bias")  # 1 = the model is exact
+        if self.step_noise_from is not None:
+            self._check_step_noise()
         if not isinstance(self.correction, bool):
             raise ValueError(f"correction must be true or false, got {self.correction!r}")
         if self.margin_form not in MARGIN_FORMS:
@@ -119,15 +131,37 @@ class EngineOptions:
                     f"kv_memory states {self.kv_memory.tokens} tokens but kv_capacity_tokens is {self.kv_capacity_tokens}"
                 )
 
+    def _check_step_noise(self) -> None:
+        """A path (kept as text: the options stay plain and picklable) to a file of enough measured
+        steps, read now (once per process) so a bad file is refused before any simulation."""
+        source = self.step_noise_from
+        if not isinstance(source, (str, PathLike)) or not str(source).strip():
+            raise ValueError(f"step_noise_from must be the path of a step log or step-time profile, got {source!r}")
+        object.__setattr__(self, "step_noise_from", str(source))
+        if self.noise_sigma != 0 or self.bias != 1.0:
+            raise ValueError(
+                "step_noise_from replaces noise_sigma and bias (the machine's measured noise instead of a lognormal "
+                f"one): give one or the other, not step_noise_from with noise_sigma={self.noise_sigma:g}, "
+                f"bias={self.bias:g}"
+            )
+        read_step_samples(source)
+
     @property
     def exact_prediction(self) -> bool:
-        return self.noise_sigma == 0 and self.bias == 1.0
+        return self.noise_sigma == 0 and self.bias == 1.0 and self.step_noise_from is None
 
-    def describe(self) -> dict:
-        """Every option; ``kv_memory`` only when set (a run without it records what it always has)."""
-        described = {k: v for k, v in asdict(self).items() if k != "kv_memory"}
+    def describe(self, cost: CostModel | None = None) -> dict:
+        """Every option; ``kv_memory`` and ``step_noise_from`` only when set (a run without them records
+        what it always has). The noise source is described by its file (the same whatever the cost);
+        given the run's ``cost``, with its residual buckets against that cost too."""
+        described = {k: v for k, v in asdict(self).items() if k not in ("kv_memory", "step_noise_from")}
         if self.kv_memory is not None:
             described["kv_memory"] = self.kv_memory.describe()
+        if self.step_noise_from is not None:
+            described["step_noise_from"] = self.step_noise_from
+            described["step_noise"] = read_step_samples(self.step_noise_from).describe()
+            if cost is not None:
+                described["step_noise"] = step_noise_from_file(self.step_noise_from, cost).describe()
         return described
 
     def label(self) -> str:
@@ -136,9 +170,14 @@ class EngineOptions:
         return ", ".join(changed) or "defaults"
 
     def actual_cost(self, cost: CostModel, noise_seed: int) -> CostModel:
+        """The machine: ``cost`` itself, times lognormal noise and bias, or plus the measured noise of
+        ``step_noise_from`` (its residuals against ``cost``, read once per process and cost)."""
         if self.exact_prediction:
             return cost
-        return NoisyCost(cost, self.noise_sigma, seed=NOISE_SEED_OFFSET + noise_seed, bias=self.bias)
+        seed = NOISE_SEED_OFFSET + noise_seed
+        if self.step_noise_from is not None:
+            return EmpiricalNoiseCost(cost, step_noise_from_file(self.step_noise_from, cost), seed)
+        return NoisyCost(cost, self.noise_sigma, seed=seed, bias=self.bias)
 
     def simulate(
         self,
@@ -152,7 +191,7 @@ class EngineOptions:
         """Run ``policy`` on ``workload`` in this engine; ``cost`` is the machine's model.
 
         The policy predicts with its own cost (normally ``cost``); the iteration really
-        takes ``cost`` x noise x bias. With ``correction`` a deadline-aware policy gets a
+        takes ``cost`` x noise x bias, or ``cost`` plus a residual of ``step_noise_from``. With ``correction`` a deadline-aware policy gets a
         fresh calibrator per run (its state is the run's own).
         """
         calibrator = None
