@@ -1,7 +1,10 @@
-"""`sloweave tune` on a case whose best budget is worked out by hand, its outputs and its CLI."""
+"""`sloweave tune` on a case whose best budget is worked out by hand, its outputs and its CLI; its default
+sweep (a grid that follows the cost model and the targets, extended past an edge that holds the best budget)
+and the report when no budget meets the targets."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from dataclasses import dataclass
@@ -11,11 +14,32 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
+from sloweave.core.costs.analytic import AnalyticCost
+from sloweave.sim.options import DEFAULT_OPTIONS
+from sloweave.studies.parallel import SERIAL
 from sloweave.studies.sources import ScaledWorkloads
 from sloweave.cli import main
 from sloweave.studies.search import SearchLattice
-from sloweave.studies.tune import RuleOfThumb, nearest_power_of_two, tune
-from sloweave.studies.tune_report import flag_for
+from sloweave.studies.tune import (
+    LADDER_FLOOR_TOKENS,
+    BudgetGrid,
+    BudgetSweep,
+    RuleOfThumb,
+    SweepEnd,
+    ladder,
+    model_grid,
+    nearest_power_of_two,
+    refined_budgets_tokens,
+    tune,
+)
+from sloweave.studies.tune_report import (
+    comparisons,
+    flag_for,
+    no_budget_lines,
+    recommendation,
+    tune_table,
+    write_outputs,
+)
 from sloweave.sim.workloads import Workload
 
 FIXTURES = Path(__file__).parent / "fixtures" / "traces"
@@ -91,7 +115,7 @@ def test_best_budget_is_the_largest_chunk_that_keeps_tpot():
     assert table.loc[768, "p99_tpot_ms"] == pytest.approx(5.0 + 0.01 * 768)
     assert table.loc[2048, "p99_tpot_ms"] > TPOT_MS
     assert table.loc[256, "p99_ttft_ms"] > TTFT_MS
-    cmp = result.comparisons()
+    cmp = comparisons(result)
     assert cmp["best_capacity"]["budget_tokens"] == 768
     assert cmp["sloweave_capacity_over_best"] >= 1.0
     assert all(b["capacity_vs_best"] < 0.5 for b in cmp["rule_of_thumb"]["budgets"])
@@ -176,3 +200,190 @@ def test_tables_print_capacities_in_significant_figures():
 
     assert [significant(v) for v in (0.0312, 0.03, 12.345, 1234.5, 0.0)] == ["0.0312", "0.0300", "12.3", "1,234", "0"]
     assert _fmt(0.03) == "0.0300" and _fmt(float("nan")) == "-" and _fmt(2048) == "2,048"
+
+
+# --------------------------------------------------------------------------- the default sweep
+
+LATTICE = SearchLattice(steps_per_doubling=4)
+
+
+def long_prompt_source(prompt_tokens: int = 20000) -> ScaledWorkloads:
+    wl = Workload("long", np.arange(4) * 1.0, np.full(4, prompt_tokens), np.full(4, 10))
+    return ScaledWorkloads("long", (wl,), (1.0,))
+
+
+def test_ladder_is_powers_of_two_and_the_1_5x_points_between():
+    assert ladder(100) == [16, 24, 32, 48, 64, 96, 128]
+    assert ladder(8192)[-4:] == [3072, 4096, 6144, 8192]
+    assert ladder(5000, coarse=True) == [16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192]
+    assert ladder(1) == [LADDER_FLOOR_TOKENS]
+
+
+def test_grid_ends_move_with_the_tpot_and_ttft_targets():
+    """Analytic cost: T(n, 0) = 1.25 + 0.055 n ms, T(0, c) = 0.75 + 0.006 c ms.
+
+    Low end: the decode batch that fills a TPOT step alone is 159 at 10 ms, 431 at 25 ms, so
+    the sweep starts at 128 and 384 (the ladder values at or below). High end: a prompt of
+    c tokens prefills in one step within 20 ms up to 3,208 tokens, within 50 ms up to 8,208,
+    so the sweep ends at 3,072 and 8,192. The hard limits stay put: the ladder's floor and
+    the ladder value at or above the longest prompt (20,000 tokens: 24,576).
+    """
+    source, cost = long_prompt_source(), AnalyticCost()
+    ends = {
+        (tpot, ttft): model_grid(source, "sarathi", tpot, ttft, cost)
+        for tpot, ttft in ((10.0, 20.0), (25.0, 20.0), (25.0, 50.0))
+    }
+    assert [(g.low.budget_tokens, g.high.budget_tokens) for g in ends.values()] == [
+        (128, 3072),
+        (384, 3072),
+        (384, 8192),
+    ]
+    grid = ends[(25.0, 50.0)]
+    assert grid.budgets_tokens == [384, 512, 768, 1024, 1536, 2048, 3072, 4096, 6144, 8192]
+    assert (grid.low_limit.budget_tokens, grid.high_limit.budget_tokens) == (16, 24576)
+    assert "431 decodes" in grid.low.reason and "8,192-token prompt" in grid.high.reason
+    described = grid.describe()
+    assert described["low_tokens"] == 384 and "TTFT" in described["high_reason"]
+    # decodes do not count against a fixed chunk; a decode that alone misses TPOT starts at the floor
+    assert model_grid(source, "fixed", 25.0, 50.0, cost).low.budget_tokens == LADDER_FLOOR_TOKENS
+    alone = model_grid(source, "sarathi", 1.0, 50.0, cost).low
+    assert alone.budget_tokens == LADDER_FLOOR_TOKENS and "one decode alone takes 1.31 ms" in alone.reason
+    # a loose TTFT reaches the hard limit; --quick's ladder is powers of two
+    assert model_grid(source, "sarathi", 25.0, 1e6, cost).high.budget_tokens == 24576
+    assert model_grid(source, "sarathi", 25.0, 50.0, cost, coarse=True).budgets_tokens == [
+        256,
+        512,
+        1024,
+        2048,
+        4096,
+        8192,
+    ]
+
+
+def test_default_sweep_extends_past_the_edge_that_holds_the_best():
+    """The worked case of test_tune (best budget 768) under the budget rule, whose decodes cost
+    nothing here: the decode batch that fills a TPOT step is unbounded, so the grid starts and
+    ends at the hard limit, 3,072 (the longest prompt is 3,000 tokens), beside the rule of
+    thumb's 1,024 and 2,048, all of which break TPOT. The best of those (1,024) is the low
+    edge: one extension sweeps 768 and 512 and finds 768 inside."""
+    result = tune(
+        periodic_source(120),
+        rule="budget",
+        tpot_ms=TPOT_MS,
+        ttft_ms=TTFT_MS,
+        cost=OverheadPlusLinear(),
+        lattice=LATTICE,
+        refine=False,
+    )
+    plan = result.sweep_plan
+    assert plan["budgets_from"].startswith("the cost model")
+    assert (plan["grid"]["low_tokens"], plan["grid"]["high_tokens"]) == (3072, 3072)
+    assert plan["extensions"] == [
+        {"side": "low", "best_before_tokens": 1024, "added_tokens": [512, 768], "best_after_tokens": 768}
+    ]
+    assert "inside the sweep" in plan["extension_stop"]
+    assert list(result.table["budget_tokens"]) == [512, 768, 1024, 2048, 3072]
+    assert result.best_capacity_tokens == 768 and not result.no_budget_meets_targets
+    lines = recommendation(result, "vllm")
+    assert any(line.startswith("edge extension: the best budget (1,024 tokens) was the low edge") for line in lines)
+    assert not any(line.startswith("NOTE") for line in lines)
+
+
+def hand_grid(low: int, high: int, high_limit: int) -> BudgetGrid:
+    values = tuple(ladder(high_limit))
+    return BudgetGrid(
+        values,
+        SweepEnd(low, "given"),
+        SweepEnd(high, "given"),
+        SweepEnd(values[0], "floor"),
+        SweepEnd(values[-1], "the test's limit"),
+        0.0,
+        False,
+    )
+
+
+def periodic_sweep() -> BudgetSweep:
+    source = periodic_source(120)
+    return BudgetSweep(
+        source, "fixed", TPOT_MS, TTFT_MS, LATTICE, OverheadPlusLinear(), 4096, DEFAULT_OPTIONS, SERIAL, False, None
+    )
+
+
+def test_extension_stops_at_a_hard_limit_and_after_the_most_rounds():
+    """Fixed rule, best 768 (test_tune): a sweep of 256-384 climbs; with the limit at 512 it stops
+    there, and with one round allowed it stops at 768, still the top edge."""
+    sweep = periodic_sweep()
+    sweep.add(["fixed-256", "fixed-384"])
+    budgets, extensions, stop = sweep.extended([256, 384], hand_grid(256, 384, 512), max_extensions=3)
+    assert budgets == [256, 384, 512] and [e["added_tokens"] for e in extensions] == [[512]]
+    assert "at the hard limit (512 tokens: the test's limit)" in stop
+    budgets, extensions, stop = sweep.extended([256, 384], hand_grid(256, 384, 4096), max_extensions=1)
+    assert budgets == [256, 384, 512, 768] and len(extensions) == 1
+    assert "(768 tokens) is the largest swept after 1 extensions" in stop
+    budgets, extensions, stop = sweep.extended(budgets, hand_grid(256, 384, 4096), max_extensions=3)
+    assert budgets == [256, 384, 512, 768, 1024, 1536] and "inside the sweep" in stop
+
+
+def test_refinement_between_small_budgets_keeps_its_step():
+    # below 96 tokens the midpoints round to multiples of 8 (64 would swallow the step): 32 and 48 give 40
+    assert refined_budgets_tokens(32, [24, 32, 48]) == [40]
+    # 64-token multiples from 96 up, as before: 768 between 512 and 1024 refines to 640 and 896
+    assert refined_budgets_tokens(768, [512, 768, 1024]) == [640, 896]
+
+
+def test_no_budget_meets_the_targets_is_reported_not_advised(tmp_path):
+    """Every step costs at least 5 ms: a 4 ms TPOT target holds at no load, for any budget."""
+    result = tune(
+        periodic_source(40),
+        rule="fixed",
+        budgets_tokens=(256, 1024),
+        tpot_ms=4.0,
+        ttft_ms=TTFT_MS,
+        cost=OverheadPlusLinear(),
+        lattice=LATTICE,
+    )
+    assert result.no_budget_meets_targets
+    assert result.sweep_plan["refinement_tokens"] == []  # nothing to refine around a budget that meets nothing
+    assert "best capacity" not in tune_table(result)
+    assert result.loads_searched["min_scale"] == LATTICE.scale(LATTICE.min_k)
+    assert result.loads_searched["min_rps"] == LATTICE.scale(LATTICE.min_k) * 1000.0 / GAP_MS
+    payload = write_outputs(result, "sglang", tmp_path)
+    assert payload["no_budget_meets_targets"] is True and payload["flag"] is None
+    assert payload["loads_searched"]["max_scale"] == LATTICE.scale(LATTICE.max_k)
+    assert payload["sloweave_capacity_rps"] == 0.0
+    advice = payload["advice"]
+    assert any(line.startswith("NO BUDGET MEETS THE TARGETS: none of the 3 budgets swept") for line in advice)
+    assert any("does not either" in line for line in advice)
+    assert not any(line.startswith(("set:", "best fixed budget")) for line in advice)
+    assert json.loads((tmp_path / "tune.json").read_text())["no_budget_meets_targets"] is True
+    # where SLOWeave does meet them, its capacity is stated beside the statement
+    ours = dataclasses.replace(result, sloweave={**result.sloweave, "capacity_rps": 1.25})
+    assert no_budget_lines(ours, "sglang")[1].startswith(
+        "SLOWeave (sloweave) does, on the same input: capacity 1.25 req/s"
+    )
+
+
+def test_explicit_budgets_are_swept_exactly_and_say_so(tmp_path):
+    out = tmp_path / "tune"
+    args = ["tune", "--trace", str(FIXTURES / "azure_conv_first150.csv"), "--seeds", "1", "--window-s", "30"]
+    args += ["--budget", "512", "--budget", "2048", "--quick", "--no-refine", "--out", str(out)]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0, result.output
+    payload = json.loads((out / "tune.json").read_text())
+    assert payload["sweep_plan"]["budgets_from"] == "given (--budget)"
+    assert "grid" not in payload["sweep_plan"] and "extensions" not in payload["sweep_plan"]
+    swept = {row["budget_tokens"] for row in payload["sweep"]}
+    assert swept == {512, 2048} | set(payload["sweep_plan"]["rule_of_thumb_tokens"])
+    assert "engine options: " in result.output
+
+
+def test_cli_default_sweep_follows_the_model(tmp_path):
+    """Analytic cost at 25 ms: 431 decodes fill a step, so the sweep starts at 256 on the powers of two."""
+    out = tmp_path / "tune"
+    args = ["tune", "--trace", str(FIXTURES / "azure_conv_first150.csv"), "--seeds", "1", "--window-s", "30"]
+    args += ["--quick", "--no-refine", "--ttft-ms", "20", "--out", str(out)]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0, result.output
+    grid = json.loads((out / "tune.json").read_text())["sweep_plan"]["grid"]
+    assert grid["ladder"] == "powers of two" and grid["low_tokens"] == 256 and grid["high_tokens"] == 2048
+    assert "sweep: 256-2,048 tokens (powers of two), from the cost model" in result.output

@@ -31,14 +31,14 @@ from sloweave.core.costs.resolve import KIND_STEP_PROFILE, ResolvedCost
 from sloweave.core.validate import ATTAINMENT, DURATION_S, MAX_TOKENS, REPEATS, SCALE, TOKENS, Range
 from sloweave.sim.options import EngineOptions
 from sloweave.sim.traces import TraceError, load_trace
-from sloweave.sim.workloads import ALL_WORKLOADS, WorkloadError
+from sloweave.sim.workloads import ALL_WORKLOADS, WorkloadError, mean_context_tokens
 from sloweave.studies.inputs import model_len_or_default
 from sloweave.studies.outputs import check_writable, command_settings
 from sloweave.studies.parallel import Runner
 from sloweave.studies.replay import DEFAULT_TRACE_TTFT_MS
 from sloweave.studies.search import DEFAULT_ATTAINMENT, SearchLattice
-from sloweave.studies.sources import DEFAULT_WINDOW_S, SpecSource, trace_source
-from sloweave.studies.tune import DEFAULT_BUDGETS_TOKENS, QUICK_BUDGETS_TOKENS, RULES, step_profile_cost, tune
+from sloweave.studies.sources import DEFAULT_WINDOW_S, LoadSource, SpecSource, trace_source
+from sloweave.studies.tune import RULES, tune
 from sloweave.studies.tune_report import ENGINES, tune_table, write_outputs
 
 # options that only a step-time profile file as --cost reads
@@ -69,6 +69,16 @@ def _load_source(load: TuneLoad, quick: bool, ttft_ms: float | None):
         ), ttft_ms or DEFAULT_TRACE_TTFT_MS
     spec = ALL_WORKLOADS[load.workload]
     return SpecSource(spec, load.num_requests or (800 if quick else 2000), tuple(range(seeds))), ttft_ms or spec.ttft_ms
+
+
+def step_profile_cost(
+    resolved: ResolvedCost, kind: str, context_tokens: float | None, source: LoadSource
+) -> ResolvedCost:
+    """A step-time profile as the sweep uses it: the fitted ``kind`` at a fixed KV context per
+    decode (by default the workload's mean context, the advice in sloweave.core.costs.fitted)."""
+    if context_tokens is None:
+        context_tokens = mean_context_tokens(*(source.workload(seed, 1.0) for seed in range(source.num_seeds)))
+    return resolved.step_profile(kind, context_tokens)
 
 
 def _check_inputs(load: TuneLoad) -> None:
@@ -116,7 +126,9 @@ def _print_advice(result, payload: dict, notes: list[str], out_dir: Path) -> Non
     type=ranged(TOKENS),
     multiple=True,
     callback=once_each,
-    help="repeat for a custom sweep [default: 256 ... 8192, powers of two and 1.5x between]",
+    help="repeat for a custom sweep, swept exactly [default: from the cost model and the targets: powers of two "
+    "and 1.5x between, from the decode batch that fills a TPOT step to the largest prompt prefilled within TTFT, "
+    "extended past an edge that holds the best]",
 )
 @click.option(
     "--load-scale",
@@ -151,7 +163,7 @@ def _print_advice(result, payload: dict, notes: list[str], out_dir: Path) -> Non
     show_default=True,
     help="one more round between the best budget and its neighbours",
 )
-@click.option("--quick", is_flag=True, help="3 seeds, 800 requests, 6 budgets (powers of two), lattice step 9 %")
+@click.option("--quick", is_flag=True, help="3 seeds, 800 requests, budgets on powers of two only, lattice step 9 %")
 @parallel_options()
 @max_model_len_option()
 @gathered("load", TuneLoad, tuple(f.name for f in fields(TuneLoad)))
@@ -181,7 +193,6 @@ def tune_command(
     _check_inputs(load)
     check_writable(out.path, "--out")
     refuse_step_profile_options(cost, STEP_PROFILE_OPTIONS)
-    budgets = tuple(budgets) or (QUICK_BUDGETS_TOKENS if quick else DEFAULT_BUDGETS_TOKENS)
     try:
         source, ttft_ms = _load_source(load, quick, ttft_ms)
         if cost.kind == KIND_STEP_PROFILE:
@@ -194,7 +205,7 @@ def tune_command(
             result = tune(
                 source,
                 rule or ENGINES[engine][1],
-                budgets,
+                tuple(budgets) or None,
                 tpot_ms,
                 ttft_ms,
                 cost.model,
@@ -206,10 +217,11 @@ def tune_command(
                 runner=runner,
                 progress=True,
                 store=folder.store,
+                coarse_grid=quick,
             )
         except (TraceError, WorkloadError, ValueError) as err:
             raise click.UsageError(str(err)) from None
-        notes = [] if cost.is_analytic else cost.summary_lines()
+        notes = ([] if cost.is_analytic else cost.summary_lines()) + [f"engine options: {engine_opts.label()}"]
         meta = {"command": "tune", "options": command_settings(), "cost": cost.description}
         payload = write_outputs(result, engine, folder.path, meta, notes)
     _print_advice(result, payload, notes, out.path)

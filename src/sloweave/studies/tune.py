@@ -24,6 +24,11 @@ Engine rules (the simulator's static policies):
 SLOWeave is compared in the matching form: ``sloweave-multi`` (several prompts, as the vLLM
 plug-in runs) for ``sarathi``, ``sloweave`` (one prompt) otherwise.
 
+The budgets swept by default follow the model (``model_grid``): a ladder of about 1.5x steps
+from the decode batch that fills a TPOT step by the cost model up to the largest prompt that
+prefills within the TTFT target, extended past an edge while the best budget sits on it
+(``BudgetSweep.extended``); a best budget no seed sustains at any load is reported as such.
+
 This module runs the sweep; ``sloweave.studies.tune_report`` writes what it found (the
 flag per engine, the table, the advice, the files) and ``sloweave.cli.tune`` is the command.
 """
@@ -38,40 +43,24 @@ import pandas as pd
 
 from sloweave.sim.options import DEFAULT_OPTIONS, EngineOptions
 from sloweave.sim.workloads import mean_context_tokens
-from sloweave.studies.search import (
-    DEFAULT_LATTICE,
-    Capacity,
-    CapacityStudy,
-    SearchLattice,
-    best_of_rule,
-    budget_of,
-    refined_budgets,
-)
+from sloweave.studies.search import DEFAULT_LATTICE, Capacity, CapacityStudy, SearchLattice, best_of_rule, budget_of
 from sloweave.studies.parallel import SERIAL, Runner
 from sloweave.studies.sources import LoadSource
 from sloweave.core.costs.analytic import AnalyticCost
-from sloweave.core.costs.protocols import CostModel
-from sloweave.core.costs.resolve import ResolvedCost
+from sloweave.core.costs.protocols import ContextAware, CostModel, uncounted
 from sloweave.core.policy import DEFAULT_MAX_CHUNK_TOKENS
 
 RULES = ("sarathi", "budget", "fixed")
-# Powers of two and the 1.5x points between them: every value a multiple of 64 tokens.
-DEFAULT_BUDGETS_TOKENS = (256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096, 6144, 8192)
-QUICK_BUDGETS_TOKENS = (256, 512, 1024, 2048, 4096, 8192)
-RESULT_COLUMNS = [
-    "budget_tokens",
-    "policy",
-    "capacity_rps",
-    "capacity_rps_std",
-    "capacity_scale",
-    "censored",
-    "load_rps",
-    "goodput_rps",
-    "attainment",
-    "p99_ttft_ms",
-    "p99_tpot_ms",
-    "rule_of_thumb",
-]
+# The ladder a default sweep walks: powers of two and the 1.5x points between them (16, 24,
+# 32, 48, ...; the old fixed sweep, 256 ... 8192, lies on it); --quick walks the powers of two.
+LADDER_FLOOR_TOKENS = 16  # the low hard limit: a per-step budget below it is not a setting anyone runs
+MAX_EXTENSIONS = 3  # rounds of edge extension, at most
+EXTENSION_STEPS = 2  # ladder values added past the edge per round: one doubling on the 1.5x ladder
+MAX_DECODE_BATCH = 1 << 16  # where the search for the decode batch that fills a TPOT step stops
+RESULT_COLUMNS = (  # tune.csv: one row per budget, then SLOWeave's
+    "budget_tokens policy capacity_rps capacity_rps_std capacity_scale censored load_rps goodput_rps attainment "
+    "p99_ttft_ms p99_tpot_ms rule_of_thumb"
+).split()
 
 
 def policy_name(rule: str, budget_tokens: int) -> str:
@@ -132,58 +121,22 @@ class TuneResult:
     best_goodput_tokens: int
     simulations: int
     step_pct: float
+    sweep_plan: dict = field(default_factory=dict)  # where the budgets came from: ends, extensions, refinement
+    loads_searched: dict = field(default_factory=dict)  # the lattice's lowest and highest load
+
+    @property
+    def no_budget_meets_targets(self) -> bool:
+        """No budget kept the attainment target on any seed at any load searched."""
+        return bool((self.table["capacity_rps"] == 0).all())
 
     def row(self, budget_tokens: int) -> dict:
         return self.table.set_index("budget_tokens").loc[budget_tokens].to_dict() | {"budget_tokens": budget_tokens}
-
-    def comparisons(self) -> dict:
-        """Best fixed budget against SLOWeave, and the rule of thumb against the best."""
-        best = self.row(self.best_capacity_tokens)
-        best_goodput = self.row(self.best_goodput_tokens)
-        ours = self.sloweave
-
-        def ratio(a: float, b: float) -> float | None:
-            return a / b if b > 0 else None
-
-        thumb = []
-        for tokens in self.rule_of_thumb.budgets_tokens:
-            row = self.row(tokens)
-            thumb.append(
-                {
-                    "budget_tokens": tokens,
-                    "capacity_rps": row["capacity_rps"],
-                    "capacity_vs_best": ratio(row["capacity_rps"], best["capacity_rps"]),
-                    "goodput_rps": row["goodput_rps"],
-                    "goodput_vs_best": ratio(row["goodput_rps"], best_goodput["goodput_rps"]),
-                    "p99_ttft_ms": row["p99_ttft_ms"],
-                    "p99_tpot_ms": row["p99_tpot_ms"],
-                }
-            )
-        return {
-            "best_capacity": {"budget_tokens": self.best_capacity_tokens, "capacity_rps": best["capacity_rps"]},
-            "best_goodput_at_load": {
-                "budget_tokens": self.best_goodput_tokens,
-                "goodput_rps": best_goodput["goodput_rps"],
-            },
-            "sloweave": {
-                "policy": ours["policy"],
-                "capacity_rps": ours["capacity_rps"],
-                "goodput_rps": ours["goodput_rps"],
-            },
-            "sloweave_capacity_over_best": ratio(ours["capacity_rps"], best["capacity_rps"]),
-            "sloweave_goodput_over_best": ratio(ours["goodput_rps"], best_goodput["goodput_rps"]),
-            "rule_of_thumb": {
-                "mean_prompt_tokens": self.rule_of_thumb.mean_prompt_tokens,
-                "rounding": "nearest power of two (log scale), at least 64",
-                "budgets": thumb,
-            },
-        }
 
 
 def tune(
     source: LoadSource,
     rule: str = "sarathi",
-    budgets_tokens: tuple[int, ...] = DEFAULT_BUDGETS_TOKENS,
+    budgets_tokens: tuple[int, ...] | None = None,
     tpot_ms: float = 25.0,
     ttft_ms: float = 2000.0,
     cost: CostModel | None = None,
@@ -195,27 +148,30 @@ def tune(
     runner: Runner = SERIAL,
     progress: bool = False,
     store=None,
+    coarse_grid: bool = False,
+    max_extensions: int = MAX_EXTENSIONS,
 ) -> TuneResult:
     """Sweep the engine's fixed budget on ``source``; see the module docstring.
 
-    ``load_scale`` is the load (arrival-rate scale, rounded to the capacity lattice) at
-    which goodput and latencies are compared; None picks the best budget's capacity (the
-    median over seeds), the highest load that budget sustains. ``refine`` adds one round
+    ``budgets_tokens`` None (the default) sweeps the grid the cost model, the targets and the
+    input call for (``model_grid``; ``coarse_grid``: powers of two only) and extends it past an
+    edge that holds the best budget, ``max_extensions`` rounds at most; a given tuple is swept
+    exactly as given. ``load_scale`` is the load (arrival-rate scale, rounded to the capacity
+    lattice) at which goodput and latencies are compared; None picks the best budget's capacity
+    (the median over seeds), the highest load that budget sustains. ``refine`` adds one round
     of budgets between the best one and its neighbours. ``lattice`` (the attainment target
     and load lattice), ``max_chunk_tokens``, ``options``, ``runner``, ``progress`` and
     ``store`` (``sloweave.studies.parallel.TaskStore``: --resume) go to every
     ``CapacityStudy``.
     """
-    if not budgets_tokens or any(int(b) != b or b < 1 for b in budgets_tokens):
+    if budgets_tokens is not None and (not budgets_tokens or any(int(b) != b or b < 1 for b in budgets_tokens)):
         raise ValueError(f"budgets must be whole numbers of tokens >= 1, got {budgets_tokens!r}")
     thumb = RuleOfThumb.of(mean_prompt_tokens(source))
     sweep = BudgetSweep(
         source, rule, tpot_ms, ttft_ms, lattice, cost, max_chunk_tokens, options, runner, progress, store
     )
-    budgets = sorted({int(b) for b in budgets_tokens} | set(thumb.budgets_tokens))
-    sweep.add([policy_name(rule, b) for b in budgets] + [sloweave_variant(rule)])
-    if refine:
-        budgets = sweep.refined(budgets)
+    grid = None if budgets_tokens is not None else model_grid(source, rule, tpot_ms, ttft_ms, cost, coarse_grid)
+    budgets, plan = sweep.run(budgets_tokens, grid, thumb, refine, max_extensions)
     best_capacity = sweep.best_budget(budgets)
     k, how = sweep.comparison_load(best_capacity, load_scale)
     table = sweep.table(budgets, thumb, k)
@@ -234,7 +190,16 @@ def tune(
         best_goodput_tokens=best_goodput_budget(table),
         simulations=sweep.simulations,
         step_pct=100.0 * (2.0 ** (1.0 / lattice.steps_per_doubling) - 1.0),
+        sweep_plan=plan,
+        loads_searched=loads_searched(source, lattice),
     )
+
+
+def loads_searched(source: LoadSource, lattice: SearchLattice) -> dict:
+    """The lowest and highest load of the capacity lattice, as rate scales and in req/s (mean over seeds)."""
+    base_rps = float(np.mean([source.base_rate_rps(seed) for seed in range(source.num_seeds)]))
+    low, high = lattice.scale(lattice.min_k), lattice.scale(lattice.max_k)
+    return {"min_scale": low, "max_scale": high, "min_rps": low * base_rps, "max_rps": high * base_rps}
 
 
 @dataclass
@@ -274,6 +239,31 @@ class BudgetSweep:
         self.study_by_policy.update(dict.fromkeys(study.policies, study))
         self.capacities.update({c.policy: c for c in study.capacities()})
 
+    def run(
+        self,
+        budgets_tokens: tuple[int, ...] | None,
+        grid: BudgetGrid | None,
+        thumb: RuleOfThumb,
+        refine: bool,
+        max_ext: int,
+    ) -> tuple[list[int], dict]:
+        """Search ``budgets_tokens`` (or ``grid``'s, extended), the rule of thumb's and SLOWeave; then
+        refine (``max_ext`` rounds of extension at most). Returns the budgets searched and the plan that says where each came from."""
+        rule = self.rule
+        swept = budgets_tokens if grid is None else grid.budgets_tokens
+        budgets = sorted({int(b) for b in swept} | set(thumb.budgets_tokens))
+        self.add([policy_name(rule, b) for b in budgets] + [sloweave_variant(rule)])
+        plan = {"budgets_from": "given (--budget)" if grid is None else "the cost model, the targets and the input"}
+        if grid is not None:
+            budgets, plan["extensions"], plan["extension_stop"] = self.extended(budgets, grid, max_ext)
+            plan["grid"] = grid.describe()
+        plan["rule_of_thumb_tokens"] = list(thumb.budgets_tokens)
+        before_refinement = budgets
+        if refine and self.capacities[policy_name(rule, self.best_budget(budgets))].capacity_rps != 0:
+            budgets = self.refined(budgets)  # (nothing to refine around a best that meets the targets at no load)
+        plan["refinement_tokens"] = sorted(set(budgets) - set(before_refinement))
+        return budgets, plan
+
     def best_budget(self, budgets: list[int]) -> int:
         """The capacity study's own ranking (ties to the smaller budget)."""
         best = best_of_rule([self.capacities[policy_name(self.rule, b)] for b in budgets], self.rule)
@@ -281,10 +271,34 @@ class BudgetSweep:
 
     def refined(self, budgets: list[int]) -> list[int]:
         """``budgets`` and one more round between the best one and its neighbours, searched."""
-        extra = refined_budgets(self.best_budget(budgets), budgets)
+        extra = refined_budgets_tokens(self.best_budget(budgets), budgets)
         if extra:
             self.add([policy_name(self.rule, b) for b in extra])
         return sorted(budgets + extra)
+
+    def extended(self, budgets: list[int], grid: BudgetGrid, max_extensions: int) -> tuple[list[int], list[dict], str]:
+        """While the best budget is the smallest or the largest swept, and not at one of the grid's
+        hard limits, sweep the next ladder values past it (``max_extensions`` rounds at most).
+        Returns the budgets, one record per extension, and why extension stopped."""
+        extensions: list[dict] = []
+        while True:
+            best = self.best_budget(budgets)
+            side = "low" if best == budgets[0] else "high" if best == budgets[-1] else None
+            if side is None:
+                return budgets, extensions, f"the best budget ({best} tokens) lies inside the sweep"
+            edge = f"the best budget ({best} tokens) is the {'smallest' if side == 'low' else 'largest'} swept"
+            limit = grid.low_limit if side == "low" else grid.high_limit
+            added = [b for b in grid.beyond(best, side) if b not in budgets]
+            if grid.at_limit(best, side) or not added:
+                return budgets, extensions, f"{edge}, at the hard limit ({limit.budget_tokens} tokens: {limit.reason})"
+            if len(extensions) >= max_extensions:
+                return budgets, extensions, f"{edge} after {len(extensions)} extensions, the most tune makes"
+            self.add([policy_name(self.rule, b) for b in added])
+            budgets = sorted(budgets + added)
+            after = self.best_budget(budgets)
+            extensions.append(
+                {"side": side, "best_before_tokens": best, "added_tokens": added, "best_after_tokens": after}
+            )
 
     def comparison_load(self, best_budget_tokens: int, load_scale: float | None) -> tuple[int, str]:
         """The lattice point where goodput and latencies are compared, and how it was chosen."""
@@ -333,20 +347,151 @@ class BudgetSweep:
         return sum(s.simulations for s in set(self.study_by_policy.values()))
 
 
+def refined_budgets_tokens(best_tokens: int, swept: list[int]) -> list[int]:
+    """One refinement round: the geometric midpoints between the best budget and its neighbours
+    in the sweep, not already swept; rounded to multiples of 64 tokens from 96 up (the values
+    earlier sweeps pinned), of 8 below, where 64 would swallow the step."""
+    swept = sorted(swept)
+    i = swept.index(best_tokens)
+    extra = set()
+    for j in (i - 1, i + 1):
+        if 0 <= j < len(swept):
+            middle = math.sqrt(best_tokens * swept[j])
+            quantum = 64 if middle >= 96 else 8
+            extra.add(max(quantum, int(round(middle / quantum)) * quantum))
+    return sorted(extra - set(swept))
+
+
 def best_goodput_budget(table: pd.DataFrame) -> int:
     """The budget with the highest goodput at the load (ties to the smaller budget)."""
     best = table.sort_values(["goodput_rps", "budget_tokens"], ascending=[False, True]).iloc[0]
     return int(best["budget_tokens"])
 
 
-# --------------------------------------------------------------------------- cost model
+# --------------------------------------------------------------------------- the default grid
 
 
-def step_profile_cost(
-    resolved: ResolvedCost, kind: str, context_tokens: float | None, source: LoadSource
-) -> ResolvedCost:
-    """A step-time profile as the sweep uses it: the fitted ``kind`` at a fixed KV context per
-    decode (by default the workload's mean context, the advice in sloweave.core.costs.fitted)."""
-    if context_tokens is None:
-        context_tokens = mean_context_tokens(*(source.workload(seed, 1.0) for seed in range(source.num_seeds)))
-    return resolved.step_profile(kind, context_tokens)
+def ladder(up_to_tokens: int, coarse: bool = False) -> list[int]:
+    """The ladder from ``LADDER_FLOOR_TOKENS`` up to its first value >= ``up_to_tokens``."""
+    values, power = [], LADDER_FLOOR_TOKENS
+    while not values or values[-1] < up_to_tokens:
+        values.append(power)
+        if not coarse and power < up_to_tokens:
+            values.append(power * 3 // 2)
+        power *= 2
+    return values
+
+
+@dataclass(frozen=True)
+class SweepEnd:
+    budget_tokens: int
+    reason: str
+
+
+@dataclass(frozen=True)
+class BudgetGrid:
+    """The default sweep, from the cost model, the targets and the input: the ladder between two
+    soft ends (where the sweep starts) inside two hard limits (where extension stops)."""
+
+    values_tokens: tuple[int, ...]  # the ladder from the low to the high hard limit
+    low: SweepEnd
+    high: SweepEnd
+    low_limit: SweepEnd
+    high_limit: SweepEnd
+    context_tokens: float  # the KV context per decode the ends were priced at
+    coarse: bool
+
+    @property
+    def budgets_tokens(self) -> list[int]:
+        return [v for v in self.values_tokens if self.low.budget_tokens <= v <= self.high.budget_tokens]
+
+    def beyond(self, edge_tokens: int, side: str, count: int = EXTENSION_STEPS) -> list[int]:
+        """The next ``count`` ladder values past ``edge_tokens`` on ``side`` ("low" or "high")."""
+        if side == "low":
+            return [v for v in self.values_tokens if v < edge_tokens][-count:]
+        return [v for v in self.values_tokens if v > edge_tokens][:count]
+
+    def at_limit(self, budget_tokens: int, side: str) -> bool:
+        if side == "low":
+            return budget_tokens <= self.low_limit.budget_tokens
+        return budget_tokens >= self.high_limit.budget_tokens
+
+    def describe(self) -> dict:
+        ends = {"low": self.low, "high": self.high, "low_limit": self.low_limit, "high_limit": self.high_limit}
+        return {
+            "ladder": "powers of two" if self.coarse else "powers of two and 1.5x between",
+            **{f"{name}_tokens": end.budget_tokens for name, end in ends.items()},
+            **{f"{name}_reason": end.reason for name, end in ends.items()},
+            "context_per_decode_tokens": self.context_tokens,
+        }
+
+
+def model_grid(
+    source: LoadSource, rule: str, tpot_ms: float, ttft_ms: float, cost: CostModel | None, coarse: bool = False
+) -> BudgetGrid:
+    """The default sweep's ends, by the cost model at the input's mean KV context per decode.
+
+    Low end: the ladder value at or below the decode batch whose step alone fills the TPOT
+    target (a smaller shared budget leaves a full batch's prompts nothing; the floor for the
+    ``fixed`` rule, whose decodes do not count). High end: the largest ladder value whose prompt
+    prefills in one step within the TTFT target. Hard limits: the ladder's floor, and the ladder
+    value at or above the longest prompt (a larger budget prefills every prompt in one step).
+    """
+    workloads = [source.workload(seed, 1.0) for seed in range(source.num_seeds)]
+    longest = int(max(w.prompt_tokens.max() for w in workloads))
+    context = mean_context_tokens(*workloads)
+    step_ms = _step_pricer(cost or AnalyticCost(), context)
+    values = ladder(longest, coarse)
+    low_limit = SweepEnd(values[0], "the ladder's floor")
+    high_limit = SweepEnd(
+        values[-1], f"the longest prompt is {longest:,} tokens: a larger budget prefills any in one step"
+    )
+    low = _low_end(values, rule, tpot_ms, step_ms, context)
+    return BudgetGrid(
+        tuple(values), low, _high_end(values, ttft_ms, step_ms, low), low_limit, high_limit, context, coarse
+    )
+
+
+def _step_pricer(cost: CostModel, context_tokens: float):
+    """T(n, c) with each decode at ``context_tokens`` and the chunk at no prefix; not counted as
+    queries past a profile's data (the simulation counts its own)."""
+    reads_context = isinstance(cost, ContextAware)
+
+    def step_ms(n_decodes: int, chunk_tokens: int) -> float:
+        with uncounted(cost):
+            if reads_context:
+                return float(cost.predict(n_decodes, chunk_tokens, round(n_decodes * context_tokens), 0))
+            return float(cost(n_decodes, chunk_tokens))
+
+    return step_ms
+
+
+def _low_end(values: list[int], rule: str, tpot_ms: float, step_ms, context: float) -> SweepEnd:
+    if rule == "fixed":
+        return SweepEnd(values[0], "decodes do not count against a fixed chunk: from the ladder's floor")
+    if (one_ms := step_ms(1, 0)) > tpot_ms:
+        over = f"over the {tpot_ms:g} ms TPOT target: from the ladder's floor"
+        return SweepEnd(values[0], f"one decode alone takes {one_ms:.3g} ms by the cost model, {over}")
+    lo, hi = 1, 2  # step_ms(lo, 0) fits; find the last n that does by doubling, then bisection
+    while hi <= MAX_DECODE_BATCH and step_ms(hi, 0) <= tpot_ms:
+        lo, hi = hi, hi * 2
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if step_ms(mid, 0) <= tpot_ms else (lo, mid)
+    fill = f"fill a {tpot_ms:g} ms step by the cost model; a smaller budget leaves their prompts nothing"
+    low = max([v for v in values if v <= lo] or [values[0]])
+    return SweepEnd(low, f"{lo:,} decodes at the mean context ({context:,.0f} tokens) {fill}")
+
+
+def _high_end(values: list[int], ttft_ms: float, step_ms, low: SweepEnd) -> SweepEnd:
+    high = low.budget_tokens
+    for value in (v for v in values if v > low.budget_tokens):
+        prefill_ms = step_ms(0, value)
+        if prefill_ms > ttft_ms:
+            return SweepEnd(
+                high,
+                f"a {high:,}-token prompt prefills in {step_ms(0, high):.3g} ms by the cost model, "
+                f"{value:,} tokens in {prefill_ms:.3g} ms, over the {ttft_ms:g} ms TTFT target",
+            )
+        high = value
+    return SweepEnd(high, "the high hard limit: every prompt prefills in one step within the TTFT target")

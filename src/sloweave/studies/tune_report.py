@@ -47,12 +47,17 @@ def _fmt(value, digits: int = 3) -> str:
 def tune_table(result: TuneResult) -> str:
     header = "| budget (tokens) | capacity req/s | goodput req/s | attainment | P99 TTFT ms | P99 TPOT ms | note |"
     lines = [header, "|" + "---|" * 7]
+    plan = result.sweep_plan
+    added = {
+        "extension": {b for ext in plan.get("extensions", ()) for b in ext["added_tokens"]},
+        "refinement": set(plan.get("refinement_tokens", ())),
+    }
+    # with no budget meeting the targets there is no best to mark: every capacity is zero
+    marks = {} if result.no_budget_meets_targets else {"best capacity": {result.best_capacity_tokens}}
+    marks |= {} if result.no_budget_meets_targets else {"best goodput at load": {result.best_goodput_tokens}}
+    marks |= {"edge extension": added["extension"], "refinement": added["refinement"]}
     for row in [*result.table.to_dict(orient="records"), result.sloweave]:
-        notes = []
-        if row["budget_tokens"] == result.best_capacity_tokens:
-            notes.append("best capacity")
-        if row["budget_tokens"] == result.best_goodput_tokens:
-            notes.append("best goodput at load")
+        notes = [note for note, budgets in marks.items() if row["budget_tokens"] in budgets]
         if row.get("rule_of_thumb"):
             notes.append("rule of thumb")
         if row["censored"]:
@@ -65,24 +70,113 @@ def tune_table(result: TuneResult) -> str:
     return "\n".join(lines) + "\n"
 
 
-def recommendation(result: TuneResult, engine: str) -> list[str]:
-    """The lines printed at the end: the flag, the gap to SLOWeave, the rule of thumb."""
-    cmp = result.comparisons()
-    best = cmp["best_capacity"]
-    lines = []
-    if best["capacity_rps"] <= 0:
-        lines.append(
-            "WARNING: no budget meets the targets even at the lowest load searched; lower --min-scale, "
-            "or check the SLO targets against the cost model"
+def comparisons(result: TuneResult) -> dict:
+    """Best fixed budget against SLOWeave, and the rule of thumb against the best."""
+    best = result.row(result.best_capacity_tokens)
+    best_goodput = result.row(result.best_goodput_tokens)
+    ours = result.sloweave
+
+    def ratio(a: float, b: float) -> float | None:
+        return a / b if b > 0 else None
+
+    thumb = []
+    for tokens in result.rule_of_thumb.budgets_tokens:
+        row = result.row(tokens)
+        thumb.append(
+            {
+                "budget_tokens": tokens,
+                "capacity_rps": row["capacity_rps"],
+                "capacity_vs_best": ratio(row["capacity_rps"], best["capacity_rps"]),
+                "goodput_rps": row["goodput_rps"],
+                "goodput_vs_best": ratio(row["goodput_rps"], best_goodput["goodput_rps"]),
+                "p99_ttft_ms": row["p99_ttft_ms"],
+                "p99_tpot_ms": row["p99_tpot_ms"],
+            }
         )
-    swept = result.table["budget_tokens"]
-    if best["capacity_rps"] > 0 and best["budget_tokens"] in (swept.min(), swept.max()):
+    return {
+        "best_capacity": {"budget_tokens": result.best_capacity_tokens, "capacity_rps": best["capacity_rps"]},
+        "best_goodput_at_load": {
+            "budget_tokens": result.best_goodput_tokens,
+            "goodput_rps": best_goodput["goodput_rps"],
+        },
+        "sloweave": {
+            "policy": ours["policy"],
+            "capacity_rps": ours["capacity_rps"],
+            "goodput_rps": ours["goodput_rps"],
+        },
+        "sloweave_capacity_over_best": ratio(ours["capacity_rps"], best["capacity_rps"]),
+        "sloweave_goodput_over_best": ratio(ours["goodput_rps"], best_goodput["goodput_rps"]),
+        "rule_of_thumb": {
+            "mean_prompt_tokens": result.rule_of_thumb.mean_prompt_tokens,
+            "rounding": "nearest power of two (log scale), at least 64",
+            "budgets": thumb,
+        },
+    }
+
+
+def _targets(result: TuneResult) -> str:
+    return f"TPOT {result.tpot_ms:g} ms, TTFT {result.ttft_ms:g} ms, attainment >= {result.attainment_target:.0%}"
+
+
+def sweep_lines(result: TuneResult) -> list[str]:
+    """Where the budgets came from: the grid's ends and why, each extension, and an edge the best still sits on."""
+    plan, swept = result.sweep_plan, result.table["budget_tokens"]
+    grid = plan.get("grid")
+    if grid is None:
+        lines = [f"sweep: {len(swept)} budgets, {swept.min():,}-{swept.max():,} tokens, given (--budget)"]
+    else:
+        lines = [
+            f"sweep: {grid['low_tokens']:,}-{grid['high_tokens']:,} tokens ({grid['ladder']}), from the cost model: "
+            f"low end {grid['low_tokens']:,} ({grid['low_reason']}); high end {grid['high_tokens']:,} ({grid['high_reason']})"
+        ]
+    for ext in plan.get("extensions", ()):
+        lines.append(
+            f"edge extension: the best budget ({ext['best_before_tokens']:,} tokens) was the {ext['side']} edge; "
+            f"swept {', '.join(f'{b:,}' for b in ext['added_tokens'])}: best now {ext['best_after_tokens']:,}"
+        )
+    best = result.best_capacity_tokens
+    if result.no_budget_meets_targets or best not in (swept.min(), swept.max()):
+        return lines
+    if grid is None:
         lines.append(
             f"NOTE: the best budget is at the edge of the sweep ({swept.min()}-{swept.max()}); extend it with --budget"
         )
+    else:
+        lines.append(f"NOTE: {plan['extension_stop']}")
+    return lines
+
+
+def no_budget_lines(result: TuneResult, engine: str) -> list[str]:
+    """What is printed instead of a budget to set when no budget meets the targets at any load searched."""
+    loads, swept, ours = result.loads_searched, result.table["budget_tokens"], result.sloweave
+    lines = [
+        f"NO BUDGET MEETS THE TARGETS: none of the {len(swept)} budgets swept ({swept.min():,}-{swept.max():,} tokens, "
+        f"{result.rule} rule) reaches {_targets(result)} at any load searched (x{loads['min_scale']:.3g}-"
+        f"x{loads['max_scale']:.3g} of the input's rate, {_fmt(loads['min_rps'])}-{_fmt(loads['max_rps'])} req/s): "
+        f"no fixed budget to set on {engine}",
+    ]
+    if ours["capacity_rps"] > 0:
+        lines.append(
+            f"SLOWeave ({ours['policy']}) does, on the same input: capacity {_fmt(ours['capacity_rps'])} req/s"
+        )
+    else:
+        lines.append(
+            f"SLOWeave ({ours['policy']}) does not either (capacity 0 at every load searched): relax the targets, "
+            "check them against the cost model, or lower --min-scale"
+        )
+    return lines
+
+
+def recommendation(result: TuneResult, engine: str) -> list[str]:
+    """The lines printed at the end: the sweep, the flag, the gap to SLOWeave, the rule of thumb."""
+    lines = sweep_lines(result)
+    if result.no_budget_meets_targets:
+        return lines + no_budget_lines(result, engine)
+    cmp = comparisons(result)
+    best = cmp["best_capacity"]
     lines += [
-        f"best fixed budget: {best['budget_tokens']} tokens ({result.rule} rule), capacity {best['capacity_rps']:.1f} req/s "
-        f"at TPOT {result.tpot_ms:g} ms, TTFT {result.ttft_ms:g} ms, attainment >= {result.attainment_target:.0%}",
+        f"best fixed budget: {best['budget_tokens']} tokens ({result.rule} rule), capacity {_fmt(best['capacity_rps'])} "
+        f"req/s at {_targets(result)}",
         f"set: {flag_for(engine, best['budget_tokens'])}",
     ]
     if ENGINES[engine][1] != result.rule:
@@ -92,18 +186,18 @@ def recommendation(result: TuneResult, engine: str) -> list[str]:
         )
     good = cmp["best_goodput_at_load"]
     lines.append(
-        f"at load {result.table['load_rps'].iloc[0]:.1f} req/s (x{result.load_scale:.3g}; {result.load_source}): "
-        f"best goodput {good['goodput_rps']:.1f} req/s with {good['budget_tokens']} tokens"
+        f"at load {_fmt(result.table['load_rps'].iloc[0])} req/s (x{result.load_scale:.3g}; {result.load_source}): "
+        f"best goodput {_fmt(good['goodput_rps'])} req/s with {good['budget_tokens']} tokens"
     )
     ours = cmp["sloweave"]
     over_cap, over_good = cmp["sloweave_capacity_over_best"], cmp["sloweave_goodput_over_best"]
     lines.append(
-        f"SLOWeave ({ours['policy']}) on the same input: capacity {ours['capacity_rps']:.1f} req/s "
-        f"({_ratio(over_cap)} the best fixed budget), goodput at load {ours['goodput_rps']:.1f} req/s ({_ratio(over_good)})"
+        f"SLOWeave ({ours['policy']}) on the same input: capacity {_fmt(ours['capacity_rps'])} req/s "
+        f"({_ratio(over_cap)} the best fixed budget), goodput at load {_fmt(ours['goodput_rps'])} req/s ({_ratio(over_good)})"
     )
     thumb = cmp["rule_of_thumb"]
     parts = [
-        f"{b['budget_tokens']} tokens: capacity {b['capacity_rps']:.1f} req/s ({_ratio(b['capacity_vs_best'])} the best)"
+        f"{b['budget_tokens']} tokens: capacity {_fmt(b['capacity_rps'])} req/s ({_ratio(b['capacity_vs_best'])} the best)"
         for b in thumb["budgets"]
     ]
     lines.append(
@@ -115,7 +209,7 @@ def recommendation(result: TuneResult, engine: str) -> list[str]:
 
 
 def _ratio(value: float | None) -> str:
-    return "n/a" if value is None else f"{value:.2f}x"
+    return "n/a" if value is None or not math.isfinite(value) else f"{value:.2f}x"
 
 
 def plot(result: TuneResult, path: Path) -> None:
@@ -187,7 +281,11 @@ def write_outputs(
         "source": result.source,
         "rule": result.rule,
         "engine": engine,
-        "flag": flag_for(engine, result.best_capacity_tokens),
+        "flag": None if result.no_budget_meets_targets else flag_for(engine, result.best_capacity_tokens),
+        "no_budget_meets_targets": result.no_budget_meets_targets,
+        "loads_searched": result.loads_searched,
+        "sloweave_capacity_rps": result.sloweave["capacity_rps"],
+        "sweep_plan": result.sweep_plan,
         "tpot_ms": result.tpot_ms,
         "ttft_ms": result.ttft_ms,
         "attainment_target": result.attainment_target,
@@ -195,7 +293,7 @@ def write_outputs(
         "load_source": result.load_source,
         "lattice_step_pct": result.step_pct,
         "simulations": result.simulations,
-        "comparisons": result.comparisons(),
+        "comparisons": comparisons(result),
         "sweep": result.table.to_dict(orient="records"),
         "sloweave_row": result.sloweave,
         "advice": advice,
