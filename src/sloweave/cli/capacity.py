@@ -31,6 +31,7 @@ from sloweave.cli.options import (
 from sloweave.core.costs.resolve import KIND_STEP_PROFILE, ResolvedCost
 from sloweave.core.validate import ATTAINMENT, DURATION_MS, DURATION_S, RATE_RPS, REPEATS, SCALE, TOKENS, setting
 from sloweave.sim.options import EngineOptions
+from sloweave.sim.tiers import TIER_SPEC, Tier, check_tier_mix, describe_tier_mix, parse_tier
 from sloweave.sim.traces import TraceError, load_trace
 from sloweave.sim.workloads import ALL_WORKLOADS, WorkloadError
 from sloweave.studies.capacity import DEFAULT_POLICIES, DEFAULT_TPOT_TARGETS_MS, run_capacity
@@ -39,6 +40,7 @@ from sloweave.studies.outputs import check_writable, command_settings
 from sloweave.studies.parallel import Runner
 from sloweave.studies.replay import DEFAULT_TRACE_TTFT_MS
 from sloweave.studies.search import DEFAULT_ATTAINMENT, TOO_SHORT, CapacityStudy, SearchLattice, budget_of
+from sloweave.studies.search_records import tier_columns_of
 from sloweave.studies.sources import DEFAULT_WINDOW_S, SpecSource, back_to_back, trace_source
 
 
@@ -170,10 +172,18 @@ def _print_results(payload: dict, cost: ResolvedCost, out_dir: Path, study: Capa
         for line in cost.summary_lines():
             click.echo(line)
     shown = table[~table["policy"].map(lambda p: any(budget_of(p, r) is not None for r in study.tuned_rules))]
-    click.echo(shown[CAPACITY_SHOWN].to_string(index=False, float_format=lambda v: f"{v:.3f}"))
-    short = sorted(
-        {f"{r['policy']} at TPOT {r['tpot_ms']:g} ms" for r in payload["capacity"] if TOO_SHORT in r["censored"]}
-    )
+    columns, pair_columns = CAPACITY_SHOWN, PAIRWISE_SHOWN
+    if study.tiers:
+        # one search for the whole mix: the tiers' attainment at the capacity replace the TPOT column
+        click.echo(f"tier mix {describe_tier_mix(study.tiers)}: capacity = the highest load at which every tier keeps")
+        click.echo(
+            f"attainment >= {study.attainment_target:g}, each request judged against its own tier's TPOT and TTFT"
+        )
+        tier_columns = tier_columns_of(study.tiers)[1:]
+        columns = [c for c in CAPACITY_SHOWN if c not in ("tpot_ms", "censored")] + tier_columns + ["censored"]
+        pair_columns = [c for c in PAIRWISE_SHOWN if c != "tpot_ms"] + ["binding_tier", "best_baseline_binding_tier"]
+    click.echo(shown[columns].to_string(index=False, float_format=lambda v: f"{v:.3f}"))
+    short = sorted({f"{r['policy']} at {_cell_name(r)}" for r in payload["capacity"] if TOO_SHORT in r["censored"]})
     if short:
         click.echo(
             f"WARNING: the run is too short to measure capacity for {len(short)} cell(s) ({'; '.join(short[:4])}"
@@ -184,11 +194,63 @@ def _print_results(payload: dict, cost: ResolvedCost, out_dir: Path, study: Capa
     relative = pd.DataFrame(payload["pairwise"])
     if not relative.empty:
         click.echo("like for like (each with the same engine options):")
-        click.echo(relative[PAIRWISE_SHOWN].to_string(index=False, float_format=lambda v: f"{v:.3f}"))
+        click.echo(relative[pair_columns].to_string(index=False, float_format=lambda v: f"{v:.3f}"))
     curves = "curves.csv, cdf_requests.csv, PNG plots, " if payload["cdf_rate_scale"] else ""
     click.echo(
         f"wrote {out_dir}/capacity.csv (+ capacity_detail.csv, capacity_seeds.csv, relative.csv, {curves}capacity.json) from {study.simulations} simulations"
     )
+
+
+def _cell_name(row: dict) -> str:
+    return f"tier mix {row['tier_mix']}" if "tier_mix" in row else f"TPOT {row['tpot_ms']:g} ms"
+
+
+def tier_mix(specs: tuple[str, ...]) -> tuple[Tier, ...]:
+    """``--tier`` values -> a checked tier mix (empty: none given); ValueError naming the problem."""
+    return check_tier_mix(parse_tier(spec) for spec in specs) if specs else ()
+
+
+def _check_tiers(ctx, param, specs: tuple[str, ...]) -> tuple[str, ...]:
+    # the specs stay as given (the settings a result file records); the command parses them again
+    try:
+        tier_mix(specs)
+    except ValueError as err:
+        raise click.BadParameter(str(err), ctx=ctx, param=param) from None
+    return specs
+
+
+def refuse_targets_with_tiers(tiers: tuple[Tier, ...], targets: Targets) -> None:
+    """With ``--tier`` each request's targets are its tier's: a single target given as well
+    would be ignored (``--tpot-ms``, ``--ttft-ms``) or is ambiguous (``--tpot-change-ms``: which
+    tier's target changes?), so it is refused, naming the option."""
+    if not tiers:
+        return
+    if targets.tpot_targets:
+        raise click.UsageError(
+            "--tpot-ms cannot go with --tier: each tier names its own TPOT target (NAME:TPOT_MS:TTFT_MS:SHARE), "
+            "and the capacity of the mix is one search; give the targets in the tiers"
+        )
+    if targets.tpot_change_ms is not None:
+        raise click.UsageError(
+            "--tpot-change-ms cannot go with --tier: which tier's TPOT target would change is ambiguous; "
+            "run the tier mixes before and after the change as two studies"
+        )
+    if targets.ttft_ms is not None:
+        raise click.UsageError("--ttft-ms cannot go with --tier: each tier names its own TTFT target")
+
+
+tier_option = click.option(
+    "--tier",
+    "tiers",
+    multiple=True,
+    callback=_check_tiers,
+    metavar=TIER_SPEC,
+    help="an SLO tier: its name, TPOT and TTFT targets (ms) and share of requests (a fraction); repeat for a mix "
+    "whose shares add up to 1, e.g. --tier interactive:10:2000:0.3 --tier batch:50:2000:0.7. Every request is "
+    "labelled (seeded), served to its tier's TPOT by deadline-aware policies and judged against its tier; "
+    "capacity is the highest load at which every tier keeps the attainment target (not with --tpot-ms, "
+    "--ttft-ms or --tpot-change-ms)",
+)
 
 
 # how each seed's share of the load is cut, in the order the help shows them
@@ -242,6 +304,7 @@ seed_share_options = stacked(
     help=f"repeat for several; fixed-tuned / budget-tuned / sarathi-tuned: that rule at its best budget per target, from a refined sweep [default: {', '.join(DEFAULT_POLICIES)}]",
 )
 @config_options(Targets, "targets")
+@tier_option
 @seed_share_options
 @config_options(Lattice, "lattice")
 @max_chunk_option()
@@ -261,6 +324,7 @@ seed_share_options = stacked(
 def capacity(
     policies,
     targets: Targets,
+    tiers: tuple[str, ...],
     lattice: Lattice,
     max_chunk,
     quick,
@@ -276,6 +340,8 @@ def capacity(
     if bool(load.trace_paths) == (load.workload is not None):
         raise click.UsageError("give --trace PATH (one or more) or --workload NAME, not both and not neither")
     check_writable(out.path, "--out")
+    tiers = tier_mix(tiers)
+    refuse_targets_with_tiers(tiers, targets)
     refuse_step_profile_options(cost, (("cost_kind", "--cost-kind"),))
     if cost.kind == KIND_STEP_PROFILE:
         cost = cost.step_profile(cost_kind)
@@ -285,8 +351,8 @@ def capacity(
         study = CapacityStudy(
             source,
             policies,
-            list(targets.tpot_targets) or list(DEFAULT_TPOT_TARGETS_MS),
-            ttft_ms,
+            () if tiers else (list(targets.tpot_targets) or list(DEFAULT_TPOT_TARGETS_MS)),
+            None if tiers else ttft_ms,
             lattice.search(targets.attainment, quick),
             cost=cost.model,
             max_chunk_tokens=max_chunk,
@@ -294,6 +360,7 @@ def capacity(
             tpot_change_ms=targets.tpot_change_ms,
             runner=runner,
             progress=True,
+            tiers=tiers,
         )
     except (TraceError, WorkloadError, ValueError) as err:
         raise click.UsageError(str(err)) from None

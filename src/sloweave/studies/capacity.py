@@ -20,7 +20,9 @@ from sloweave.core.costs.resolve import ResolvedCost, describe_cost
 from sloweave.studies.outputs import write_result_json
 from sloweave.studies.pictures import pyplot
 from sloweave.studies.replay import plot_cdfs, policy_style
+from sloweave.sim.tiers import describe_tier_mix
 from sloweave.studies.search import TUNING_GRID_TOKENS, Capacity, CapacityStudy, best_of_rule, budget_of
+from sloweave.studies.search_records import tier_columns_of
 
 # Fixed chunks from 256 to C_max = 4096 bracket the best static chunk on every target we
 # measured (Fixed-64 is never close and is the slowest to simulate; pass --policy fixed-64 to add it).
@@ -49,8 +51,9 @@ def capacity_frame(capacities: list[Capacity]) -> pd.DataFrame:
 def seeds_frame(capacities: list[Capacity]) -> pd.DataFrame:
     rows = []
     for c in capacities:
-        for s in c.seeds:
-            rows.append({"source": c.source, "policy": c.policy, "tpot_ms": c.tpot_ms, **asdict(s)})
+        for i, s in enumerate(c.seeds):
+            tpot_ms = math.nan if c.tiers else c.tpot_ms
+            rows.append({"source": c.source, "policy": c.policy, "tpot_ms": tpot_ms, **asdict(s), **c.tier_columns(i)})
     return pd.DataFrame(rows)
 
 
@@ -62,7 +65,9 @@ def pairwise_ratios(capacities: list[Capacity]) -> pd.DataFrame:
     ``ratio`` is the ratio of the two means. Its spread uses the per-seed ratios (same seeds
     or windows, so paired), skipping seeds where the baseline's capacity is 0; a per-seed
     ratio is only known to about one lattice step (``step_pct``). A cell whose run was too
-    short to build queues has no ratio (empty), and says so in ``note``.
+    short to build queues has no ratio (empty), and says so in ``note``. With SLO tiers the
+    cell is the tier mix: SLOWeave serves each request to its own tier's target, a budget is
+    one for the whole mix, and each row names the tier(s) binding either capacity.
     """
     rows = []
     for tpot in sorted({c.tpot_ms for c in capacities}):
@@ -79,18 +84,19 @@ def pairwise_ratios(capacities: list[Capacity]) -> pd.DataFrame:
 def _pair_row(ours: Capacity, best: Capacity, rule: str, swept: int) -> dict:
     measurable = ours.measurable and best.measurable
     paired = [a.scale / b.scale for a, b in zip(ours.seeds, best.seeds) if b.scale > 0] if measurable else []
+    mine, theirs = ours.row(), best.row()
     return {
         "source": ours.source,
-        "tpot_ms": ours.tpot_ms,
-        "ttft_ms": ours.ttft_ms,
+        "tpot_ms": mine["tpot_ms"],
+        "ttft_ms": mine["ttft_ms"],
         "policy": ours.policy,
         "capacity_rps": ours.capacity_rps,
-        "capacity_rps_std": ours.row()["capacity_rps_std"],
+        "capacity_rps_std": mine["capacity_rps_std"],
         "baseline_rule": rule,
         "budgets_swept": swept,
         "best_baseline": best.policy,
         "best_baseline_capacity_rps": best.capacity_rps,
-        "best_baseline_capacity_rps_std": best.row()["capacity_rps_std"],
+        "best_baseline_capacity_rps_std": theirs["capacity_rps_std"],
         "ratio": ours.capacity_rps / best.capacity_rps if measurable and best.capacity_rps > 0 else math.nan,
         "ratio_seed_mean": float(np.mean(paired)) if paired else math.nan,
         "ratio_seed_min": float(np.min(paired)) if paired else math.nan,
@@ -99,6 +105,18 @@ def _pair_row(ours: Capacity, best: Capacity, rule: str, swept: int) -> dict:
         # the best budget at the grid's end: the true best may lie beyond what was swept
         "edge_of_sweep": budget_of(best.policy, rule) in (min(TUNING_GRID_TOKENS), max(TUNING_GRID_TOKENS)),
         "note": "" if measurable else "run too short to build queues: no capacity (lengthen the run)",
+        **_tier_pair_columns(mine, theirs),
+    }
+
+
+def _tier_pair_columns(mine: dict, theirs: dict) -> dict:
+    """With SLO tiers: the mix, and the tier(s) binding SLOWeave's and the best budget's capacity."""
+    if "tier_mix" not in mine:
+        return {}
+    return {
+        "tier_mix": mine["tier_mix"],
+        "binding_tier": mine["binding_tier"],
+        "best_baseline_binding_tier": theirs["binding_tier"],
     }
 
 
@@ -112,6 +130,7 @@ def plot_curves(
     path: Path,
     target: float | None = None,
     upper_bound: float | None = None,
+    titles: dict[float, str] | None = None,
 ) -> None:
     plt = pyplot()
     targets = sorted(curves["tpot_ms"].unique())
@@ -138,7 +157,7 @@ def plot_curves(
         ax.set_xscale("log")
         ax.set_xlabel("offered load (req/s)")
         ax.set_ylabel(ylabel)
-        ax.set_title(f"TPOT {tpot:g} ms, TTFT {at['ttft_ms'].iloc[0]:g} ms", fontsize=10)
+        ax.set_title((titles or {}).get(tpot) or f"TPOT {tpot:g} ms, TTFT {at['ttft_ms'].iloc[0]:g} ms", fontsize=10)
         ax.grid(alpha=0.3, which="both")
     axes[0][0].legend(fontsize=7)
     fig.suptitle(str(curves["source"].iloc[0]), fontsize=10)
@@ -162,7 +181,7 @@ def run_capacity(
     out_dir.mkdir(parents=True, exist_ok=True)
     capacities = study.capacities()
     table = capacity_frame(capacities)
-    table[CAPACITY_COLUMNS].to_csv(out_dir / "capacity.csv", index=False)
+    table[CAPACITY_COLUMNS + tier_columns_of(study.tiers)].to_csv(out_dir / "capacity.csv", index=False)
     table.to_csv(out_dir / "capacity_detail.csv", index=False)
     seeds_frame(capacities).to_csv(out_dir / "capacity_seeds.csv", index=False)
     relative = pairwise_ratios(capacities)
@@ -172,14 +191,13 @@ def run_capacity(
         **meta,
         "source": study.source.describe(),
         "engine_options": study.options.describe(),
-        "ttft_ms": study.ttft_ms,
-        "tpot_targets_ms": list(study.tpot_targets_ms),
+        **_slo_settings(study),
         "attainment_target": study.attainment_target,
         "lattice": study.lattice.describe(),
         "simulations": study.simulations,
         "parallel": study.runner.describe(),
         "cost": cost.description if cost is not None else describe_cost(study.cost),
-        "cdf_rate_scale": {f"{t:g}": s for t, s in cdf_loads.items()},
+        "cdf_rate_scale": {_cell_tag(study, t).removeprefix("tpot"): s for t, s in cdf_loads.items()},
         "capacity": table.to_dict(orient="records"),
         "pairwise": relative.to_dict(orient="records"),
         "null_means": "a capacity or ratio the run was too short to measure (see 'censored' and 'note')",
@@ -188,13 +206,36 @@ def run_capacity(
     return payload
 
 
+def _slo_settings(study: CapacityStudy) -> dict:
+    """The SLO of the study as the JSON records it: the targets, or the tier mix."""
+    if not study.tiers:
+        return {"ttft_ms": study.ttft_ms, "tpot_targets_ms": list(study.tpot_targets_ms)}
+    return {
+        "ttft_ms": None,
+        "tpot_targets_ms": [],
+        "tier_mix": describe_tier_mix(study.tiers),
+        "tiers": [asdict(t) for t in study.tiers],
+        "tier_rule": "capacity: the highest load at which every tier keeps the attainment target, each request "
+        "judged against its own tier's TPOT and TTFT",
+    }
+
+
+def _cell_tag(study: CapacityStudy, tpot_ms: float) -> str:
+    """A search cell in file names: ``tpot<T>`` for a TPOT target, ``tiers`` for the tier mix."""
+    return "tiers" if study.tiers else f"tpot{tpot_ms:g}"
+
+
 def _write_curves(study: CapacityStudy, capacities: list[Capacity], out_dir: Path) -> dict[float, float]:
     """Load curves of the searched policies (a tuned rule's grid only at its best budgets),
     and CDFs at SLOWeave's capacity per target; return the CDFs' load per target."""
     shown = [p for p in study.policies if not any(budget_of(p, r) is not None for r in study.tuned_rules)]
     shown += list(dict.fromkeys(c.tuned_to for c in capacities if c.tuned_to))
     curves = study.curves(study.curve_lattice(capacities), shown)
-    curves.to_csv(out_dir / "curves.csv", index=False)
+    mix = describe_tier_mix(study.tiers)
+    titles = {t: f"tiers {mix}" for t in study.tpot_targets_ms} if study.tiers else None
+    # a tiered cell's single TPOT is only the search's key: the files show the mix instead
+    written = curves.assign(tpot_ms=math.nan, ttft_ms=math.nan, tier_mix=mix) if study.tiers else curves
+    written.to_csv(out_dir / "curves.csv", index=False)
     plot_curves(
         curves,
         "attainment",
@@ -202,8 +243,9 @@ def _write_curves(study: CapacityStudy, capacities: list[Capacity], out_dir: Pat
         out_dir / "attainment_vs_load.png",
         study.attainment_target,
         upper_bound=1.0,
+        titles=titles,
     )
-    plot_curves(curves, "goodput_rps", "goodput (req/s)", out_dir / "goodput_vs_load.png")
+    plot_curves(curves, "goodput_rps", "goodput (req/s)", out_dir / "goodput_vs_load.png", titles=titles)
     # CDFs at SLOWeave's capacity for each target (or the middle of the curve without it):
     # the load where the comparison matters. Requests of all seeds are pooled for the plot.
     cdf_frames, cdf_loads = [], {}
@@ -213,28 +255,31 @@ def _write_curves(study: CapacityStudy, capacities: list[Capacity], out_dir: Pat
         k = int(np.median(ks)) if ks else int(np.median(study.curve_lattice(capacities)))
         cdf_loads[tpot] = study.scale(k)
         study.prefetch([(p, k, tpot) for p in shown])
+        per_policy = {}
         for policy in shown:
             frame = study.requests_at(policy, k, tpot)
             frame.insert(0, "policy", policy)
-            frame.insert(1, "tpot_ms", tpot)
+            frame.insert(1, "tpot_ms", math.nan if study.tiers else tpot)
             frame.insert(2, "rate_scale", study.scale(k))
             cdf_frames.append(frame)
-        per_policy = {p: f for p, f in pd.concat(cdf_frames).query("tpot_ms == @tpot").groupby("policy", sort=False)}
-        title = f"{study.source.name}, load x{study.scale(k):.3g}, TPOT {tpot:g} ms"
+            per_policy[policy] = frame
+        slo = f"tiers {describe_tier_mix(study.tiers)}" if study.tiers else f"TPOT {tpot:g} ms"
+        title = f"{study.source.name}, load x{study.scale(k):.3g}, {slo}"
+        tag = _cell_tag(study, tpot)
         plot_cdfs(
             {p: f["ttft_ms"].to_numpy() for p, f in per_policy.items()},
-            out_dir / f"cdf_ttft_tpot{tpot:g}.png",
+            out_dir / f"cdf_ttft_{tag}.png",
             "TTFT (ms)",
             title,
-            study.ttft_ms,
+            None if study.tiers else study.ttft_ms,
             log_x=True,
         )
         plot_cdfs(
             {p: f["p99_tpot_ms"].to_numpy() for p, f in per_policy.items()},
-            out_dir / f"cdf_p99_tpot_tpot{tpot:g}.png",
+            out_dir / f"cdf_p99_tpot_{tag}.png",
             "per-request P99 inter-token gap (ms)",
             title,
-            tpot,
+            None if study.tiers else tpot,
         )
     pd.concat(cdf_frames, ignore_index=True).to_csv(out_dir / "cdf_requests.csv", index=False)
     return cdf_loads

@@ -26,131 +26,20 @@ import pandas as pd
 from sloweave.core.costs.analytic import AnalyticCost
 from sloweave.core.costs.protocols import CostModel
 from sloweave.core.policy import DEFAULT_MAX_CHUNK_TOKENS
-from sloweave.sim.metrics import RunMetrics, summarize
+from sloweave.sim.metrics import RunMetrics, slo_met, summarize
 from sloweave.sim.options import DEFAULT_OPTIONS, EngineOptions
+from sloweave.sim.tiers import Tier, assign_tiers, check_tier_mix, tier_attainment, tier_labels
 from sloweave.studies.parallel import SERIAL, Runner, run_tasks
 from sloweave.studies.replay import build_policy, run_policy
+from sloweave.studies.search_records import ATTAINMENT_TOLERANCE, TOO_SHORT, Capacity, SeedCapacity, TierOutcome
+from sloweave.studies.search_records import DEFAULT_ATTAINMENT as DEFAULT_ATTAINMENT
+from sloweave.studies.search_records import DEFAULT_LATTICE, SearchLattice
 from sloweave.studies.sources import LoadSource, check_scalable
-
-DEFAULT_ATTAINMENT = 0.90
-# Attainment is a fraction of whole requests (e.g. 9/10); compare with a hair of slack so
-# that exactly meeting the target is never lost to float rounding.
-ATTAINMENT_TOLERANCE = 1e-12
 
 # ``<rule>-tuned`` stands for the rule at its best budget, tuned per cell: a sweep over this
 # grid (steps of about 1.4x), then one round of geometric midpoints around the best.
 TUNED_RULES = ("fixed", "budget", "sarathi")
 TUNING_GRID_TOKENS = (64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096, 6144, 8192)
-
-
-@dataclass(frozen=True)
-class SearchLattice:
-    """Where a capacity search looks and what it asks: the attainment to keep, and the load
-    lattice s_k = 2 ** (k / steps_per_doubling) from ``min_scale`` to ``max_scale`` (rounded
-    outwards to whole steps), with ``curve_points_per_doubling`` points per doubling on the
-    load curves. One value travels through ``CapacityStudy``, ``tune`` and the commands."""
-
-    attainment_target: float = DEFAULT_ATTAINMENT
-    steps_per_doubling: int = 16
-    min_scale: float = 1.0 / 16.0
-    max_scale: float = 256.0
-    curve_points_per_doubling: int = 4
-
-    def __post_init__(self) -> None:
-        if not 0.0 < self.attainment_target <= 1.0:
-            raise ValueError(f"attainment target must be in (0, 1], got {self.attainment_target!r}")
-        if self.steps_per_doubling < 1:
-            raise ValueError(f"steps_per_doubling must be >= 1, got {self.steps_per_doubling!r}")
-        if not (0 < self.min_scale <= 1.0 <= self.max_scale and math.isfinite(self.max_scale)):
-            raise ValueError(f"need 0 < min_scale <= 1 <= max_scale (got {self.min_scale!r}, {self.max_scale!r})")
-        object.__setattr__(self, "attainment_target", float(self.attainment_target))
-        object.__setattr__(self, "steps_per_doubling", int(self.steps_per_doubling))
-
-    @property
-    def min_k(self) -> int:
-        return math.floor(math.log2(self.min_scale) * self.steps_per_doubling + 1e-9)
-
-    @property
-    def max_k(self) -> int:
-        return math.ceil(math.log2(self.max_scale) * self.steps_per_doubling - 1e-9)
-
-    def scale(self, k: int) -> float:
-        return 2.0 ** (k / self.steps_per_doubling)
-
-    def describe(self) -> dict:
-        return {
-            "steps_per_doubling": self.steps_per_doubling,
-            "min_scale": self.scale(self.min_k),
-            "max_scale": self.scale(self.max_k),
-        }
-
-
-DEFAULT_LATTICE = SearchLattice()
-
-
-@dataclass(frozen=True)
-class SeedCapacity:
-    seed: int
-    k: int | None  # highest passing lattice index (None: fails even at the lowest scale)
-    scale: float  # capacity scale (0 when below the lowest scale searched)
-    rps: float
-    censored: str  # "", "below-min", "above-max", "too-short" (";"-joined where several hold)
-
-
-# A run whose arrivals all fall inside one TTFT target does not build a queue: at that load
-# the capacity measures the run's length, not the server (the search would report any rate).
-TOO_SHORT = "too-short"
-
-
-@dataclass(frozen=True)
-class Capacity:
-    source: str
-    policy: str
-    tpot_ms: float
-    ttft_ms: float
-    attainment_target: float
-    seeds: tuple[SeedCapacity, ...]
-    step_ratio: float  # s_(k+1) / s_k: each per-seed capacity is exact to this factor
-    tuned_to: str = ""  # a ``<rule>-tuned`` row: the budget the sweep chose for this cell
-
-    @property
-    def measurable(self) -> bool:
-        return not any(TOO_SHORT in s.censored for s in self.seeds)
-
-    @property
-    def capacity_scale(self) -> float:
-        return float(np.mean([s.scale for s in self.seeds])) if self.measurable else math.nan
-
-    @property
-    def capacity_rps(self) -> float:
-        return float(np.mean([s.rps for s in self.seeds])) if self.measurable else math.nan
-
-    def _spread(self, values: list[float]) -> float:
-        return float(np.std(values, ddof=1)) if len(values) > 1 else 0.0
-
-    def row(self) -> dict:
-        scales = [s.scale if self.measurable else math.nan for s in self.seeds]
-        rps = [s.rps if self.measurable else math.nan for s in self.seeds]
-        censored = sorted({flag for s in self.seeds for flag in s.censored.split(";") if flag})
-        return {
-            "source": self.source,
-            "policy": self.policy,
-            "tpot_ms": self.tpot_ms,
-            "ttft_ms": self.ttft_ms,
-            "attainment_target": self.attainment_target,
-            "capacity_scale": self.capacity_scale,
-            "capacity_rps": self.capacity_rps,
-            "tuned_to": self.tuned_to,
-            "capacity_scale_std": self._spread(scales),
-            "capacity_scale_min": float(np.min(scales)),
-            "capacity_scale_max": float(np.max(scales)),
-            "capacity_rps_std": self._spread(rps),
-            "capacity_rps_min": float(np.min(rps)),
-            "capacity_rps_max": float(np.max(rps)),
-            "seeds": len(self.seeds),
-            "step_pct": 100.0 * (self.step_ratio - 1.0),
-            "censored": ";".join(censored),
-        }
 
 
 @dataclass
@@ -211,8 +100,8 @@ class CapacityStudy:
         self,
         source: LoadSource,
         policies: list[str] | tuple[str, ...],
-        tpot_targets_ms: list[float] | tuple[float, ...],
-        ttft_ms: float,
+        tpot_targets_ms: list[float] | tuple[float, ...] = (),
+        ttft_ms: float | None = None,
         lattice: SearchLattice = DEFAULT_LATTICE,
         cost: CostModel | None = None,
         max_chunk_tokens: int = DEFAULT_MAX_CHUNK_TOKENS,
@@ -221,13 +110,14 @@ class CapacityStudy:
         runner: Runner = SERIAL,
         progress: bool = False,
         store=None,
+        tiers: tuple[Tier, ...] = (),
     ) -> None:
-        if not (math.isfinite(ttft_ms) and ttft_ms > 0) or not all(math.isfinite(t) and t > 0 for t in tpot_targets_ms):
-            raise ValueError("SLO targets must be finite numbers of milliseconds > 0")
-        if not policies or not tpot_targets_ms:
-            raise ValueError("need at least one policy and one TPOT target")
-        if tpot_change_ms is not None and not (math.isfinite(tpot_change_ms) and tpot_change_ms > 0):
-            raise ValueError(f"tpot_change_ms must be a finite number of milliseconds > 0, got {tpot_change_ms!r}")
+        if not policies:
+            raise ValueError("need at least one policy")
+        # SLO tiers (``sloweave.sim.tiers``): each request carries its tier's TPOT and TTFT targets,
+        # served to them by deadline-aware policies and judged against them; one search per policy.
+        self.tiers = check_tier_mix(tiers) if tiers else ()
+        tpot_targets_ms, ttft_ms = _slo_targets(tpot_targets_ms, ttft_ms, tpot_change_ms, self.tiers)
         # The operator changes the TPOT target mid-run: requests in the second half of each
         # run are served (and judged) to this target, the first half to the searched one.
         self.tpot_change_ms = tpot_change_ms
@@ -238,8 +128,10 @@ class CapacityStudy:
         self.max_chunk_tokens = max_chunk_tokens
         self.tuned_rules, names = _expand_tuned(policies)
         self.policies = {p.name: p for p in (build_policy(name, self.cost, max_chunk_tokens) for name in names)}
-        self.tpot_targets_ms = tuple(float(t) for t in tpot_targets_ms)
-        self.ttft_ms = float(ttft_ms)
+        self.tpot_targets_ms = tpot_targets_ms
+        self.ttft_ms = ttft_ms
+        self._tier_tpot_ms = np.array([t.tpot_ms for t in self.tiers], dtype=float)
+        self._tier_ttft_ms = np.array([t.ttft_ms for t in self.tiers], dtype=float)
         self.lattice = lattice
         self.attainment_target = lattice.attainment_target
         self.steps = lattice.steps_per_doubling
@@ -252,6 +144,8 @@ class CapacityStudy:
         self.store = store
         self._runs: dict[tuple, _Run] = {}
         check_scalable(source)
+        for seed in range(source.num_seeds) if self.tiers else ():
+            self._tier_of(seed, len(source.workload(seed, 1.0)))  # every tier draws a request
 
     def __getstate__(self) -> dict:
         # Shipped to Ray workers without the cache of runs: a task never reads another task's
@@ -273,11 +167,14 @@ class CapacityStudy:
     def run(self, policy: str, seed: int, k: int, tpot_ms: float) -> _Run:
         key = self._key(policy, seed, k, tpot_ms)
         if key not in self._runs:
-            workload = self.source.workload(seed, self.scale(k))
-            if self.tpot_change_ms is not None:
+            workload, ttft_ms = self.source.workload(seed, self.scale(k)), self.ttft_ms
+            if self.tiers:
+                tiered = assign_tiers(workload, self.tiers, seed)
+                workload, ttft_ms = tiered.workload, tiered.ttft_ms
+            elif self.tpot_change_ms is not None:
                 workload = replace(workload, tpot_ms=self._targets(len(workload), tpot_ms))
             frame, duration_ms = run_policy(
-                workload, self.policies[policy], tpot_ms, self.cost, self.options, self.ttft_ms, noise_seed=seed
+                workload, self.policies[policy], tpot_ms, self.cost, self.options, ttft_ms, noise_seed=seed
             )
             self._runs[key] = _Run(frame[["request", "ttft_ms", "p99_tpot_ms", "status"]], duration_ms)
         return self._runs[key]
@@ -288,12 +185,41 @@ class CapacityStudy:
 
     def metrics(self, policy: str, seed: int, k: int, tpot_ms: float) -> RunMetrics:
         run = self.run(policy, seed, k, tpot_ms)
-        targets = (
-            tpot_ms
-            if self.tpot_change_ms is None
-            else self._targets(len(run.requests), tpot_ms)[run.requests["request"].to_numpy()]
-        )
-        return summarize(run.requests, run.duration_ms, self.ttft_ms, targets)
+        return summarize(run.requests, run.duration_ms, *self._judged_targets(run, seed, tpot_ms))
+
+    def _judged_targets(self, run: _Run, seed: int, tpot_ms: float) -> tuple:
+        """(TTFT, TPOT) targets the requests of ``run`` are judged against: one each, or one per request."""
+        ids = run.requests["request"].to_numpy()
+        if self.tiers:
+            tier_of = self._tier_of(seed, len(run.requests))[ids]
+            return self._tier_ttft_ms[tier_of], self._tier_tpot_ms[tier_of]
+        if self.tpot_change_ms is None:
+            return self.ttft_ms, tpot_ms
+        return self.ttft_ms, self._targets(len(run.requests), tpot_ms)[ids]
+
+    def _tier_of(self, seed: int, num_requests: int) -> np.ndarray:
+        """Each request's tier: drawn from the seed alone, so the same for every policy and load."""
+        labels = tier_labels(num_requests, self.tiers, seed)
+        missing = [t.name for i, t in enumerate(self.tiers) if not np.any(labels == i)]
+        if missing:
+            raise ValueError(
+                f"{self.source.name}, seed {seed}: tier(s) {', '.join(missing)} drew none of the {num_requests} "
+                "requests: raise their share or the number of requests"
+            )
+        return labels
+
+    def tier_attainment(self, policy: str, seed: int, k: int, tpot_ms: float) -> np.ndarray:
+        """Each tier's attainment at lattice point ``k``, every request judged against its own tier."""
+        run = self.run(policy, seed, k, tpot_ms)
+        ttft, tpot = self._judged_targets(run, seed, tpot_ms)
+        tier_of = self._tier_of(seed, len(run.requests))[run.requests["request"].to_numpy()]
+        return tier_attainment(slo_met(run.requests, ttft, tpot), tier_of, len(self.tiers))
+
+    def _tiers_missing(self, policy: str, seed: int, k: int, tpot_ms: float) -> str:
+        """The tiers under the attainment target at lattice point ``k``, in the mix's order, "+"-joined."""
+        attained = self.tier_attainment(policy, seed, k, tpot_ms)
+        missed = attained < self.attainment_target - ATTAINMENT_TOLERANCE
+        return "+".join(t.name for t, miss in zip(self.tiers, missed) if miss)
 
     def _targets(self, num_requests: int, tpot_ms: float) -> np.ndarray:
         targets = np.full(num_requests, float(tpot_ms))
@@ -301,6 +227,9 @@ class CapacityStudy:
         return targets
 
     def passes(self, policy: str, seed: int, k: int, tpot_ms: float) -> bool:
+        """Attainment at or above the target at lattice point ``k``; with tiers, in every tier."""
+        if self.tiers:
+            return not self._tiers_missing(policy, seed, k, tpot_ms)
         attained = self.metrics(policy, seed, k, tpot_ms).attainment
         return attained >= self.attainment_target - ATTAINMENT_TOLERANCE
 
@@ -414,9 +343,30 @@ class CapacityStudy:
     def _capacities(self, found: dict[tuple[str, float], list[SeedCapacity]]) -> list[Capacity]:
         step = 2.0 ** (1.0 / self.steps)
         return [
-            Capacity(self.source.name, p, t, self.ttft_ms, self.attainment_target, tuple(seeds), step)
+            Capacity(
+                self.source.name,
+                p,
+                t,
+                self.ttft_ms,
+                self.attainment_target,
+                tuple(seeds),
+                step,
+                tiers=self.tiers,
+                tier_outcomes=tuple(self._tier_outcome(p, t, s) for s in seeds) if self.tiers else (),
+            )
             for (p, t), seeds in found.items()
         ]
+
+    def _tier_outcome(self, policy: str, tpot_ms: float, found: SeedCapacity) -> TierOutcome:
+        """Each tier at a seed's capacity, and the tiers that miss at the next load the search ran
+        (one lattice step above, or the lowest load where even that fails): runs already made."""
+        if found.k is None:
+            return TierOutcome(
+                (math.nan,) * len(self.tiers), self._tiers_missing(policy, found.seed, self.min_k, tpot_ms)
+            )
+        attained = tuple(float(a) for a in self.tier_attainment(policy, found.seed, found.k, tpot_ms))
+        above = "" if found.k >= self.max_k else self._tiers_missing(policy, found.seed, found.k + 1, tpot_ms)
+        return TierOutcome(attained, above)
 
     # ---- curves
 
@@ -463,9 +413,18 @@ class CapacityStudy:
                     "p99_ttft_ms": float(np.mean([m.p99_ttft_ms for m in per_seed])),
                     "p99_tpot_ms": float(np.mean([m.p99_tpot_ms for m in per_seed])),
                     "seeds": len(per_seed),
+                    **self._tier_means(policy, k, tpot),
                 }
             )
         return pd.DataFrame(rows)
+
+    def _tier_means(self, policy: str, k: int, tpot_ms: float) -> dict:
+        """With tiers, each tier's attainment at lattice point ``k``, mean over seeds (the
+        pooled ``attainment`` judges each request against its own tier too)."""
+        if not self.tiers:
+            return {}
+        per_seed = np.array([self.tier_attainment(policy, s, k, tpot_ms) for s in range(self.source.num_seeds)])
+        return {f"attainment_{t.name}": float(mean) for t, mean in zip(self.tiers, per_seed.mean(axis=0))}
 
     def requests_at(self, policy: str, k: int, tpot_ms: float) -> pd.DataFrame:
         """Per-request TTFT and P99 gap of every seed at lattice point k (for the CDFs)."""
@@ -475,6 +434,30 @@ class CapacityStudy:
             frame.insert(0, "seed", seed)
             frames.append(frame)
         return pd.concat(frames, ignore_index=True)
+
+
+def _slo_targets(tpot_targets_ms, ttft_ms, tpot_change_ms, tiers: tuple[Tier, ...]) -> tuple[tuple[float, ...], float]:
+    """The TPOT targets searched and the TTFT target that marks a run too short. With tiers,
+    each tier names its own targets: the search runs once, its runs' single TPOT target (for
+    a request without one; every request has its tier's) is the tightest tier's, and a run is
+    too short when every arrival falls within the loosest tier's TTFT target."""
+    if tiers:
+        given = ["tpot_targets_ms"] if len(tpot_targets_ms) else []
+        given += [
+            name for name, value in (("ttft_ms", ttft_ms), ("tpot_change_ms", tpot_change_ms)) if value is not None
+        ]
+        if given:
+            raise ValueError(f"{' and '.join(given)} cannot go with SLO tiers: each tier names its own targets")
+        return (min(t.tpot_ms for t in tiers),), max(t.ttft_ms for t in tiers)
+    if not tpot_targets_ms:
+        raise ValueError("need at least one TPOT target")
+    if ttft_ms is None or not (math.isfinite(ttft_ms) and ttft_ms > 0):
+        raise ValueError(f"need a TTFT target: a finite number of milliseconds > 0, got {ttft_ms!r}")
+    if not all(math.isfinite(t) and t > 0 for t in tpot_targets_ms):
+        raise ValueError("SLO targets must be finite numbers of milliseconds > 0")
+    if tpot_change_ms is not None and not (math.isfinite(tpot_change_ms) and tpot_change_ms > 0):
+        raise ValueError(f"tpot_change_ms must be a finite number of milliseconds > 0, got {tpot_change_ms!r}")
+    return tuple(float(t) for t in tpot_targets_ms), float(ttft_ms)
 
 
 def _mean_std(name: str, values: list[float]) -> dict:
