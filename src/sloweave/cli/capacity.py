@@ -26,12 +26,14 @@ from sloweave.cli.options import (
     refuse_step_profile_options,
     stacked,
     requests_option,
+    tier_mix,
+    tier_option,
     trace_format_option,
 )
 from sloweave.core.costs.resolve import KIND_STEP_PROFILE, ResolvedCost
 from sloweave.core.validate import ATTAINMENT, DURATION_MS, DURATION_S, RATE_RPS, REPEATS, SCALE, TOKENS, setting
 from sloweave.sim.options import EngineOptions
-from sloweave.sim.tiers import TIER_SPEC, Tier, check_tier_mix, describe_tier_mix, parse_tier
+from sloweave.sim.tiers import Tier, describe_tier_mix
 from sloweave.sim.traces import TraceError, load_trace
 from sloweave.sim.workloads import ALL_WORKLOADS, WorkloadError
 from sloweave.studies.capacity import DEFAULT_POLICIES, DEFAULT_TPOT_TARGETS_MS, run_capacity
@@ -205,20 +207,6 @@ def _cell_name(row: dict) -> str:
     return f"tier mix {row['tier_mix']}" if "tier_mix" in row else f"TPOT {row['tpot_ms']:g} ms"
 
 
-def tier_mix(specs: tuple[str, ...]) -> tuple[Tier, ...]:
-    """``--tier`` values -> a checked tier mix (empty: none given); ValueError naming the problem."""
-    return check_tier_mix(parse_tier(spec) for spec in specs) if specs else ()
-
-
-def _check_tiers(ctx, param, specs: tuple[str, ...]) -> tuple[str, ...]:
-    # the specs stay as given (the settings a result file records); the command parses them again
-    try:
-        tier_mix(specs)
-    except ValueError as err:
-        raise click.BadParameter(str(err), ctx=ctx, param=param) from None
-    return specs
-
-
 def refuse_targets_with_tiers(tiers: tuple[Tier, ...], targets: Targets) -> None:
     """With ``--tier`` each request's targets are its tier's: a single target given as well
     would be ignored (``--tpot-ms``, ``--ttft-ms``) or is ambiguous (``--tpot-change-ms``: which
@@ -237,20 +225,6 @@ def refuse_targets_with_tiers(tiers: tuple[Tier, ...], targets: Targets) -> None
         )
     if targets.ttft_ms is not None:
         raise click.UsageError("--ttft-ms cannot go with --tier: each tier names its own TTFT target")
-
-
-tier_option = click.option(
-    "--tier",
-    "tiers",
-    multiple=True,
-    callback=_check_tiers,
-    metavar=TIER_SPEC,
-    help="an SLO tier: its name, TPOT and TTFT targets (ms) and share of requests (a fraction); repeat for a mix "
-    "whose shares add up to 1, e.g. --tier interactive:10:2000:0.3 --tier batch:50:2000:0.7. Every request is "
-    "labelled (seeded), served to its tier's TPOT by deadline-aware policies and judged against its tier; "
-    "capacity is the highest load at which every tier keeps the attainment target (not with --tpot-ms, "
-    "--ttft-ms or --tpot-change-ms)",
-)
 
 
 # how each seed's share of the load is cut, in the order the help shows them
@@ -304,7 +278,10 @@ seed_share_options = stacked(
     help=f"repeat for several; fixed-tuned / budget-tuned / sarathi-tuned: that rule at its best budget per target, from a refined sweep [default: {', '.join(DEFAULT_POLICIES)}]",
 )
 @config_options(Targets, "targets")
-@tier_option
+@tier_option(
+    "capacity is the highest load at which every tier keeps the attainment target (not with --tpot-ms, "
+    "--ttft-ms or --tpot-change-ms)"
+)
 @seed_share_options
 @config_options(Lattice, "lattice")
 @max_chunk_option()

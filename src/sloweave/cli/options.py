@@ -39,6 +39,7 @@ from sloweave.core.validate import (
     Range,
 )
 from sloweave.sim.options import EngineOptions
+from sloweave.sim.tiers import TIER_SPEC, Tier, check_tier_mix, parse_tier
 from sloweave.sim.traces import FORMATS
 from sloweave.studies.inputs import REQUESTS, runner_of
 from sloweave.studies.result_folders import result_folder
@@ -338,6 +339,37 @@ def ttft_ms_option(default: float | None = None, **settings):
     if default is not None:
         settings = {"show_default": True, **settings}
     return click.option("--ttft-ms", type=ranged(DURATION_MS), default=default, **settings)
+
+
+def tier_mix(specs: tuple[str, ...]) -> tuple[Tier, ...]:
+    """``--tier`` values -> a checked tier mix (empty: none given); ValueError naming the problem."""
+    return check_tier_mix(parse_tier(spec) for spec in specs) if specs else ()
+
+
+def _check_tiers(ctx, param, specs: tuple[str, ...]) -> tuple[str, ...]:
+    # the specs stay as given (the settings a result file records); the command parses them again
+    try:
+        tier_mix(specs)
+    except ValueError as err:
+        raise click.BadParameter(str(err), ctx=ctx, param=param) from None
+    return specs
+
+
+def tier_option(what_it_finds: str):
+    """``--tier NAME:TPOT_MS:TTFT_MS:SHARE`` (repeatable, parameter ``tiers``: the specs as given,
+    checked as a mix; ``tier_mix`` reads them): an SLO tier mix. ``what_it_finds`` ends the help:
+    what the command measures with a mix and the options it refuses next to it."""
+    return click.option(
+        "--tier",
+        "tiers",
+        multiple=True,
+        callback=_check_tiers,
+        metavar=TIER_SPEC,
+        help="an SLO tier: its name, TPOT and TTFT targets (ms) and share of requests (a fraction); repeat for a "
+        "mix whose shares add up to 1, e.g. --tier interactive:10:2000:0.3 --tier batch:50:2000:0.7. Every request "
+        f"is labelled (seeded), served to its tier's TPOT by deadline-aware policies and judged against its tier; "
+        f"{what_it_finds}",
+    )
 
 
 def requests_option(default: int | None = None, **settings):

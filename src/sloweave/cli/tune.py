@@ -15,6 +15,7 @@ from sloweave.cli.options import (
     cost_option,
     engine_options,
     gathered,
+    given_on_command_line,
     max_chunk_option,
     max_model_len_option,
     once_each,
@@ -23,6 +24,8 @@ from sloweave.cli.options import (
     ranged,
     refuse_step_profile_options,
     requests_option,
+    tier_mix,
+    tier_option,
     tpot_ms_option,
     trace_format_option,
     ttft_ms_option,
@@ -30,6 +33,7 @@ from sloweave.cli.options import (
 from sloweave.core.costs.resolve import KIND_STEP_PROFILE, ResolvedCost
 from sloweave.core.validate import ATTAINMENT, DURATION_S, MAX_TOKENS, REPEATS, SCALE, TOKENS, Range
 from sloweave.sim.options import EngineOptions
+from sloweave.sim.tiers import Tier
 from sloweave.sim.traces import TraceError, load_trace
 from sloweave.sim.workloads import ALL_WORKLOADS, WorkloadError, mean_context_tokens
 from sloweave.studies.inputs import model_len_or_default
@@ -40,6 +44,7 @@ from sloweave.studies.search import DEFAULT_ATTAINMENT, SearchLattice
 from sloweave.studies.sources import DEFAULT_WINDOW_S, LoadSource, SpecSource, trace_source
 from sloweave.studies.tune import RULES, tune
 from sloweave.studies.tune_report import ENGINES, tune_table, write_outputs
+from sloweave.studies.tune_tiers import check_every_tier_draws, mix_note
 
 # options that only a step-time profile file as --cost reads
 STEP_PROFILE_OPTIONS = (("cost_kind", "--cost-kind"), ("context_tokens", "--context-tokens"))
@@ -88,6 +93,36 @@ def _check_inputs(load: TuneLoad) -> None:
         raise click.UsageError("--max-model-len applies to --trace only")
 
 
+def _tier_mix_alone(specs: tuple[str, ...], ttft_ms: float | None) -> tuple[Tier, ...]:
+    """The ``--tier`` mix (empty: none). With one, each request's targets are its tier's: a single
+    target given as well would be ignored, so it is refused, naming the option (``--tpot-ms`` has
+    a default: refused only when typed)."""
+    tiers = tier_mix(specs)
+    if not tiers:
+        return tiers
+    if given_on_command_line("tpot_ms"):
+        raise click.UsageError(
+            "--tpot-ms cannot go with --tier: each tier names its own TPOT target (NAME:TPOT_MS:TTFT_MS:SHARE), "
+            "and every budget is searched once for the whole mix; give the targets in the tiers"
+        )
+    if ttft_ms is not None:
+        raise click.UsageError("--ttft-ms cannot go with --tier: each tier names its own TTFT target")
+    return tiers
+
+
+def _notes(cost: ResolvedCost, engine_opts: EngineOptions, tiers: tuple[Tier, ...], attainment: float) -> list[str]:
+    """The lines that head the report: the cost model's (a measured one), the engine options, the tier mix."""
+    notes = [] if cost.is_analytic else cost.summary_lines()
+    return [*notes, f"engine options: {engine_opts.label()}", *mix_note(tiers, attainment)]
+
+
+def _settings(tiers: tuple[Tier, ...]) -> dict:
+    """The command's options as the result files record them; with tiers, no single TPOT target
+    (``--tpot-ms`` only has its default then, which no request is held to)."""
+    options = command_settings()
+    return {**options, "tpot_ms": None} if tiers else options
+
+
 def _print_advice(result, payload: dict, notes: list[str], out_dir: Path) -> None:
     for line in notes:
         click.echo(line)
@@ -119,6 +154,11 @@ def _print_advice(result, payload: dict, notes: list[str], out_dir: Path) -> Non
 )
 @tpot_ms_option()
 @ttft_ms_option(help=f"TTFT target [default: the workload's; {DEFAULT_TRACE_TTFT_MS:g} for a trace]")
+@tier_option(
+    "a budget's capacity is the highest load at which every tier keeps the attainment target, and the advice the "
+    "budget with the highest capacity for the mix, against SLOWeave with per-request targets (not with --tpot-ms "
+    "or --ttft-ms)"
+)
 @click.option("--attainment", type=ranged(ATTAINMENT), default=DEFAULT_ATTAINMENT, show_default=True)
 @click.option(
     "--budget",
@@ -175,6 +215,7 @@ def tune_command(
     rule,
     tpot_ms,
     ttft_ms,
+    tiers: tuple[str, ...],
     attainment,
     budgets,
     load_scale,
@@ -192,9 +233,11 @@ def tune_command(
     """Sweep the fixed token budget of an engine and print the value to set."""
     _check_inputs(load)
     check_writable(out.path, "--out")
+    tiers = _tier_mix_alone(tiers, ttft_ms)
     refuse_step_profile_options(cost, STEP_PROFILE_OPTIONS)
     try:
         source, ttft_ms = _load_source(load, quick, ttft_ms)
+        check_every_tier_draws(source, tiers)
         if cost.kind == KIND_STEP_PROFILE:
             cost = step_profile_cost(cost, cost_kind, context_tokens, source)
         lattice = SearchLattice(attainment, 8 if quick else 16, min_scale)
@@ -206,8 +249,8 @@ def tune_command(
                 source,
                 rule or ENGINES[engine][1],
                 tuple(budgets) or None,
-                tpot_ms,
-                ttft_ms,
+                None if tiers else tpot_ms,
+                None if tiers else ttft_ms,
                 cost.model,
                 load_scale,
                 refine,
@@ -218,10 +261,11 @@ def tune_command(
                 progress=True,
                 store=folder.store,
                 coarse_grid=quick,
+                tiers=tiers,
             )
         except (TraceError, WorkloadError, ValueError) as err:
             raise click.UsageError(str(err)) from None
-        notes = ([] if cost.is_analytic else cost.summary_lines()) + [f"engine options: {engine_opts.label()}"]
-        meta = {"command": "tune", "options": command_settings(), "cost": cost.description}
+        notes = _notes(cost, engine_opts, tiers, attainment)
+        meta = {"command": "tune", "options": _settings(tiers), "cost": cost.description}
         payload = write_outputs(result, engine, folder.path, meta, notes)
     _print_advice(result, payload, notes, out.path)

@@ -24,13 +24,15 @@ Engine rules (the simulator's static policies):
 SLOWeave is compared in the matching form: ``sloweave-multi`` (several prompts, as the vLLM
 plug-in runs) for ``sarathi``, ``sloweave`` (one prompt) otherwise.
 
-The budgets swept by default follow the model (``model_grid``): a ladder of about 1.5x steps
-from the decode batch that fills a TPOT step by the cost model up to the largest prompt that
-prefills within the TTFT target, extended past an edge while the best budget sits on it
-(``BudgetSweep.extended``); a best budget no seed sustains at any load is reported as such.
+The budgets swept by default follow the model (``sloweave.studies.tune_grid.model_grid``): a
+ladder of about 1.5x steps from the decode batch that fills a TPOT step by the cost model up to
+the largest prompt that prefills within the TTFT target, extended past an edge while the best
+budget sits on it (``BudgetSweep.extended``); a best budget no seed sustains at any load is
+reported as such. With an SLO tier mix the sweep serves and judges each request by its tier,
+and the best budget is the best for the mix (``sloweave.studies.tune_tiers``).
 
-This module runs the sweep; ``sloweave.studies.tune_report`` writes what it found (the
-flag per engine, the table, the advice, the files) and ``sloweave.cli.tune`` is the command.
+This module runs the sweep; ``sloweave.studies.tune_report`` writes what it found (the flag per
+engine, the table, the advice, the files) and ``sloweave.cli.tune`` is the command.
 """
 
 from __future__ import annotations
@@ -42,21 +44,22 @@ import numpy as np
 import pandas as pd
 
 from sloweave.sim.options import DEFAULT_OPTIONS, EngineOptions
-from sloweave.sim.workloads import mean_context_tokens
+from sloweave.sim.tiers import Tier
 from sloweave.studies.search import DEFAULT_LATTICE, Capacity, CapacityStudy, SearchLattice, best_of_rule, budget_of
 from sloweave.studies.parallel import SERIAL, Runner
+from sloweave.studies.search_records import tier_columns_of
 from sloweave.studies.sources import LoadSource
+from sloweave.studies.tune_grid import LADDER_FLOOR_TOKENS as LADDER_FLOOR_TOKENS
+from sloweave.studies.tune_grid import BudgetGrid, model_grid
+from sloweave.studies.tune_grid import SweepEnd as SweepEnd
+from sloweave.studies.tune_grid import ladder as ladder
+from sloweave.studies.tune_tiers import grid_ends_plan, sweep_targets
 from sloweave.core.costs.analytic import AnalyticCost
-from sloweave.core.costs.protocols import ContextAware, CostModel, uncounted
+from sloweave.core.costs.protocols import CostModel
 from sloweave.core.policy import DEFAULT_MAX_CHUNK_TOKENS
 
 RULES = ("sarathi", "budget", "fixed")
-# The ladder a default sweep walks: powers of two and the 1.5x points between them (16, 24,
-# 32, 48, ...; the old fixed sweep, 256 ... 8192, lies on it); --quick walks the powers of two.
-LADDER_FLOOR_TOKENS = 16  # the low hard limit: a per-step budget below it is not a setting anyone runs
 MAX_EXTENSIONS = 3  # rounds of edge extension, at most
-EXTENSION_STEPS = 2  # ladder values added past the edge per round: one doubling on the 1.5x ladder
-MAX_DECODE_BATCH = 1 << 16  # where the search for the decode batch that fills a TPOT step stops
 RESULT_COLUMNS = (  # tune.csv: one row per budget, then SLOWeave's
     "budget_tokens policy capacity_rps capacity_rps_std capacity_scale censored load_rps goodput_rps attainment "
     "p99_ttft_ms p99_tpot_ms rule_of_thumb"
@@ -109,8 +112,8 @@ def mean_prompt_tokens(source: LoadSource) -> float:
 class TuneResult:
     source: dict
     rule: str
-    tpot_ms: float
-    ttft_ms: float
+    tpot_ms: float | None  # None with SLO tiers: each tier names its own targets
+    ttft_ms: float | None
     attainment_target: float
     load_scale: float
     load_source: str  # how the load was chosen
@@ -123,6 +126,7 @@ class TuneResult:
     step_pct: float
     sweep_plan: dict = field(default_factory=dict)  # where the budgets came from: ends, extensions, refinement
     loads_searched: dict = field(default_factory=dict)  # the lattice's lowest and highest load
+    tiers: tuple[Tier, ...] = ()  # the SLO tier mix (``sloweave.studies.tune_tiers``), or none
 
     @property
     def no_budget_meets_targets(self) -> bool:
@@ -137,8 +141,8 @@ def tune(
     source: LoadSource,
     rule: str = "sarathi",
     budgets_tokens: tuple[int, ...] | None = None,
-    tpot_ms: float = 25.0,
-    ttft_ms: float = 2000.0,
+    tpot_ms: float | None = None,
+    ttft_ms: float | None = None,
     cost: CostModel | None = None,
     load_scale: float | None = None,
     refine: bool = True,
@@ -150,25 +154,24 @@ def tune(
     store=None,
     coarse_grid: bool = False,
     max_extensions: int = MAX_EXTENSIONS,
+    tiers: tuple[Tier, ...] = (),
 ) -> TuneResult:
     """Sweep the engine's fixed budget on ``source``; see the module docstring.
 
     ``budgets_tokens`` None (the default) sweeps the grid the cost model, the targets and the
     input call for (``model_grid``; ``coarse_grid``: powers of two only) and extends it past an
     edge that holds the best budget, ``max_extensions`` rounds at most; a given tuple is swept
-    exactly as given. ``load_scale`` is the load (arrival-rate scale, rounded to the capacity
-    lattice) at which goodput and latencies are compared; None picks the best budget's capacity
-    (the median over seeds), the highest load that budget sustains. ``refine`` adds one round
-    of budgets between the best one and its neighbours. ``lattice`` (the attainment target
-    and load lattice), ``max_chunk_tokens``, ``options``, ``runner``, ``progress`` and
-    ``store`` (``sloweave.studies.parallel.TaskStore``: --resume) go to every
-    ``CapacityStudy``.
+    exactly as given. Targets: 25 ms TPOT and 2000 ms TTFT unless given, or ``tiers``, an SLO tier
+    mix (``sloweave.studies.tune_tiers``). ``load_scale``: the load (rate scale, rounded to the
+    lattice) where goodput and latencies are compared; None: the best budget's capacity (median
+    over seeds). ``refine``: one more round of budgets around the best. ``lattice``, ``max_chunk_tokens``,
+    ``options``, ``runner``, ``progress`` and ``store`` (``TaskStore``: --resume) go to every ``CapacityStudy``.
     """
-    if budgets_tokens is not None and (not budgets_tokens or any(int(b) != b or b < 1 for b in budgets_tokens)):
-        raise ValueError(f"budgets must be whole numbers of tokens >= 1, got {budgets_tokens!r}")
+    _check_budgets(budgets_tokens)
     thumb = RuleOfThumb.of(mean_prompt_tokens(source))
+    tpot_ms, ttft_ms = sweep_targets(tiers, tpot_ms, ttft_ms)  # with tiers: the searches' keys
     sweep = BudgetSweep(
-        source, rule, tpot_ms, ttft_ms, lattice, cost, max_chunk_tokens, options, runner, progress, store
+        source, rule, tpot_ms, ttft_ms, lattice, cost, max_chunk_tokens, options, runner, progress, store, tuple(tiers)
     )
     grid = None if budgets_tokens is not None else model_grid(source, rule, tpot_ms, ttft_ms, cost, coarse_grid)
     budgets, plan = sweep.run(budgets_tokens, grid, thumb, refine, max_extensions)
@@ -178,8 +181,8 @@ def tune(
     return TuneResult(
         source=source.describe(),
         rule=rule,
-        tpot_ms=float(tpot_ms),
-        ttft_ms=float(ttft_ms),
+        tpot_ms=None if tiers else tpot_ms,
+        ttft_ms=None if tiers else ttft_ms,
         attainment_target=lattice.attainment_target,
         load_scale=lattice.scale(k),
         load_source=how,
@@ -192,7 +195,13 @@ def tune(
         step_pct=100.0 * (2.0 ** (1.0 / lattice.steps_per_doubling) - 1.0),
         sweep_plan=plan,
         loads_searched=loads_searched(source, lattice),
+        tiers=sweep.tiers,
     )
+
+
+def _check_budgets(budgets_tokens: tuple[int, ...] | None) -> None:
+    if budgets_tokens is not None and (not budgets_tokens or any(int(b) != b or b < 1 for b in budgets_tokens)):
+        raise ValueError(f"budgets must be whole numbers of tokens >= 1, got {budgets_tokens!r}")
 
 
 def loads_searched(source: LoadSource, lattice: SearchLattice) -> dict:
@@ -218,6 +227,8 @@ class BudgetSweep:
     runner: Runner
     progress: bool
     store: object  # ``sloweave.studies.parallel.TaskStore`` or None
+    # an SLO tier mix: then ``tpot_ms`` / ``ttft_ms`` are only the searches' keys (``sweep_targets``)
+    tiers: tuple[Tier, ...] = ()
     study_by_policy: dict[str, CapacityStudy] = field(default_factory=dict)
     capacities: dict[str, Capacity] = field(default_factory=dict)
 
@@ -226,8 +237,8 @@ class BudgetSweep:
         study = CapacityStudy(
             self.source,
             names,
-            [self.tpot_ms],
-            self.ttft_ms,
+            () if self.tiers else [self.tpot_ms],
+            None if self.tiers else self.ttft_ms,
             self.lattice,
             cost=self.cost or AnalyticCost(),
             max_chunk_tokens=self.max_chunk_tokens,
@@ -235,6 +246,7 @@ class BudgetSweep:
             runner=self.runner,
             progress=self.progress,
             store=self.store,
+            tiers=self.tiers,
         )
         self.study_by_policy.update(dict.fromkeys(study.policies, study))
         self.capacities.update({c.policy: c for c in study.capacities()})
@@ -257,6 +269,7 @@ class BudgetSweep:
         if grid is not None:
             budgets, plan["extensions"], plan["extension_stop"] = self.extended(budgets, grid, max_ext)
             plan["grid"] = grid.describe()
+            plan |= grid_ends_plan(self.tiers)
         plan["rule_of_thumb_tokens"] = list(thumb.budgets_tokens)
         before_refinement = budgets
         if refine and self.capacities[policy_name(rule, self.best_budget(budgets))].capacity_rps != 0:
@@ -328,6 +341,7 @@ class BudgetSweep:
             "attainment": float(np.mean([m.attainment for m in per_seed])),
             "p99_ttft_ms": float(np.mean([m.p99_ttft_ms for m in per_seed])),
             "p99_tpot_ms": float(np.mean([m.p99_tpot_ms for m in per_seed])),
+            **self.capacities[name].tier_columns(),  # with tiers: each tier at the capacity, the binding one
         }
 
     def table(self, budgets: list[int], thumb: RuleOfThumb, k: int) -> pd.DataFrame:
@@ -340,7 +354,7 @@ class BudgetSweep:
             }
             for b in budgets
         ]
-        return pd.DataFrame(rows)[RESULT_COLUMNS]
+        return pd.DataFrame(rows)[RESULT_COLUMNS + tier_columns_of(self.tiers)]
 
     @property
     def simulations(self) -> int:
@@ -366,132 +380,3 @@ def best_goodput_budget(table: pd.DataFrame) -> int:
     """The budget with the highest goodput at the load (ties to the smaller budget)."""
     best = table.sort_values(["goodput_rps", "budget_tokens"], ascending=[False, True]).iloc[0]
     return int(best["budget_tokens"])
-
-
-# --------------------------------------------------------------------------- the default grid
-
-
-def ladder(up_to_tokens: int, coarse: bool = False) -> list[int]:
-    """The ladder from ``LADDER_FLOOR_TOKENS`` up to its first value >= ``up_to_tokens``."""
-    values, power = [], LADDER_FLOOR_TOKENS
-    while not values or values[-1] < up_to_tokens:
-        values.append(power)
-        if not coarse and power < up_to_tokens:
-            values.append(power * 3 // 2)
-        power *= 2
-    return values
-
-
-@dataclass(frozen=True)
-class SweepEnd:
-    budget_tokens: int
-    reason: str
-
-
-@dataclass(frozen=True)
-class BudgetGrid:
-    """The default sweep, from the cost model, the targets and the input: the ladder between two
-    soft ends (where the sweep starts) inside two hard limits (where extension stops)."""
-
-    values_tokens: tuple[int, ...]  # the ladder from the low to the high hard limit
-    low: SweepEnd
-    high: SweepEnd
-    low_limit: SweepEnd
-    high_limit: SweepEnd
-    context_tokens: float  # the KV context per decode the ends were priced at
-    coarse: bool
-
-    @property
-    def budgets_tokens(self) -> list[int]:
-        return [v for v in self.values_tokens if self.low.budget_tokens <= v <= self.high.budget_tokens]
-
-    def beyond(self, edge_tokens: int, side: str, count: int = EXTENSION_STEPS) -> list[int]:
-        """The next ``count`` ladder values past ``edge_tokens`` on ``side`` ("low" or "high")."""
-        if side == "low":
-            return [v for v in self.values_tokens if v < edge_tokens][-count:]
-        return [v for v in self.values_tokens if v > edge_tokens][:count]
-
-    def at_limit(self, budget_tokens: int, side: str) -> bool:
-        if side == "low":
-            return budget_tokens <= self.low_limit.budget_tokens
-        return budget_tokens >= self.high_limit.budget_tokens
-
-    def describe(self) -> dict:
-        ends = {"low": self.low, "high": self.high, "low_limit": self.low_limit, "high_limit": self.high_limit}
-        return {
-            "ladder": "powers of two" if self.coarse else "powers of two and 1.5x between",
-            **{f"{name}_tokens": end.budget_tokens for name, end in ends.items()},
-            **{f"{name}_reason": end.reason for name, end in ends.items()},
-            "context_per_decode_tokens": self.context_tokens,
-        }
-
-
-def model_grid(
-    source: LoadSource, rule: str, tpot_ms: float, ttft_ms: float, cost: CostModel | None, coarse: bool = False
-) -> BudgetGrid:
-    """The default sweep's ends, by the cost model at the input's mean KV context per decode.
-
-    Low end: the ladder value at or below the decode batch whose step alone fills the TPOT
-    target (a smaller shared budget leaves a full batch's prompts nothing; the floor for the
-    ``fixed`` rule, whose decodes do not count). High end: the largest ladder value whose prompt
-    prefills in one step within the TTFT target. Hard limits: the ladder's floor, and the ladder
-    value at or above the longest prompt (a larger budget prefills every prompt in one step).
-    """
-    workloads = [source.workload(seed, 1.0) for seed in range(source.num_seeds)]
-    longest = int(max(w.prompt_tokens.max() for w in workloads))
-    context = mean_context_tokens(*workloads)
-    step_ms = _step_pricer(cost or AnalyticCost(), context)
-    values = ladder(longest, coarse)
-    low_limit = SweepEnd(values[0], "the ladder's floor")
-    high_limit = SweepEnd(
-        values[-1], f"the longest prompt is {longest:,} tokens: a larger budget prefills any in one step"
-    )
-    low = _low_end(values, rule, tpot_ms, step_ms, context)
-    return BudgetGrid(
-        tuple(values), low, _high_end(values, ttft_ms, step_ms, low), low_limit, high_limit, context, coarse
-    )
-
-
-def _step_pricer(cost: CostModel, context_tokens: float):
-    """T(n, c) with each decode at ``context_tokens`` and the chunk at no prefix; not counted as
-    queries past a profile's data (the simulation counts its own)."""
-    reads_context = isinstance(cost, ContextAware)
-
-    def step_ms(n_decodes: int, chunk_tokens: int) -> float:
-        with uncounted(cost):
-            if reads_context:
-                return float(cost.predict(n_decodes, chunk_tokens, round(n_decodes * context_tokens), 0))
-            return float(cost(n_decodes, chunk_tokens))
-
-    return step_ms
-
-
-def _low_end(values: list[int], rule: str, tpot_ms: float, step_ms, context: float) -> SweepEnd:
-    if rule == "fixed":
-        return SweepEnd(values[0], "decodes do not count against a fixed chunk: from the ladder's floor")
-    if (one_ms := step_ms(1, 0)) > tpot_ms:
-        over = f"over the {tpot_ms:g} ms TPOT target: from the ladder's floor"
-        return SweepEnd(values[0], f"one decode alone takes {one_ms:.3g} ms by the cost model, {over}")
-    lo, hi = 1, 2  # step_ms(lo, 0) fits; find the last n that does by doubling, then bisection
-    while hi <= MAX_DECODE_BATCH and step_ms(hi, 0) <= tpot_ms:
-        lo, hi = hi, hi * 2
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if step_ms(mid, 0) <= tpot_ms else (lo, mid)
-    fill = f"fill a {tpot_ms:g} ms step by the cost model; a smaller budget leaves their prompts nothing"
-    low = max([v for v in values if v <= lo] or [values[0]])
-    return SweepEnd(low, f"{lo:,} decodes at the mean context ({context:,.0f} tokens) {fill}")
-
-
-def _high_end(values: list[int], ttft_ms: float, step_ms, low: SweepEnd) -> SweepEnd:
-    high = low.budget_tokens
-    for value in (v for v in values if v > low.budget_tokens):
-        prefill_ms = step_ms(0, value)
-        if prefill_ms > ttft_ms:
-            return SweepEnd(
-                high,
-                f"a {high:,}-token prompt prefills in {step_ms(0, high):.3g} ms by the cost model, "
-                f"{value:,} tokens in {prefill_ms:.3g} ms, over the {ttft_ms:g} ms TTFT target",
-            )
-        high = value
-    return SweepEnd(high, "the high hard limit: every prompt prefills in one step within the TTFT target")

@@ -12,7 +12,9 @@ import pandas as pd
 
 from sloweave.studies.markdown import significant
 from sloweave.studies.outputs import write_result_json
+from sloweave.sim.tiers import describe_tier_mix
 from sloweave.studies.pictures import pyplot
+from sloweave.studies.tune_tiers import at_capacity, mix_targets, sloweave_line, tier_cells, tier_headers, tier_settings
 
 if TYPE_CHECKING:
     from sloweave.studies.tune import TuneResult
@@ -45,8 +47,11 @@ def _fmt(value, digits: int = 3) -> str:
 
 
 def tune_table(result: TuneResult) -> str:
-    header = "| budget (tokens) | capacity req/s | goodput req/s | attainment | P99 TTFT ms | P99 TPOT ms | note |"
-    lines = [header, "|" + "---|" * 7]
+    """The sweep as a markdown table; with SLO tiers, each tier's attainment at the capacity and the binding tier."""
+    tiers = result.tiers
+    columns = ["budget (tokens)", "capacity req/s", *tier_headers(tiers)]
+    columns += ["goodput req/s", "attainment", "P99 TTFT ms", "P99 TPOT ms", "note"]
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     plan = result.sweep_plan
     added = {
         "extension": {b for ext in plan.get("extensions", ()) for b in ext["added_tokens"]},
@@ -63,8 +68,9 @@ def tune_table(result: TuneResult) -> str:
         if row["censored"]:
             notes.append(row["censored"])
         label = row["policy"] if row["budget_tokens"] is None else _fmt(row["budget_tokens"])
+        per_tier = "".join(f" {cell} |" for cell in tier_cells(row, tiers))
         lines.append(
-            f"| {label} | {_fmt(row['capacity_rps'])} ± {_fmt(row['capacity_rps_std'])} | {_fmt(row['goodput_rps'])} "
+            f"| {label} | {_fmt(row['capacity_rps'])} ± {_fmt(row['capacity_rps_std'])} |{per_tier} {_fmt(row['goodput_rps'])} "
             f"| {100 * row['attainment']:.1f} % | {_fmt(row['p99_ttft_ms'])} | {_fmt(row['p99_tpot_ms'])} | {', '.join(notes)} |"
         )
     return "\n".join(lines) + "\n"
@@ -115,6 +121,8 @@ def comparisons(result: TuneResult) -> dict:
 
 
 def _targets(result: TuneResult) -> str:
+    if result.tiers:
+        return mix_targets(result)
     return f"TPOT {result.tpot_ms:g} ms, TTFT {result.ttft_ms:g} ms, attainment >= {result.attainment_target:.0%}"
 
 
@@ -129,6 +137,8 @@ def sweep_lines(result: TuneResult) -> list[str]:
             f"sweep: {grid['low_tokens']:,}-{grid['high_tokens']:,} tokens ({grid['ladder']}), from the cost model: "
             f"low end {grid['low_tokens']:,} ({grid['low_reason']}); high end {grid['high_tokens']:,} ({grid['high_reason']})"
         ]
+        if "grid_targets" in plan:
+            lines[0] += f"; {plan['grid_targets']}"
     for ext in plan.get("extensions", ()):
         lines.append(
             f"edge extension: the best budget ({ext['best_before_tokens']:,} tokens) was the {ext['side']} edge; "
@@ -174,11 +184,14 @@ def recommendation(result: TuneResult, engine: str) -> list[str]:
         return lines + no_budget_lines(result, engine)
     cmp = comparisons(result)
     best = cmp["best_capacity"]
-    lines += [
-        f"best fixed budget: {best['budget_tokens']} tokens ({result.rule} rule), capacity {_fmt(best['capacity_rps'])} "
-        f"req/s at {_targets(result)}",
-        f"set: {flag_for(engine, best['budget_tokens'])}",
-    ]
+    kind = "single budget for the tier mix" if result.tiers else "fixed budget"
+    lines.append(
+        f"best {kind}: {best['budget_tokens']} tokens ({result.rule} rule), capacity {_fmt(best['capacity_rps'])} "
+        f"req/s at {_targets(result)}"
+    )
+    if result.tiers:
+        lines.append(f"at that capacity: {at_capacity(result.row(best['budget_tokens']), result.tiers)}")
+    lines.append(f"set: {flag_for(engine, best['budget_tokens'])}")
     if ENGINES[engine][1] != result.rule:
         lines.append(
             f"note: {engine}'s setting matches the {ENGINES[engine][1]!r} rule; this sweep used {result.rule!r} "
@@ -191,10 +204,13 @@ def recommendation(result: TuneResult, engine: str) -> list[str]:
     )
     ours = cmp["sloweave"]
     over_cap, over_good = cmp["sloweave_capacity_over_best"], cmp["sloweave_goodput_over_best"]
-    lines.append(
-        f"SLOWeave ({ours['policy']}) on the same input: capacity {_fmt(ours['capacity_rps'])} req/s "
-        f"({_ratio(over_cap)} the best fixed budget), goodput at load {_fmt(ours['goodput_rps'])} req/s ({_ratio(over_good)})"
-    )
+    if result.tiers:
+        lines.append(sloweave_line(result, _ratio(over_cap), _ratio(over_good)))
+    else:
+        lines.append(
+            f"SLOWeave ({ours['policy']}) on the same input: capacity {_fmt(ours['capacity_rps'])} req/s "
+            f"({_ratio(over_cap)} the best fixed budget), goodput at load {_fmt(ours['goodput_rps'])} req/s ({_ratio(over_good)})"
+        )
     thumb = cmp["rule_of_thumb"]
     parts = [
         f"{b['budget_tokens']} tokens: capacity {_fmt(b['capacity_rps'])} req/s ({_ratio(b['capacity_vs_best'])} the best)"
@@ -218,11 +234,11 @@ def plot(result: TuneResult, path: Path) -> None:
     t = result.table
     fig, axes = plt.subplots(1, 3, figsize=(14, 3.9))
     panels = [
-        ("p99_ttft_ms", "P99 TTFT (ms)", result.ttft_ms, True),
-        ("p99_tpot_ms", "P99 TPOT (ms)", result.tpot_ms, False),
-        ("capacity_rps", "capacity (req/s)", None, False),
+        ("p99_ttft_ms", "P99 TTFT (ms)", _target_lines(result, "ttft_ms"), True),
+        ("p99_tpot_ms", "P99 TPOT (ms)", _target_lines(result, "tpot_ms"), False),
+        ("capacity_rps", "capacity (req/s)", {}, False),
     ]
-    for ax, (column, label, target, log_y) in zip(axes, panels):
+    for ax, (column, label, targets, log_y) in zip(axes, panels):
         ax.plot(t["budget_tokens"], t[column], marker="o", color="C0", label=f"{result.rule}-B")
         thumb = t[t["rule_of_thumb"]]
         ax.scatter(
@@ -235,8 +251,8 @@ def plot(result: TuneResult, path: Path) -> None:
             label="rule of thumb",
         )
         ax.axhline(result.sloweave[column], color="black", linewidth=2, label=result.sloweave["policy"])
-        if target is not None:
-            ax.axhline(target, color="grey", linestyle="--", linewidth=1, label="target")
+        for target, name in targets.items():
+            ax.axhline(target, color="grey", linestyle="--", linewidth=1, label=name)
         ax.axvline(result.best_capacity_tokens, color="C2", linestyle=":", label="best capacity")
         ax.set_xscale("log", base=2)
         ax.set_xticks(t["budget_tokens"], [str(b) for b in t["budget_tokens"]], rotation=60, fontsize=7)
@@ -250,13 +266,26 @@ def plot(result: TuneResult, path: Path) -> None:
     axes[0].set_title(f"at load x{result.load_scale:.3g}", fontsize=9)
     axes[1].set_title(f"at load x{result.load_scale:.3g}", fontsize=9)
     axes[2].set_title(f"attainment >= {result.attainment_target:.0%}", fontsize=9)
-    fig.suptitle(
-        f"{result.source.get('name')}: {result.rule} rule, TPOT {result.tpot_ms:g} ms, TTFT {result.ttft_ms:g} ms",
-        fontsize=10,
+    slo = (
+        f"tiers {describe_tier_mix(result.tiers)}"
+        if result.tiers
+        else f"TPOT {result.tpot_ms:g} ms, TTFT {result.ttft_ms:g} ms"
     )
+    fig.suptitle(f"{result.source.get('name')}: {result.rule} rule, {slo}", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def _target_lines(result: TuneResult, target: str) -> dict[float, str]:
+    """The target lines of a panel: the single target, or each tier's (tiers with one value share a line)."""
+    if not result.tiers:
+        return {getattr(result, target): "target"}
+    lines: dict[float, str] = {}
+    for tier in result.tiers:
+        value = getattr(tier, target)
+        lines[value] = f"{lines[value]}, {tier.name}" if value in lines else f"target: {tier.name}"
+    return lines
 
 
 def write_outputs(
@@ -286,6 +315,7 @@ def write_outputs(
         "loads_searched": result.loads_searched,
         "sloweave_capacity_rps": result.sloweave["capacity_rps"],
         "sweep_plan": result.sweep_plan,
+        **tier_settings(result, None if result.no_budget_meets_targets else result.best_capacity_tokens),
         "tpot_ms": result.tpot_ms,
         "ttft_ms": result.ttft_ms,
         "attainment_target": result.attainment_target,

@@ -1,0 +1,134 @@
+"""The pure parts of benchmarks/twin_fidelity.py: the fidelity and capacity tables, the step-log
+cuts, the engines served. No real engine runs here."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from sloweave.core.step_log import STEP_FIELDS, read_step_log
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import twin_fidelity  # noqa: E402
+
+
+def runs_frame() -> pd.DataFrame:
+    """Two engines, two loads, three seeds; tuned-512 at 1.2x has one failed real run."""
+    rows = []
+    values = {
+        ("sloweave", 1.0): ([1.0, 0.98, 0.96], [0.99, 0.97, 1.0], [1.0, 1.0, 1.0]),
+        ("sloweave", 1.2): ([0.5, 0.7, 0.6], [0.95, 0.9, 0.92], [1.0, 1.0, 1.0]),
+        ("vllm-tuned-512", 1.0): ([1.0, 1.0, 1.0], [0.97, 0.99, 1.0], [1.0, 1.0, 1.0]),
+        ("vllm-tuned-512", 1.2): ([0.8, np.nan, 0.9], [0.6, 0.5, 0.7], [1.0, 1.0, 1.0]),
+    }
+    for (engine, load), (real, twin, plain) in values.items():
+        for seed in range(3):
+            rows.append({"engine": engine, "load": load, "seed": seed, "real_attainment": real[seed],
+                         "twin_attainment": twin[seed], "plain_attainment": plain[seed],
+                         "real_goodput_rps": 100.0 * real[seed], "twin_goodput_rps": 100.0 * twin[seed],
+                         "plain_goodput_rps": 100.0 * plain[seed]})  # fmt: skip
+    return pd.DataFrame(rows)
+
+
+def test_fidelity_table_medians_errors_and_hits():
+    table = twin_fidelity.fidelity_table(runs_frame(), tolerance=0.1).set_index(["engine", "load"])
+    hit = table.loc[("sloweave", 1.0)]
+    assert hit["real_attainment"] == pytest.approx(0.98)
+    assert hit["twin_attainment"] == pytest.approx(0.99)
+    assert hit["twin_attainment_error"] == pytest.approx(0.01)
+    assert hit["plain_attainment_error"] == pytest.approx(0.02)
+    assert hit["within_tolerance"]
+    miss = table.loc[("sloweave", 1.2)]
+    assert miss["twin_attainment_error"] == pytest.approx(0.32)  # |0.92 - 0.6|
+    assert miss["twin_error_per_seed_median"] == pytest.approx(0.32)  # of 0.45, 0.2, 0.32
+    assert not miss["within_tolerance"]
+    assert miss["twin_goodput_error"] == pytest.approx(0.92 / 0.6 - 1.0)
+    # the failed real run is counted, and left out of the medians of both columns
+    failed = table.loc[("vllm-tuned-512", 1.2)]
+    assert (failed["seeds"], failed["failed_runs"]) == (2, 1)
+    assert failed["real_attainment"] == pytest.approx(0.85)
+    assert failed["twin_attainment"] == pytest.approx(0.65)
+
+
+def test_fidelity_table_without_any_twin_says_no_hit():
+    runs = runs_frame().drop(columns=["twin_attainment", "twin_goodput_rps"])
+    table = twin_fidelity.fidelity_table(runs)
+    assert (table["seeds"] == 0).all() and not table["within_tolerance"].any()
+
+
+def test_capacity_from_loads_interpolates_and_censors():
+    multiple, how = twin_fidelity.capacity_from_loads([0.7, 1.0, 1.2], [1.0, 0.95, 0.55], 0.9)
+    assert multiple == pytest.approx(1.0 + 0.2 * 0.05 / 0.4)
+    assert how == "interpolated between 1x and 1.2x"
+    multiple, how = twin_fidelity.capacity_from_loads([1.2, 0.7, 1.0], [0.91, 1.0, 0.99], 0.9)
+    assert multiple == 1.2 and how.startswith("at least 1.2x")
+    multiple, how = twin_fidelity.capacity_from_loads([0.7, 1.0], [0.5, 0.2], 0.9)
+    assert math.isnan(multiple) and how.startswith("below 0.7x")
+    multiple, how = twin_fidelity.capacity_from_loads([0.7, 1.0, 1.2], [0.95, np.nan, 0.3], 0.9)
+    assert multiple == pytest.approx(0.7 + 0.5 * 0.05 / 0.65)  # a load without runs is skipped
+
+
+def test_capacity_table_compares_the_study_with_the_real_capacity():
+    fidelity = twin_fidelity.fidelity_table(runs_frame())
+    table = twin_fidelity.capacity_table(fidelity, 0.9, 100.0, {"sloweave": 110.0}, 0.15).set_index("engine")
+    real = 100.0 * (1.0 + 0.2 * (0.98 - 0.9) / (0.98 - 0.6))
+    assert table.loc["sloweave", "real_capacity_rps"] == pytest.approx(real)
+    assert table.loc["sloweave", "study_vs_real"] == pytest.approx(110.0 / real)
+    assert table.loc["sloweave", "within_tolerance"]
+    assert not table.loc["sloweave", "real_censored"]
+    assert math.isnan(table.loc["vllm-tuned-512", "twin_capacity_rps_study"])  # not studied: no verdict
+    assert not table.loc["vllm-tuned-512", "within_tolerance"]
+
+
+def write_log(path: Path, steps: int) -> None:
+    lines = [{"kind": "header", "format": 1}]
+    for i in range(steps):
+        values = dict.fromkeys(STEP_FIELDS, 0)
+        values.update(step=i, start_ms=10.0 * i, measured_ms=5.0 + i, decode_tokens=1, ran_decode_tokens=1,
+                      chunk_tokens=64, ran_prefill_tokens=64, token_budget=2048, budget_ms=40.0,
+                      predicted_ms=5.0, margin_ms=1.0, base_predicted_ms=5.0, infeasible=False, aged=False)  # fmt: skip
+        lines.append({"kind": "step", **values})
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines), encoding="utf-8")
+
+
+def test_cut_and_combined_logs_read_back_as_step_logs(tmp_path):
+    engine_log = tmp_path / "engine.jsonl"
+    write_log(engine_log, 10)  # lines 1-3 a warm-up, 4-7 one run, 8-10 the next
+    assert twin_fidelity.line_count(engine_log) == 11
+    first, second = tmp_path / "first.jsonl", tmp_path / "second.jsonl"
+    assert twin_fidelity.cut_log(engine_log, 4, 8, first) == 4
+    assert twin_fidelity.cut_log(engine_log, 8, 11, second) == 3
+    assert read_step_log(first).steps["step"].tolist() == [3, 4, 5, 6]
+    combined = tmp_path / "all.jsonl"
+    assert twin_fidelity.combine_logs([first, second], combined) == 7
+    assert read_step_log(combined).steps["step"].tolist() == list(range(3, 10))
+
+
+def test_engines_served_plugin_first_with_its_log(tmp_path):
+    args = twin_fidelity.parse_args(["--engines", "sloweave,vllm-tuned-256"])
+    served = twin_fidelity.engines_to_serve(args, tmp_path)
+    assert [s.name for s in served] == ["sloweave", "vllm-tuned-256"]
+    assert served[0].policy == "sloweave-multi" and served[1].policy == "sarathi-256"
+    assert served[0].plugin_config["step_log"] == str((tmp_path / "sloweave-engine.jsonl").resolve())
+    assert served[0].plugin_config["online_correction"] is True
+    with pytest.raises(ValueError, match="unknown vllm-tuned-999"):
+        twin_fidelity.engines_to_serve(twin_fidelity.parse_args(["--engines", "vllm-tuned-999"]), tmp_path)
+
+
+def test_bad_loads_are_refused():
+    with pytest.raises(SystemExit):
+        twin_fidelity.parse_args(["--loads", "0.7,-1"])
+
+
+def test_real_rows_drop_an_earlier_pass_predictions(tmp_path):
+    runs = runs_frame().assign(error=["", "real run: boom; prediction: bad"] + [np.nan] * 10)
+    runs.to_csv(tmp_path / "runs.csv", index=False)
+    rows = twin_fidelity.real_rows(tmp_path / "runs.csv")
+    assert not any(k.startswith(("twin_", "plain_")) for k in rows[0])
+    assert [r["error"] for r in rows[:3]] == ["", "real run: boom", ""]
