@@ -92,6 +92,13 @@ def measured_conditions() -> list[Condition]:
     return out
 
 
+def lattice_of(condition: Condition, args) -> SearchLattice:
+    """The load lattice: down to 1/1024 of the input's rate with a measured model's memory (the
+    70B serves the analytic model's loads at a hundredth of their rate), 1/64 otherwise."""
+    min_scale = 1 / 1024 if condition.model_kv else 1 / 64
+    return SearchLattice(steps_per_doubling=args.steps, min_scale=min_scale, max_scale=64.0)
+
+
 def engine_of(condition: Condition, cost) -> EngineOptions:
     """The condition's engine options, with the model's KV capacity where it asks for it."""
     if not condition.model_kv:
@@ -180,7 +187,7 @@ def run(condition: Condition, args) -> dict:
         POLICIES,
         condition.tpots,
         ttft_ms,
-        SearchLattice(steps_per_doubling=args.steps, min_scale=1 / 64, max_scale=64.0),
+        lattice_of(condition, args),
         cost=cost.model,
         options=engine_of(condition, cost),
         runner=Runner(jobs=args.jobs),
@@ -231,7 +238,7 @@ def phase_breakdown(condition: Condition, args, payload: dict) -> list[dict]:
         sorted(names),
         condition.tpots,
         ttft_ms,
-        SearchLattice(steps_per_doubling=args.steps, min_scale=1 / 64, max_scale=64.0),
+        lattice_of(condition, args),
         cost=cost.model,
         options=engine_of(condition, cost),
         tpot_change_ms=condition.tpot_change_ms,

@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import time
 import warnings
 from importlib.metadata import version
@@ -132,9 +131,9 @@ def memory_at_capacity(study: CapacityStudy, rows: list[dict], per_seed_k: dict)
                 reasons = result.rejected_reason
                 refused = 0 if reasons is None else int(np.sum(reasons == EXCEEDS_KV_CAPACITY))
                 stats.append((result.preemptions, result.recompute_tokens, refused))
-            means = np.mean(stats, axis=0) if stats else (math.nan,) * 3
+            means = [float(v) for v in np.mean(stats, axis=0)] if stats else [None] * 3  # None: no capacity
             for key, value in zip(("preemptions", "recompute_tokens", "kv_refused"), means):
-                row[f"{side}{key}_at_capacity"] = float(value)
+                row[f"{side}{key}_at_capacity"] = value
 
 
 def run_one(preset: str, name: str, args, cost) -> tuple[pd.DataFrame, list[dict], dict]:
@@ -174,10 +173,8 @@ def run_one(preset: str, name: str, args, cost) -> tuple[pd.DataFrame, list[dict
 
 def memory_cell(row: dict) -> str:
     def one(side: str) -> str:
-        values = [
-            row.get(f"{side}{key}_at_capacity", math.nan) for key in ("preemptions", "recompute_tokens", "kv_refused")
-        ]
-        if any(v != v for v in values):
+        values = [row.get(f"{side}{key}_at_capacity") for key in ("preemptions", "recompute_tokens", "kv_refused")]
+        if any(v is None for v in values):
             return "-"
         return f"{values[0]:.3g} / {values[1] / 1000:.3g} / {values[2]:.3g}"
 
