@@ -96,6 +96,11 @@ def parse_args() -> argparse.Namespace:
     return parser.parse_args()
 
 
+def default_plugin_config(tpot_ms: float, profile_path: Path) -> dict:
+    """The plug-in as served here: the TPOT target, the cost fitted to the profile, online correction."""
+    return {"tpot_ms": tpot_ms, "cost": str(profile_path), "online_correction": True}
+
+
 def workload_for(args, seed: int, rate_rps: float):
     from sloweave.runtime.experiment import scaled_workload
     from sloweave.sim.workloads import WORKLOADS
@@ -133,8 +138,20 @@ def profile(args, model_dir: str, vocab: int) -> Path:
     )
 
 
-def simulated(workload, policy_name: str, cost, args, max_chunk: int, margin_form: str = "relative") -> dict:
-    """The simulator's prediction for one engine: the same workload, the fitted cost."""
+def simulated(
+    workload,
+    policy_name: str,
+    cost,
+    args,
+    max_chunk: int,
+    margin_form: str = "relative",
+    policy_cost=None,
+    step_noise_from: str | None = None,
+    noise_seed: int = 0,
+) -> dict:
+    """The simulator's prediction for one engine: the same workload, the fitted cost (the machine's
+    time; the policy decides with ``policy_cost``, by default the same), plus, with ``step_noise_from``,
+    the residuals of that step log or profile against ``cost`` (``EngineOptions.step_noise_from``)."""
     from sloweave.core.policy import make_policy
     from sloweave.sim.metrics import evaluate
     from sloweave.sim.options import EngineOptions
@@ -144,9 +161,10 @@ def simulated(workload, policy_name: str, cost, args, max_chunk: int, margin_for
         max_batch_size=VLLM_CPU_DEFAULT_SEQS,
         correction=deadline_aware,
         margin_form=margin_form if deadline_aware else "relative",
+        step_noise_from=step_noise_from,
     )
-    policy = make_policy(policy_name, cost=cost, max_chunk_tokens=max_chunk)
-    result = options.simulate(workload, policy, args.tpot_ms, args.ttft_ms, cost)
+    policy = make_policy(policy_name, cost=cost if policy_cost is None else policy_cost, max_chunk_tokens=max_chunk)
+    result = options.simulate(workload, policy, args.tpot_ms, args.ttft_ms, cost, noise_seed)
     return evaluate(result, args.ttft_ms, args.tpot_ms).as_dict()
 
 
@@ -267,7 +285,7 @@ def main() -> None:
         tuning.to_csv(args.out / "tuning.csv", index=False)
         tuned = [int(b) for b in tuning["budget"].iloc[:2]]
 
-    plugin_config = {"tpot_ms": args.tpot_ms, "cost": str(profile_path), "online_correction": True}
+    plugin_config = default_plugin_config(args.tpot_ms, profile_path)
     engines = [] if args.no_default else [(f"vllm-default-{VLLM_CPU_DEFAULT_BUDGET}", VLLM_CPU_DEFAULT_BUDGET, None)]
     engines += [(f"vllm-tuned-{b}", b, None) for b in tuned]
     for variant in args.plugin_variants.split(","):

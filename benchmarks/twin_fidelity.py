@@ -1,0 +1,495 @@
+"""The simulator as a twin of vLLM's real CPU engine: how well it predicts the real run.
+
+Every engine of ``vllm_cpu_bench.py`` (vLLM's default budget 2048, two tuned budgets, the
+plug-in in its default configuration: the cost fitted to ``--profile-file``, online correction)
+serves the bench's seeded ``mixed`` workloads (``workload_for``: lengths scaled to this CPU,
+Poisson arrivals) at ``--loads`` times ``--rate-rps`` on the real engine (one engine per
+configuration, warmed up once, then every load and seed). The plug-in writes a step log
+(``step_log``); each measured run's steps are cut out of it into ``--log-dir``.
+
+Then, for every real run, two predictions of the same workload (same seed, arrivals and
+lengths) under the same rule (``sarathi-B`` for a budget, ``sloweave-multi`` deciding with the
+plug-in's own cost and online correction for the plug-in; max_num_seqs 128):
+
+- **twin**: the machine's step time fitted to a step log of the real engine (``--cost LOG``,
+  the regression) plus the machine's own noise from the same log
+  (``EngineOptions.step_noise_from``: residuals measured - predicted by predicted step time).
+  The log is the plug-in's at the same load and seed: the static engines write none, so they
+  are timed by the plug-in's steps of the same workload (``--static-twin-cost profile``: by
+  the profile instead, still with the plug-in's noise);
+- **plain**: the bench's own prediction (the cost fitted to the profile, no noise): the
+  simulator before the twin.
+
+Attainment (TPOT and TTFT targets as the bench) and goodput of each; medians over seeds per
+engine and load, and the twin's error |twin - real| against ``--tolerance`` (0.1). Capacity
+(the issue asks the twin's within 15 % of the real): the real one from the attainments at the
+loads served (the highest load attaining ``--target``, interpolated linearly to the next load;
+censored at the ends), against the twin's by ``CapacityStudy`` (same seeds; the machine fitted
+to every measured plug-in step together, and their noise) and by the same interpolation.
+
+    .venv-vllm-cpu/bin/python benchmarks/twin_fidelity.py --out results/twin_fidelity
+
+Writes ``runs.csv`` (one row per engine, load and seed), ``fidelity.csv`` (per engine and
+load), ``capacity.csv``, ``summary.json`` (strict JSON: settings, versions, the machine's load)
+under ``--out``, the step logs under ``--log-dir`` (default ``--out/step-logs``). One engine or run failing is recorded in its rows' ``error``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import platform
+import sys
+import time
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+# vLLM's CPU backend reserves 92 % of the machine's memory unless the KV cache is sized: with other
+# processes on the machine that refuses to start. 4 GiB holds 2M tokens of the tiny model's KV,
+# far more than a run keeps (it changes no schedule: nothing is ever preempted for memory).
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import vllm_cpu_bench as bench  # noqa: E402  (the engines, workloads and measurement are the bench's)
+
+PLUGIN_ENGINE = "sloweave"
+PLUGIN_POLICY = "sloweave-multi"
+DEFAULT_PROFILE = Path(__file__).resolve().parent / "results-vllm-cpu" / "at-load" / "profile.csv"
+METRICS = {"attainment": "attainment", "goodput_rps": "goodput_rps", "p99_ttft_ms": "p99_ttft_ms",
+           "p99_tpot_ms": "p99_tpot_ms"}  # fmt: skip
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, default=Path("results/twin_fidelity"))
+    parser.add_argument("--requests", type=int, default=1000)
+    parser.add_argument("--seeds", default="0,1,2")
+    parser.add_argument("--loads", default="0.7,1.0,1.2", help="multiples of --rate-rps served")
+    parser.add_argument("--rate-rps", type=float, default=117.4, help="the load point (1.0x)")
+    parser.add_argument("--log-dir", type=Path, default=None, help="the step logs' folder (default: --out/step-logs)")
+    parser.add_argument("--predict-only", action="store_true", help="reuse --out's real runs and step logs")
+    parser.add_argument("--find-rate", action="store_true", help="find the load point as vllm_cpu_bench does")
+    parser.add_argument("--tuned-budgets", default="512,256")
+    parser.add_argument("--profile-file", type=Path, default=DEFAULT_PROFILE, help="the plug-in's cost")
+    parser.add_argument("--static-twin-cost", choices=("plugin-log", "profile"), default="plugin-log")
+    parser.add_argument(
+        "--twin-max-fit-error", type=float, default=100.0, help="refuse a step log whose fit is off by more (median)"
+    )
+    parser.add_argument("--engines", default=None, help="comma-separated subset of the engine names")
+    parser.add_argument("--tolerance", type=float, default=0.1, help="|twin - real| attainment counted a hit")
+    parser.add_argument("--capacity-tolerance", type=float, default=0.15)
+    parser.add_argument("--no-capacity-study", action="store_true", help="skip the twin's CapacityStudy")
+    parser.add_argument("--tpot-ms", type=float, default=40.0)
+    parser.add_argument("--ttft-ms", type=float, default=1000.0)
+    parser.add_argument("--target", type=float, default=0.9, help="attainment a capacity keeps")
+    parser.add_argument("--prompt-scale", type=float, default=0.5)
+    parser.add_argument("--max-prompt", type=int, default=2048)
+    parser.add_argument("--output-scale", type=float, default=0.15)
+    parser.add_argument("--max-output", type=int, default=64)
+    parser.add_argument("--warm-up-requests", type=int, default=200)
+    parser.add_argument("--tuning-seed", type=int, default=100, help="--find-rate's seed")
+    parser.add_argument("--search-budget", type=int, default=512, help="--find-rate's budget")
+    parser.add_argument("--search-steps", type=int, default=5, help="--find-rate's bisection steps")
+    args = parser.parse_args(argv)
+    args.seed_list = [int(s) for s in args.seeds.split(",")]
+    args.load_list = [float(x) for x in args.loads.split(",")]
+    if any(x <= 0 for x in args.load_list) or args.requests < 1 or not 0 < args.target <= 1:
+        parser.error("--loads must be positive multiples, --requests at least 1, --target in (0, 1]")
+    return args
+
+
+@dataclass(frozen=True)
+class Served:
+    """One engine configuration as served: its name, vLLM's token budget, the plug-in's config (or None)."""
+
+    name: str
+    budget: int
+    plugin_config: dict | None
+
+    @property
+    def policy(self) -> str:
+        return PLUGIN_POLICY if self.plugin_config else f"sarathi-{self.budget}"
+
+
+def engines_to_serve(args, log_dir: Path) -> list[Served]:
+    """The plug-in first (its step logs time the static engines' twins), then the budgets."""
+    config = bench.default_plugin_config(args.tpot_ms, args.profile_file) | {
+        "step_log": str((log_dir / "sloweave-engine.jsonl").resolve())
+    }
+    served = [Served(PLUGIN_ENGINE, bench.VLLM_CPU_DEFAULT_BUDGET, config)]
+    served.append(Served(f"vllm-default-{bench.VLLM_CPU_DEFAULT_BUDGET}", bench.VLLM_CPU_DEFAULT_BUDGET, None))
+    served += [Served(f"vllm-tuned-{b}", int(b), None) for b in args.tuned_budgets.split(",")]
+    if args.engines:
+        wanted = set(args.engines.split(","))
+        unknown = wanted - {s.name for s in served}
+        if unknown:
+            raise ValueError(
+                f"--engines: unknown {', '.join(sorted(unknown))}; known: {', '.join(s.name for s in served)}"
+            )
+        served = [s for s in served if s.name in wanted]
+    return served
+
+
+def plugin_log_of(log_dir: Path, load: float, seed: int) -> Path:
+    return log_dir / f"sloweave-load{load:g}-seed{seed}.jsonl"
+
+
+def line_count(path: Path) -> int:
+    if not path.exists():
+        return 0
+    with open(path, "rb") as file:
+        return sum(1 for _ in file)
+
+
+def cut_log(engine_log: Path, first_line: int, end_line: int, out: Path) -> int:
+    """The header and lines [first_line, end_line) of ``engine_log`` (one run's steps) into ``out``;
+    returns the steps written."""
+    lines = engine_log.read_text(encoding="utf-8").splitlines(keepends=True)
+    steps = lines[first_line:end_line]
+    out.write_text(lines[0] + "".join(steps), encoding="utf-8")
+    return len(steps)
+
+
+def serve_engine(served: Served, args, model_dir: str, vocab: int, log_dir: Path, rows: list[dict]) -> None:
+    """Every load and seed on one warmed-up engine; a failure is recorded in the rows, not raised."""
+    base = {"engine": served.name, "policy": served.policy, "budget": served.budget}
+    engine_log = Path(served.plugin_config["step_log"]) if served.plugin_config else None
+    try:
+        engine = bench.engine_for(model_dir, served.budget, served.plugin_config, warm=args)
+    except Exception as err:  # noqa: BLE001 - one engine failing is a result, the others still run
+        print(f"{served.name}: engine failed to start: {err!r}", flush=True)
+        for load in args.load_list:
+            rows += [{**base, "load": load, "seed": s, "error": f"engine start: {err!r}"} for s in args.seed_list]
+        return
+    for load in args.load_list:
+        for seed in args.seed_list:
+            row = {**base, "load": load, "rate_rps": load * args.rate_rps, "seed": seed, "error": ""}
+            first = line_count(engine_log) if engine_log else 0
+            try:
+                measured = bench.measure(engine, bench.workload_for(args, seed, row["rate_rps"]), args, vocab, seed)
+                row.update({f"real_{k}": measured[k] for k in METRICS})
+                row.update({k: measured[k] for k in ("steps", "mean_step_ms", "load_1min_before", "load_1min_after")})
+                if engine_log:
+                    row["logged_steps"] = cut_log(
+                        engine_log, first, line_count(engine_log), plugin_log_of(log_dir, load, seed)
+                    )
+                print(f"real {served.name} load {load:g} seed {seed}: attainment {row['real_attainment']:.3f}, "
+                      f"goodput {row['real_goodput_rps']:.1f} req/s, mean step {row['mean_step_ms']:.2f} ms, "
+                      f"load {row['load_1min_after']:.2f}", flush=True)  # fmt: skip
+            except Exception as err:  # noqa: BLE001
+                row["error"] = f"real run: {err!r}"
+                print(f"real {served.name} load {load:g} seed {seed}: FAILED {err!r}", flush=True)
+                traceback.print_exc()
+            rows.append(row)
+    try:
+        bench.shut_down(engine)
+    except Exception as err:  # noqa: BLE001 - the next engine may still start
+        print(f"{served.name}: shut-down failed: {err!r}", flush=True)
+
+
+class Costs:
+    """Fitted costs, each file fitted once: the profile's (the plug-in's prior, the plain
+    simulator's machine, as the bench resolves it) and each step log's (a twin's machine: its
+    regression, taken whatever its held-out error, which is reported: the log's own residuals
+    against it are the twin's noise, so a loose fit is a wider noise, not a wrong mean)."""
+
+    def __init__(self, profile: Path, max_fit_error: float) -> None:
+        from sloweave.core.costs.resolve import resolve_cost
+
+        self.profile = resolve_cost(str(profile), cost_kind="regression")
+        self.max_fit_error = max_fit_error
+        self._logs: dict[str, tuple] = {}
+
+    def of_log(self, log: Path) -> tuple:
+        """(the regression fitted to ``log``, its median held-out error |predicted / measured - 1|)."""
+        from sloweave.core.costs.profile_fit import fit_profile_file
+
+        key = str(log)
+        if key not in self._logs:
+            fit = fit_profile_file(log, max_holdout_error=self.max_fit_error)
+            error = fit.report.get("regression_holdout", {}).get("median_abs_rel_error", math.nan)
+            self._logs[key] = (fit.cost("regression"), float(error))
+        return self._logs[key]
+
+
+def twin_source(row: dict, args, log_dir: Path) -> tuple[Path, Path]:
+    """(the file the twin's machine is fitted to, the file its noise comes from)."""
+    log = plugin_log_of(log_dir, row["load"], row["seed"])
+    if not log.exists():
+        raise FileNotFoundError(f"no plug-in step log for load {row['load']:g}, seed {row['seed']} ({log})")
+    fitted = args.profile_file if row["engine"] != PLUGIN_ENGINE and args.static_twin_cost == "profile" else log
+    return fitted, log
+
+
+def predict_row(row: dict, args, costs: Costs, log_dir: Path) -> None:
+    """The twin's and the plain simulator's predictions for one real run, into ``row``."""
+    workload = bench.workload_for(args, row["seed"], row["rate_rps"])
+    is_plugin = row["engine"] == PLUGIN_ENGINE
+    try:
+        plain = bench.simulated(workload, row["policy"], costs.profile.model, args, row["budget"])
+        row.update({f"plain_{k}": plain[k] for k in METRICS})
+        fitted, noise = twin_source(row, args, log_dir)
+        machine, row["twin_fit_error"] = (
+            (costs.profile.model, math.nan) if fitted == args.profile_file else costs.of_log(fitted)
+        )
+        twin = bench.simulated(
+            workload, row["policy"], machine, args, row["budget"],
+            policy_cost=costs.profile.model if is_plugin else None,
+            step_noise_from=str(noise), noise_seed=row["seed"],
+        )  # fmt: skip
+        row.update({f"twin_{k}": twin[k] for k in METRICS})
+        row["twin_cost"], row["twin_noise"] = fitted.name, noise.name
+    except Exception as err:  # noqa: BLE001 - a twin that cannot be built is a result
+        row["error"] = "; ".join(e for e in (row.get("error"), f"prediction: {err!r}") if e)
+        print(f"prediction {row['engine']} load {row['load']:g} seed {row['seed']}: FAILED {err!r}", flush=True)
+
+
+def with_errors(runs: pd.DataFrame) -> pd.DataFrame:
+    """The signed errors (prediction - real) of attainment and goodput, per run."""
+    runs = runs.copy()
+    for column in ("real_attainment", "twin_attainment", "plain_attainment", "real_goodput_rps", "twin_goodput_rps",
+                   "plain_goodput_rps"):  # fmt: skip
+        if column not in runs:
+            runs[column] = np.nan
+    runs["twin_attainment_error"] = runs["twin_attainment"] - runs["real_attainment"]
+    runs["plain_attainment_error"] = runs["plain_attainment"] - runs["real_attainment"]
+    runs["twin_goodput_error_rps"] = runs["twin_goodput_rps"] - runs["real_goodput_rps"]
+    return runs
+
+
+def fidelity_table(runs: pd.DataFrame, tolerance: float = 0.1) -> pd.DataFrame:
+    """Per engine and load: medians over seeds (of runs with a real and a twin result), the
+    twin's and the plain simulator's error |median prediction - median real| in attainment, the
+    median per-seed |error|, and whether the twin's error is within ``tolerance``."""
+    runs = with_errors(runs)
+    rows = []
+    for (engine, load), group in runs.groupby(["engine", "load"], sort=False):
+        both = group.dropna(subset=["real_attainment", "twin_attainment"])
+        median = {c: float(both[c].median()) if len(both) else math.nan for c in (
+            "real_attainment", "twin_attainment", "plain_attainment", "real_goodput_rps", "twin_goodput_rps",
+            "plain_goodput_rps")}  # fmt: skip
+        twin_error = abs(median["twin_attainment"] - median["real_attainment"])
+        rows.append({
+            "engine": engine, "load": load, "seeds": len(both), "failed_runs": len(group) - len(both), **median,
+            "twin_attainment_error": twin_error,
+            "plain_attainment_error": abs(median["plain_attainment"] - median["real_attainment"]),
+            "twin_error_per_seed_median": float(both["twin_attainment_error"].abs().median()) if len(both) else math.nan,
+            "twin_goodput_error": (median["twin_goodput_rps"] / median["real_goodput_rps"] - 1.0)
+            if median["real_goodput_rps"] > 0 else math.nan,
+            "within_tolerance": bool(twin_error <= tolerance),
+        })  # fmt: skip
+    return pd.DataFrame(rows)
+
+
+def capacity_from_loads(loads, attainments, target: float) -> tuple[float, str]:
+    """The highest load (a multiple of the load point) attaining ``target``, interpolated
+    linearly in attainment to the next load served: (multiple, how it was found). Below the
+    lowest load: (nan, "below ..."); every load attaining: (the highest, "at least ...")."""
+    points = sorted((float(x), float(a)) for x, a in zip(loads, attainments) if not math.isnan(a))
+    if not points:
+        return math.nan, "no runs"
+    passing = [i for i, (_, a) in enumerate(points) if a >= target]
+    if not passing:
+        return math.nan, f"below {points[0][0]:g}x (no load served attained {target:g})"
+    i = passing[-1]
+    if i == len(points) - 1:
+        return points[i][0], f"at least {points[i][0]:g}x (every load up to the highest attained {target:g})"
+    (x0, a0), (x1, a1) = points[i], points[i + 1]
+    return x0 + (x1 - x0) * (a0 - target) / (a0 - a1), f"interpolated between {x0:g}x and {x1:g}x"
+
+
+def capacity_table(fidelity: pd.DataFrame, target: float, rate_rps: float, studied: dict, tolerance: float):
+    """Per engine: the real capacity and the twin's, from the median attainments at the loads
+    served, and the twin's by ``CapacityStudy`` (``studied``: engine -> req/s, or absent)."""
+    rows = []
+    for engine, group in fidelity.groupby("engine", sort=False):
+        real, real_how = capacity_from_loads(group["load"], group["real_attainment"], target)
+        twin, twin_how = capacity_from_loads(group["load"], group["twin_attainment"], target)
+        study_rps = studied.get(engine, math.nan)
+        ratio = study_rps / (real * rate_rps) if real > 0 else math.nan
+        rows.append({"engine": engine, "real_capacity_rps": real * rate_rps, "real_how": real_how,
+                     "twin_capacity_rps_at_loads": twin * rate_rps, "twin_how": twin_how,
+                     "twin_capacity_rps_study": study_rps, "study_vs_real": ratio,
+                     "within_tolerance": bool(abs(ratio - 1.0) <= tolerance) if not math.isnan(ratio) else False,
+                     "real_censored": not real_how.startswith("interpolated")})  # fmt: skip
+    return pd.DataFrame(rows)
+
+
+def combine_logs(logs: list[Path], out: Path) -> int:
+    """One step log of every measured plug-in step (the first log's header); returns the steps."""
+    lines = [log.read_text(encoding="utf-8").splitlines(keepends=True) for log in logs]
+    out.write_text(lines[0][0] + "".join("".join(part[1:]) for part in lines), encoding="utf-8")
+    return sum(len(part) - 1 for part in lines)
+
+
+def twin_capacity_study(args, served: list[Served], costs: Costs, log_dir: Path) -> tuple[dict, dict]:
+    """Each engine's capacity in the twin by ``CapacityStudy`` on the same seeds (load lattice of
+    16 steps a doubling, 4.4 %): the machine fitted to every measured plug-in step together and
+    their noise; the plug-in's policy on its own cost, with online correction. (engine -> req/s, notes)."""
+    from sloweave.core.policy import make_policy
+    from sloweave.sim.options import EngineOptions
+    from sloweave.studies.search import CapacityStudy
+    from sloweave.studies.search_records import SearchLattice
+    from sloweave.studies.sources import ScaledWorkloads
+
+    logs = [plugin_log_of(log_dir, x, s) for x in args.load_list for s in args.seed_list]
+    logs = [log for log in logs if log.exists()]
+    if not logs:
+        raise FileNotFoundError("no plug-in step log: the twin has no machine to be fitted to")
+    combined = log_dir / "sloweave-all-runs.jsonl"
+    steps = combine_logs(logs, combined)
+    machine, fit_error = costs.of_log(combined)
+    base = tuple(bench.workload_for(args, s, args.rate_rps) for s in args.seed_list)
+    source = ScaledWorkloads("mixed (bench)", base, (args.rate_rps,) * len(base), tuple(map(str, args.seed_list)))
+    options = EngineOptions(max_batch_size=bench.VLLM_CPU_DEFAULT_SEQS, correction=True, step_noise_from=str(combined))
+    lattice = SearchLattice(attainment_target=args.target, steps_per_doubling=16, min_scale=0.25, max_scale=4.0)
+    study = CapacityStudy(
+        source, [s.policy for s in served], (args.tpot_ms,), args.ttft_ms, lattice, machine,
+        bench.VLLM_CPU_DEFAULT_BUDGET, options, progress=False,
+    )  # fmt: skip
+    for s in served:  # the same policies as the per-run twin (the plug-in decides with its own cost)
+        decides_with = costs.profile.model if s.plugin_config else machine
+        study.policies[s.policy] = make_policy(s.policy, cost=decides_with, max_chunk_tokens=s.budget)
+    by_policy = {s.policy: s.name for s in served}
+    capacities = study.capacities()
+    # a seed below the lattice's floor reports 0 req/s: not a capacity, said in the notes
+    found = {
+        by_policy[c.policy]: c.capacity_rps if all(s.k is not None for s in c.seeds) else math.nan for c in capacities
+    }
+    censored = {by_policy[c.policy]: [s.censored or "" for s in c.seeds] for c in capacities}
+    notes = {"machine": combined.name, "machine_steps": steps, "lattice": lattice.describe(),
+             "simulations": study.simulations, "cost": "regression", "fit_holdout_median_error": fit_error, "noise": "the same log's residuals",
+             "per_seed": "mean over seeds of the per-seed capacities (CapacityStudy)", "censored_per_seed": censored}  # fmt: skip
+    return found, notes
+
+
+def logs_described(log_dir: Path) -> dict:
+    """Each measured run's step log: its steps and sha256 (the twin's machine and noise)."""
+    import hashlib
+
+    return {
+        log.name: {"steps": line_count(log) - 1, "sha256": hashlib.sha256(log.read_bytes()).hexdigest()}
+        for log in sorted(log_dir.glob("sloweave-*.jsonl"))
+        if log.name != "sloweave-engine.jsonl"
+    }
+
+
+def versions() -> dict:
+    from importlib import metadata
+
+    found = {"python": platform.python_version(), "machine": platform.platform(), "cpus": os.cpu_count(),
+             "VLLM_CPU_KVCACHE_SPACE_gib": os.environ.get("VLLM_CPU_KVCACHE_SPACE")}  # fmt: skip
+    for package in ("sloweave", "vllm-cpu", "vllm", "torch"):
+        try:
+            found[package] = metadata.version(package)
+        except metadata.PackageNotFoundError:
+            continue
+    return found
+
+
+def load_summary(runs: pd.DataFrame, start: tuple, end: tuple) -> dict:
+    """The machine's load averages: at start and end (1, 5, 15 min), and the 1-min load around the runs."""
+    during = pd.concat([runs.get("load_1min_before", pd.Series(dtype=float)),
+                        runs.get("load_1min_after", pd.Series(dtype=float))]).dropna()  # fmt: skip
+    spread = (
+        {"min": float(during.min()), "median": float(during.median()), "max": float(during.max())}
+        if len(during)
+        else {}
+    )
+    return {"start_1_5_15min": list(start), "end_1_5_15min": list(end), "runs_1min": spread}
+
+
+def print_tables(fidelity: pd.DataFrame, capacity: pd.DataFrame | None) -> None:
+    shown = fidelity[["engine", "load", "seeds", "real_attainment", "twin_attainment", "plain_attainment",
+                      "twin_attainment_error", "plain_attainment_error", "real_goodput_rps", "twin_goodput_rps",
+                      "within_tolerance"]]  # fmt: skip
+    print(shown.to_string(index=False, float_format=lambda v: f"{v:.3f}"), flush=True)
+    if capacity is not None:
+        print(capacity.to_string(index=False, float_format=lambda v: f"{v:.2f}"), flush=True)
+
+
+def real_rows(path: Path) -> list[dict]:
+    """The real runs of an earlier pass (``--predict-only``), without its predictions."""
+    runs = pd.read_csv(path)
+    runs = runs[[c for c in runs.columns if not c.startswith(("twin_", "plain_"))]]
+    runs["error"] = runs["error"].fillna("").astype(str).str.replace(r";? ?prediction: .*$", "", regex=True)
+    return runs.to_dict("records")
+
+
+def find_rate(args, model_dir: str, vocab: int) -> float:
+    rate, tried = bench.load_point(args, model_dir, vocab)
+    pd.DataFrame(tried).to_csv(args.out / "load_search.csv", index=False)
+    return rate
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    from sloweave.studies.outputs import check_writable, write_result_json
+    from sloweave.vllm_plugin.offline import tiny_model_dir
+
+    check_writable(args.out, "--out")
+    log_dir = args.log_dir or args.out / "step-logs"
+    for folder in (args.out, log_dir):
+        folder.mkdir(parents=True, exist_ok=True)
+    model_dir, vocab, started, load_start = str(tiny_model_dir()), 1024, time.time(), os.getloadavg()
+    if args.find_rate:
+        args.rate_rps = find_rate(args, model_dir, vocab)
+    served = engines_to_serve(args, log_dir)
+    print(f"load point {args.rate_rps:.2f} req/s; loads {args.loads}; seeds {args.seeds}; "
+          f"engines {', '.join(s.name for s in served)}; {args.requests} requests a run", flush=True)  # fmt: skip
+    rows = real_rows(args.out / "runs.csv") if args.predict_only else []
+    for s in [] if args.predict_only else served:
+        serve_engine(s, args, model_dir, vocab, log_dir, rows)
+        pd.DataFrame(rows).to_csv(args.out / "runs.csv", index=False)  # what is measured so far, kept
+    real_s, costs = time.time() - started, Costs(args.profile_file, args.twin_max_fit_error)
+    for row in rows:
+        if "real_attainment" in row:
+            predict_row(row, args, costs, log_dir)
+            print(f"predicted {row['engine']} load {row['load']:g} seed {row['seed']}: real "
+                  f"{row['real_attainment']:.3f}, twin {row.get('twin_attainment', math.nan):.3f}, "
+                  f"plain {row.get('plain_attainment', math.nan):.3f}", flush=True)  # fmt: skip
+    runs = with_errors(pd.DataFrame(rows))
+    runs.to_csv(args.out / "runs.csv", index=False)
+    fidelity = fidelity_table(runs, args.tolerance)
+    fidelity.to_csv(args.out / "fidelity.csv", index=False)
+    capacity, study_notes = capacity_step(args, served, costs, log_dir, fidelity)
+    print_tables(fidelity, capacity)
+    write_result_json(args.out / "summary.json", {
+        "settings": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+        "versions": versions(), "machine_load": load_summary(runs, load_start, os.getloadavg()),
+        "wall_s": time.time() - started, "real_runs_s": real_s, "rate_rps": args.rate_rps,
+        "engines": {s.name: {"policy": s.policy, "budget": s.budget, "plugin_config": s.plugin_config} for s in served},
+        "twin": {"machine": "regression fitted to the plug-in's step log of the same load and seed"
+                 + (" (static engines: to the profile)" if args.static_twin_cost == "profile" else ""),
+                 "noise": "EngineOptions.step_noise_from: the same step log", "plain": f"{args.profile_file.name}, no noise",
+                 "plugin_decides_with": f"{args.profile_file.name} (regression), online correction"},
+        "step_logs": {"folder": str(log_dir), "files": logs_described(log_dir)},
+        "twin_hits": int(fidelity["within_tolerance"].sum()), "cells": len(fidelity),
+        "fidelity": fidelity.to_dict("records"),
+        "capacity": capacity.to_dict("records") if capacity is not None else None, "capacity_study": study_notes,
+    })  # fmt: skip
+
+
+def capacity_step(args, served, costs, log_dir, fidelity) -> tuple[pd.DataFrame | None, dict]:
+    """The capacity comparison; the twin's study is skipped on request, and its failure recorded."""
+    if len(args.load_list) < 2:
+        return None, {"skipped": "capacity needs at least two loads"}
+    studied, notes = {}, {"skipped": "--no-capacity-study"}
+    if not args.no_capacity_study:
+        print("twin capacity study ...", flush=True)
+        try:
+            studied, notes = twin_capacity_study(args, served, costs, log_dir)
+        except Exception as err:  # noqa: BLE001 - the per-run fidelity stands without it
+            notes = {"failed": repr(err)}
+            traceback.print_exc()
+    capacity = capacity_table(fidelity, args.target, args.rate_rps, studied, args.capacity_tolerance)
+    capacity.to_csv(args.out / "capacity.csv", index=False)
+    return capacity, notes
+
+
+if __name__ == "__main__":
+    main()
