@@ -14,9 +14,11 @@ plug-in's own cost and online correction for the plug-in; max_num_seqs 128):
 - **twin**: the machine's step time fitted to a step log of the real engine (``--cost LOG``,
   the regression) plus the machine's own noise from the same log
   (``EngineOptions.step_noise_from``: residuals measured - predicted by predicted step time).
-  The log is the plug-in's at the same load and seed: the static engines write none, so they
-  are timed by the plug-in's steps of the same workload (``--static-twin-cost profile``: by
-  the profile instead, still with the plug-in's noise);
+  The log is the engine's own at the same load and seed: the static engines are served by the
+  plug-in with ``budget_rule: fixed`` (vLLM's own budget every step, scheduled as vanilla vLLM
+  schedules, token for token; each step planned and logged). ``--static-twin-cost plugin-log``
+  serves them with vLLM's own scheduler and times their twins by the plug-in's steps of the same
+  workload; ``profile`` by the profile, still with the plug-in's noise;
 - **plain**: the bench's own prediction (the cost fitted to the profile, no noise): the
   simulator before the twin.
 
@@ -75,7 +77,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--find-rate", action="store_true", help="find the load point as vllm_cpu_bench does")
     parser.add_argument("--tuned-budgets", default="512,256")
     parser.add_argument("--profile-file", type=Path, default=DEFAULT_PROFILE, help="the plug-in's cost")
-    parser.add_argument("--static-twin-cost", choices=("plugin-log", "profile"), default="plugin-log")
+    parser.add_argument("--static-twin-cost", choices=("own-log", "plugin-log", "profile"), default="own-log")
     parser.add_argument(
         "--twin-max-fit-error", type=float, default=100.0, help="refuse a step log whose fit is off by more (median)"
     )
@@ -111,8 +113,12 @@ class Served:
     plugin_config: dict | None
 
     @property
+    def deadline_aware(self) -> bool:
+        return bool(self.plugin_config) and self.plugin_config.get("budget_rule", "deadline") == "deadline"
+
+    @property
     def policy(self) -> str:
-        return PLUGIN_POLICY if self.plugin_config else f"sarathi-{self.budget}"
+        return PLUGIN_POLICY if self.deadline_aware else f"sarathi-{self.budget}"
 
 
 def engines_to_serve(args, log_dir: Path) -> list[Served]:
@@ -121,8 +127,11 @@ def engines_to_serve(args, log_dir: Path) -> list[Served]:
         "step_log": str((log_dir / "sloweave-engine.jsonl").resolve())
     }
     served = [Served(PLUGIN_ENGINE, bench.VLLM_CPU_DEFAULT_BUDGET, config)]
-    served.append(Served(f"vllm-default-{bench.VLLM_CPU_DEFAULT_BUDGET}", bench.VLLM_CPU_DEFAULT_BUDGET, None))
-    served += [Served(f"vllm-tuned-{b}", int(b), None) for b in args.tuned_budgets.split(",")]
+    budgets = [(f"vllm-default-{bench.VLLM_CPU_DEFAULT_BUDGET}", bench.VLLM_CPU_DEFAULT_BUDGET)]
+    budgets += [(f"vllm-tuned-{b}", int(b)) for b in args.tuned_budgets.split(",")]
+    for name, budget in budgets:  # own-log: vLLM's budget through the plug-in, which logs each step
+        own = config | {"budget_rule": "fixed", "step_log": str((log_dir / f"{name}-engine.jsonl").resolve())}
+        served.append(Served(name, budget, own if args.static_twin_cost == "own-log" else None))
     if args.engines:
         wanted = set(args.engines.split(","))
         unknown = wanted - {s.name for s in served}
@@ -134,8 +143,12 @@ def engines_to_serve(args, log_dir: Path) -> list[Served]:
     return served
 
 
+def run_log_of(log_dir: Path, engine: str, load: float, seed: int) -> Path:
+    return log_dir / f"{engine}-load{load:g}-seed{seed}.jsonl"
+
+
 def plugin_log_of(log_dir: Path, load: float, seed: int) -> Path:
-    return log_dir / f"sloweave-load{load:g}-seed{seed}.jsonl"
+    return run_log_of(log_dir, PLUGIN_ENGINE, load, seed)
 
 
 def line_count(path: Path) -> int:
@@ -175,7 +188,7 @@ def serve_engine(served: Served, args, model_dir: str, vocab: int, log_dir: Path
                 row.update({k: measured[k] for k in ("steps", "mean_step_ms", "load_1min_before", "load_1min_after")})
                 if engine_log:
                     row["logged_steps"] = cut_log(
-                        engine_log, first, line_count(engine_log), plugin_log_of(log_dir, load, seed)
+                        engine_log, first, line_count(engine_log), run_log_of(log_dir, served.name, load, seed)
                     )
                 print(f"real {served.name} load {load:g} seed {seed}: attainment {row['real_attainment']:.3f}, "
                       f"goodput {row['real_goodput_rps']:.1f} req/s, mean step {row['mean_step_ms']:.2f} ms, "
@@ -218,9 +231,14 @@ class Costs:
 
 def twin_source(row: dict, args, log_dir: Path) -> tuple[Path, Path]:
     """(the file the twin's machine is fitted to, the file its noise comes from)."""
-    log = plugin_log_of(log_dir, row["load"], row["seed"])
+    own = args.static_twin_cost == "own-log" or row["engine"] == PLUGIN_ENGINE
+    log = (
+        run_log_of(log_dir, row["engine"], row["load"], row["seed"])
+        if own
+        else plugin_log_of(log_dir, row["load"], row["seed"])
+    )
     if not log.exists():
-        raise FileNotFoundError(f"no plug-in step log for load {row['load']:g}, seed {row['seed']} ({log})")
+        raise FileNotFoundError(f"no step log for load {row['load']:g}, seed {row['seed']} ({log})")
     fitted = args.profile_file if row["engine"] != PLUGIN_ENGINE and args.static_twin_cost == "profile" else log
     return fitted, log
 
@@ -328,43 +346,55 @@ def combine_logs(logs: list[Path], out: Path) -> int:
 
 def twin_capacity_study(args, served: list[Served], costs: Costs, log_dir: Path) -> tuple[dict, dict]:
     """Each engine's capacity in the twin by ``CapacityStudy`` on the same seeds (load lattice of
-    16 steps a doubling, 4.4 %): the machine fitted to every measured plug-in step together and
-    their noise; the plug-in's policy on its own cost, with online correction. (engine -> req/s, notes)."""
+    16 steps a doubling, 4.4 %): the machine fitted to every measured step of the engine's own
+    logs together (the plug-in's, for every engine, with ``--static-twin-cost plugin-log`` or
+    ``profile``) and their noise; the plug-in's policy on its own cost, with online correction.
+    (engine -> req/s, notes)."""
+    found, notes = {}, {}
+    for s in served:
+        owner = s.name if args.static_twin_cost == "own-log" or s.name == PLUGIN_ENGINE else PLUGIN_ENGINE
+        logs = [run_log_of(log_dir, owner, x, seed) for x in args.load_list for seed in args.seed_list]
+        logs = [log for log in logs if log.exists()]
+        if not logs:
+            found[s.name], notes[s.name] = math.nan, {"error": f"no step log of {owner}: no machine to fit"}
+            continue
+        found[s.name], notes[s.name] = _engine_capacity(args, s, costs, combine_to(log_dir, owner, logs))
+    return found, notes
+
+
+def combine_to(log_dir: Path, owner: str, logs: list[Path]) -> Path:
+    combined = log_dir / f"{owner}-all-runs.jsonl"
+    combine_logs(logs, combined)
+    return combined
+
+
+def _engine_capacity(args, s: Served, costs: Costs, combined: Path) -> tuple[float, dict]:
     from sloweave.core.policy import make_policy
     from sloweave.sim.options import EngineOptions
     from sloweave.studies.search import CapacityStudy
     from sloweave.studies.search_records import SearchLattice
     from sloweave.studies.sources import ScaledWorkloads
 
-    logs = [plugin_log_of(log_dir, x, s) for x in args.load_list for s in args.seed_list]
-    logs = [log for log in logs if log.exists()]
-    if not logs:
-        raise FileNotFoundError("no plug-in step log: the twin has no machine to be fitted to")
-    combined = log_dir / "sloweave-all-runs.jsonl"
-    steps = combine_logs(logs, combined)
     machine, fit_error = costs.of_log(combined)
-    base = tuple(bench.workload_for(args, s, args.rate_rps) for s in args.seed_list)
+    base = tuple(bench.workload_for(args, seed, args.rate_rps) for seed in args.seed_list)
     source = ScaledWorkloads("mixed (bench)", base, (args.rate_rps,) * len(base), tuple(map(str, args.seed_list)))
     options = EngineOptions(max_batch_size=bench.VLLM_CPU_DEFAULT_SEQS, correction=True, step_noise_from=str(combined))
     lattice = SearchLattice(attainment_target=args.target, steps_per_doubling=16, min_scale=0.25, max_scale=4.0)
     study = CapacityStudy(
-        source, [s.policy for s in served], (args.tpot_ms,), args.ttft_ms, lattice, machine,
+        source, [s.policy], (args.tpot_ms,), args.ttft_ms, lattice, machine,
         bench.VLLM_CPU_DEFAULT_BUDGET, options, progress=False,
     )  # fmt: skip
-    for s in served:  # the same policies as the per-run twin (the plug-in decides with its own cost)
-        decides_with = costs.profile.model if s.plugin_config else machine
-        study.policies[s.policy] = make_policy(s.policy, cost=decides_with, max_chunk_tokens=s.budget)
-    by_policy = {s.policy: s.name for s in served}
-    capacities = study.capacities()
+    # the same policy as the per-run twin (the plug-in decides with its own cost)
+    decides_with = costs.profile.model if s.deadline_aware else machine
+    study.policies[s.policy] = make_policy(s.policy, cost=decides_with, max_chunk_tokens=s.budget)
+    (capacity,) = study.capacities()
     # a seed below the lattice's floor reports 0 req/s: not a capacity, said in the notes
-    found = {
-        by_policy[c.policy]: c.capacity_rps if all(s.k is not None for s in c.seeds) else math.nan for c in capacities
-    }
-    censored = {by_policy[c.policy]: [s.censored or "" for s in c.seeds] for c in capacities}
-    notes = {"machine": combined.name, "machine_steps": steps, "lattice": lattice.describe(),
-             "simulations": study.simulations, "cost": "regression", "fit_holdout_median_error": fit_error, "noise": "the same log's residuals",
-             "per_seed": "mean over seeds of the per-seed capacities (CapacityStudy)", "censored_per_seed": censored}  # fmt: skip
-    return found, notes
+    rps = capacity.capacity_rps if all(seed.k is not None for seed in capacity.seeds) else math.nan
+    notes = {"machine": combined.name, "machine_steps": line_count(combined) - 1, "lattice": lattice.describe(),
+             "simulations": study.simulations, "cost": "regression", "fit_holdout_median_error": fit_error,
+             "noise": "the same log's residuals", "per_seed": "mean over seeds of the per-seed capacities (CapacityStudy)",
+             "censored_per_seed": [seed.censored or "" for seed in capacity.seeds]}  # fmt: skip
+    return rps, notes
 
 
 def logs_described(log_dir: Path) -> dict:

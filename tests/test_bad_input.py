@@ -366,6 +366,10 @@ def test_generated_workloads_refuse_bad_seeds(name, seed):
 def test_plugin_configuration_refuses_what_it_would_ignore():
     from sloweave.vllm_plugin.config import PluginConfig, PluginConfigError
 
+    with pytest.raises(PluginConfigError, match="budget_rule must be one of deadline, fixed, got 'static'"):
+        PluginConfig.from_sources({"sloweave": {"budget_rule": "static"}}, {})
+    assert PluginConfig.from_sources({}, {"SLOWEAVE_BUDGET_RULE": "fixed"}).budget_rule == "fixed"
+
     with pytest.raises(PluginConfigError, match="unknown environment variable.*SLOWEAVE_TPOT;"):
         PluginConfig.from_sources({}, {"SLOWEAVE_TPOT": "10"})
     with pytest.raises(PluginConfigError, match="SLOWEAVE_ANALYTIC.*additional_config only"):

@@ -121,6 +121,25 @@ def test_engines_served_plugin_first_with_its_log(tmp_path):
         twin_fidelity.engines_to_serve(twin_fidelity.parse_args(["--engines", "vllm-tuned-999"]), tmp_path)
 
 
+def test_static_engines_log_their_own_steps_through_the_fixed_budget_rule(tmp_path):
+    """By default a static budget is served by the plug-in keeping vLLM's budget (``budget_rule:
+    fixed``) with a log of its own, and its twin is fitted to that log, not the plug-in's."""
+    args = twin_fidelity.parse_args(["--engines", "sloweave,vllm-tuned-256"])
+    plugin, tuned = twin_fidelity.engines_to_serve(args, tmp_path)
+    assert tuned.plugin_config["budget_rule"] == "fixed" and tuned.policy == "sarathi-256"
+    assert tuned.plugin_config["step_log"] == str((tmp_path / "vllm-tuned-256-engine.jsonl").resolve())
+    assert plugin.deadline_aware and not tuned.deadline_aware
+    row = {"engine": "vllm-tuned-256", "load": 1.0, "seed": 2}
+    own = twin_fidelity.run_log_of(tmp_path, "vllm-tuned-256", 1.0, 2)
+    own.write_text("")
+    assert twin_fidelity.twin_source(row, args, tmp_path) == (own, own)
+    borrowed = twin_fidelity.parse_args(["--engines", "vllm-tuned-256", "--static-twin-cost", "plugin-log"])
+    (vanilla,) = twin_fidelity.engines_to_serve(borrowed, tmp_path)
+    assert vanilla.plugin_config is None
+    with pytest.raises(FileNotFoundError, match="no step log"):
+        twin_fidelity.twin_source(row, borrowed, tmp_path)
+
+
 def test_bad_loads_are_refused():
     with pytest.raises(SystemExit):
         twin_fidelity.parse_args(["--loads", "0.7,-1"])

@@ -4,6 +4,7 @@ import math
 
 from prometheus_client import REGISTRY
 
+from sloweave.core.step_log import read_step_log
 from sloweave.vllm_plugin.engine_driver import generate, scheduler_of
 
 from real_engine import CPU_ANALYTIC, PLUGIN, cpu_engine, prompts
@@ -185,3 +186,45 @@ def test_online_correction_learns_from_the_steps_the_engine_ran_and_budgets_stil
         )
     calibrator = scheduler_of(engine).sloweave_correction.calibrator
     assert len(calibrator.recent_residuals) == len(log.observed)
+
+
+def _scheduled_tokens_per_step(engine) -> list[int]:
+    """Wraps the engine's scheduler: the tokens each non-empty step scheduled, in order."""
+    scheduler, counts = scheduler_of(engine), []
+    schedule = scheduler.schedule
+
+    def counted(*args, **kwargs):
+        output = schedule(*args, **kwargs)
+        if output.total_num_scheduled_tokens:
+            counts.append(output.total_num_scheduled_tokens)
+        return output
+
+    scheduler.schedule = counted
+    return counts
+
+
+def test_fixed_budget_rule_schedules_as_vllm_does_and_logs_every_step(release, tmp_path):
+    """``budget_rule: fixed`` keeps vLLM's own token budget every step (the tuned baseline), so
+    the engine schedules what vLLM's default scheduler does, token for token, while every step
+    is planned, priced and written to the step log (the simulator's twin reads it)."""
+    batch, log_file = prompts(10, seed=4, low=50, high=1500), tmp_path / "steps.jsonl"
+    config = {"tpot_ms": 40.0, "analytic": CPU_ANALYTIC, "budget_rule": "fixed", "step_log": str(log_file)}
+    runs = {}
+    for name, cls, plugin_config in [("vllm", None, None), ("fixed", PLUGIN, config)]:
+        engine = cpu_engine(cls, plugin_config)
+        release(engine)
+        counts = _scheduled_tokens_per_step(engine)
+        runs[name] = (generate(engine, batch, max_tokens=16), counts)
+        if cls is not None:
+            scheduler = scheduler_of(engine)
+            assert scheduler.sloweave.stats.steps == len(counts)
+            scheduler.sloweave_step_log.close()
+        engine.engine_core.shutdown()
+    (vllm_out, vllm_counts), (fixed_out, fixed_counts) = runs["vllm"], runs["fixed"]
+    assert fixed_out == vllm_out and all(len(tokens) == 16 for tokens in fixed_out.values())
+    assert fixed_counts == vllm_counts and max(fixed_counts) == 512  # prompts were chunked at the budget
+    steps = read_step_log(log_file).steps
+    assert len(steps) == len(fixed_counts)
+    assert (steps["token_budget"] <= 512).all() and (steps["token_budget"] == 512).any()
+    assert list(steps["ran_decode_tokens"] + steps["ran_prefill_tokens"]) == fixed_counts
+    assert steps["predicted_ms"].notna().all() and (steps["measured_ms"] > 0).all()

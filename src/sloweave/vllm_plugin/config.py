@@ -18,6 +18,7 @@ Sources, later ones win: defaults, environment variables ``SLOWEAVE_*``, and vLL
 | step_log | SLOWEAVE_STEP_LOG | (off) | a file to write every step planned and ran into, one JSON line each (`sloweave.core.step_log`; read by `sloweave served-run`); replaced at start-up; data-parallel rank N > 0 writes `<file>.N` |
 | step_log_max_steps | SLOWEAVE_STEP_LOG_MAX_STEPS | 1000000 | the log stops (and says so in its last line) after this many steps, about 400 bytes each |
 | online_correction | SLOWEAVE_ONLINE_CORRECTION | false | self-correction from the measured step times (`sloweave.core.costs.calibrated.self_correcting`, as the CPU runtime and the simulator): the cost is recalibrated online and the margin is the adaptive P99.7 of the corrected model's recent residuals |
+| budget_rule | SLOWEAVE_BUDGET_RULE | deadline | `deadline`: each step's token budget from the earliest next-token deadline (SLOWeave); `fixed`: vLLM's own `--max-num-batched-tokens` every step, planned, priced and logged as SLOWeave's would be (a step log and metrics of the tuned baseline, for the simulator's twin of it) |
 | margin_form | SLOWEAVE_MARGIN_FORM | relative | with `online_correction`, the adaptive margin's form: `relative` (the P99.7 of measured / corrected - 1 over all recent steps, times the step's prediction) or `per-step` (milliseconds: the P99.7 of measured - corrected of recent steps of the same kind and predicted time, `sloweave.core.costs.step_margin`); `per-step` needs `online_correction` |
 
 With ``online_correction`` the controller decides with ``SelfCorrection.cost`` (the ``cost``
@@ -49,6 +50,8 @@ if TYPE_CHECKING:
     from sloweave.core.costs.calibrated import SelfCorrection
 
 CONFIG_KEY = "sloweave"
+# deadline: SLOWeave's budget; fixed: vLLM's own budget every step, planned and logged the same way
+BUDGET_RULES = ("deadline", "fixed")
 REQUEST_TPOT_KEY = "sloweave_tpot_ms"
 # An hour per token is past any real target; far larger ones (1e300) overflow the chunk
 # arithmetic, so a target above it is refused rather than clipped.
@@ -105,6 +108,7 @@ class PluginConfig:
     margin_form: str = "relative"
     step_log: str = ""
     step_log_max_steps: int = DEFAULT_MAX_STEPS
+    budget_rule: str = "deadline"
 
     def __post_init__(self) -> None:
         # Numbers are kept as the checked floats: an integer past int64 (2**64 in the JSON) is a
@@ -158,6 +162,10 @@ class PluginConfig:
             )
         _whole(self.step_log_max_steps, "step_log_max_steps")
         _check_step_log(self.step_log)
+        if self.budget_rule not in BUDGET_RULES:
+            raise PluginConfigError(
+                f"sloweave config: budget_rule must be one of {', '.join(BUDGET_RULES)}, got {self.budget_rule!r}"
+            )
 
     @classmethod
     def from_sources(cls, additional_config: Mapping | None, environ: Mapping[str, str] | None = None) -> PluginConfig:

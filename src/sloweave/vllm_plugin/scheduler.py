@@ -37,6 +37,7 @@ from vllm.v1.request import Request, RequestStatus
 
 from sloweave.core.budget import BudgetController, StepPlan, StepState, check_clock_ms, make_policy_for_engine
 from sloweave.core.decision_metrics import Recorders
+from sloweave.core.policy import TokenBudget
 from sloweave.core.step_log import StepLogWriter
 from sloweave.vllm_plugin.config import PluginConfig, PluginConfigError, request_tpot_ms, step_log_path
 from sloweave.vllm_plugin.metrics import default_recorder
@@ -84,11 +85,13 @@ class SLOWeaveSchedulerMixin:
         self.sloweave_config = config
         self._configured_budget = self.max_num_scheduled_tokens
         max_chunk = min(config.max_chunk_tokens, self._configured_budget)
+        # the most prompt tokens a step could take: what the offer to the policy is counted up to
+        self._offer_limit_tokens = max_chunk if config.budget_rule == "deadline" else self._configured_budget
         self.sloweave = BudgetController(
-            make_policy_for_engine(decision.cost, decision.margin, max_chunk),
+            self._policy(config, decision, max_chunk),
             default_tpot_ms=config.tpot_ms,
             max_budget_tokens=self._configured_budget,
-            aging_ms=config.aging_ms or None,
+            aging_ms=(config.aging_ms or None) if config.budget_rule == "deadline" else None,
             aging_chunk_tokens=config.aging_chunk_tokens,
             tpot_ms_of=self._request_tpot_ms.get,
             # online_correction: the core's SelfCorrection (its cost and adaptive margin decide,
@@ -119,6 +122,13 @@ class SLOWeaveSchedulerMixin:
                 "default target); add --logits-processors %s to refuse it at the API with HTTP 400",
                 REQUEST_TARGET_CHECK,
             )
+
+    def _policy(self, config: PluginConfig, decision, max_chunk: int):
+        """SLOWeave, or with ``budget_rule: fixed`` vLLM's own budget every step: the engine then
+        schedules as vanilla vLLM does, and its steps are still planned, priced and logged."""
+        if config.budget_rule == "fixed":
+            return TokenBudget(self._configured_budget, max_prefills=None, cost=decision.cost)
+        return make_policy_for_engine(decision.cost, decision.margin, max_chunk)
 
     def _open_step_log(self, config: PluginConfig, rank: int) -> StepLogWriter | None:
         if not config.step_log:
@@ -278,7 +288,7 @@ class SLOWeaveSchedulerMixin:
         self._request_tpot_ms.pop(request_id, None)
 
     def _step_state(self, now_ms: float, decodes: list[Request], partial: list[Request]) -> StepState:
-        limit = self.sloweave.policy.max_chunk_tokens
+        limit = self._offer_limit_tokens
         pending, oldest, offer = 0, None, []
         # Prompts in the order vLLM will spend the budget on them: partial chunks in `running`,
         # then the waiting requests that already hold KV blocks, then the rest (see _admission_order).
