@@ -7,7 +7,10 @@ options for every policy. Conditions: exact prediction; admission control for al
 prediction error (lognormal sigma 0.1 / 0.2, bias 0.8x / 1.25x) with SLOWeave's online
 correction and no hand-set margin, and sigma 0.1 without it; where adaptivity should win:
 the drift scenario, two traces back to back, a TPOT target change mid-run, and the long
-workload on a measured GPU cost (operator profiles, context-aware).
+workload on a measured GPU cost (operator profiles, context-aware); last, the same three
+scenarios on both measured A100 presets with each model's KV memory (``drift-8b``,
+``target-change-8b``, ``azure+mooncake-8b`` and the ``-70b`` ones: 35 minutes of one core at
+``--requests 400 --steps 8``, as docs/gpu-costs.md quotes them).
 
 Resumable: a condition whose capacity.json exists is read back, not rerun. Writes
 summary.csv, summary.json and summary.md under --out.
