@@ -170,7 +170,7 @@ PAIRWISE_SHOWN = [
 
 def _print_results(payload: dict, cost: ResolvedCost, out_dir: Path, study: CapacityStudy) -> None:
     table = pd.DataFrame(payload["capacity"])
-    if not cost.is_analytic:
+    if not cost.is_analytic or cost.kv_memory is not None:  # the model, and the KV capacity the runs used
         for line in cost.summary_lines():
             click.echo(line)
     shown = table[~table["policy"].map(lambda p: any(budget_of(p, r) is not None for r in study.tuned_rules))]

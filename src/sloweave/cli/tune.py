@@ -112,7 +112,7 @@ def _tier_mix_alone(specs: tuple[str, ...], ttft_ms: float | None) -> tuple[Tier
 
 def _notes(cost: ResolvedCost, engine_opts: EngineOptions, tiers: tuple[Tier, ...], attainment: float) -> list[str]:
     """The lines that head the report: the cost model's (a measured one), the engine options, the tier mix."""
-    notes = [] if cost.is_analytic else cost.summary_lines()
+    notes = cost.summary_lines() if not cost.is_analytic or cost.kv_memory is not None else []
     return [*notes, f"engine options: {engine_opts.label()}", *mix_note(tiers, attainment)]
 
 
