@@ -20,6 +20,7 @@ from sloweave.studies.capacity import CAPACITY_COLUMNS, pairwise_ratios
 from sloweave.studies.replay import build_policy, run_policy
 from sloweave.studies.search import CapacityStudy, SearchLattice
 from sloweave.studies.sources import ScaledWorkloads, SpecSource
+from tier_mixes import BAD_TIER_MIXES, TIER_ARGS
 
 # the mix: 30 % of requests at 10 ms TPOT, 70 % at 50 ms, both at mixed's 2 s TTFT
 MIX = (Tier("interactive", 10.0, 2000.0, 0.3), Tier("batch", 50.0, 2000.0, 0.7))
@@ -212,9 +213,6 @@ def _invoke(tmp_path, *extra):
     return CliRunner().invoke(capacity, [*args, *extra, "--out", str(tmp_path / "out")])
 
 
-TIER_ARGS = ("--tier", "interactive:10:2000:0.3", "--tier", "batch:50:2000:0.7")
-
-
 def test_the_command_reports_each_tier_and_records_the_mix(tmp_path):
     result = _invoke(tmp_path, *TIER_ARGS)
     assert result.exit_code == 0, result.output
@@ -243,10 +241,7 @@ def test_the_command_reports_each_tier_and_records_the_mix(tmp_path):
 @pytest.mark.parametrize(
     "extra, problem",
     [
-        (("--tier", "a:10:2000"), "expected NAME:TPOT_MS:TTFT_MS:SHARE"),
-        (("--tier", "a:10:2000:0.5", "--tier", "a:50:2000:0.5"), "given twice: a"),
-        (("--tier", "a:10:2000:0.5", "--tier", "b:50:2000:0.2"), "add up to 1"),
-        (("--tier", "a:x:2000:1"), "TPOT_MS must be a number"),
+        *BAD_TIER_MIXES,
         ((*TIER_ARGS, "--tpot-ms", "25"), "--tpot-ms cannot go with --tier"),
         ((*TIER_ARGS, "--tpot-change-ms", "25"), "--tpot-change-ms cannot go with --tier: which tier"),
         ((*TIER_ARGS, "--ttft-ms", "1000"), "--ttft-ms cannot go with --tier"),

@@ -22,10 +22,10 @@ from sloweave.studies.tune import RESULT_COLUMNS, tune
 from sloweave.studies.tune_grid import model_grid
 from sloweave.studies.tune_report import recommendation, tune_table, write_outputs
 from sloweave.studies.tune_tiers import grid_ends_plan, sweep_targets, tier_settings
+from tier_mixes import BAD_TIER_MIXES, TIER_ARGS
 
 # the mix: 30 % of requests at 10 ms TPOT, 70 % at 50 ms, both at mixed's 2 s TTFT
 MIX = (Tier("interactive", 10.0, 2000.0, 0.3), Tier("batch", 50.0, 2000.0, 0.7))
-TIER_ARGS = ("--tier", "interactive:10:2000:0.3", "--tier", "batch:50:2000:0.7")
 COARSE = SearchLattice(steps_per_doubling=8, max_scale=32)
 BUDGETS = (256, 512, 1024, 2048)
 
@@ -163,10 +163,7 @@ def _tune(tmp_path, *extra):
 @pytest.mark.parametrize(
     "extra, problem",
     [
-        (("--tier", "a:10:2000"), "expected NAME:TPOT_MS:TTFT_MS:SHARE"),
-        (("--tier", "a:10:2000:0.5", "--tier", "a:50:2000:0.5"), "given twice: a"),
-        (("--tier", "a:10:2000:0.5", "--tier", "b:50:2000:0.2"), "add up to 1"),
-        (("--tier", "a:x:2000:1"), "TPOT_MS must be a number"),
+        *BAD_TIER_MIXES,
         ((*TIER_ARGS, "--tpot-ms", "25"), "--tpot-ms cannot go with --tier: each tier names its own TPOT target"),
         ((*TIER_ARGS, "--ttft-ms", "1000"), "--ttft-ms cannot go with --tier: each tier names its own TTFT target"),
         (("--tier", "rare:10:2000:0.0001", "--tier", "common:50:2000:0.9999"), "tier(s) rare drew none of the 600"),

@@ -159,9 +159,12 @@ class EngineOptions:
             described["kv_memory"] = self.kv_memory.describe()
         if self.step_noise_from is not None:
             described["step_noise_from"] = self.step_noise_from
-            described["step_noise"] = read_step_samples(self.step_noise_from).describe()
-            if cost is not None:
-                described["step_noise"] = step_noise_from_file(self.step_noise_from, cost).describe()
+            noise = (
+                read_step_samples(self.step_noise_from)
+                if cost is None
+                else step_noise_from_file(self.step_noise_from, cost)
+            )
+            described["step_noise"] = noise.describe()
         return described
 
     def label(self) -> str:

@@ -189,13 +189,16 @@ class CapacityStudy:
 
     def _judged_targets(self, run: _Run, seed: int, tpot_ms: float) -> tuple:
         """(TTFT, TPOT) targets the requests of ``run`` are judged against: one each, or one per request."""
-        ids = run.requests["request"].to_numpy()
         if self.tiers:
-            tier_of = self._tier_of(seed, len(run.requests))[ids]
+            tier_of = self._tiers_of_run(run, seed)
             return self._tier_ttft_ms[tier_of], self._tier_tpot_ms[tier_of]
         if self.tpot_change_ms is None:
             return self.ttft_ms, tpot_ms
-        return self.ttft_ms, self._targets(len(run.requests), tpot_ms)[ids]
+        return self.ttft_ms, self._targets(len(run.requests), tpot_ms)[run.requests["request"].to_numpy()]
+
+    def _tiers_of_run(self, run: _Run, seed: int) -> np.ndarray:
+        """The tier of each request of ``run``, in the run's row order."""
+        return self._tier_of(seed, len(run.requests))[run.requests["request"].to_numpy()]
 
     def _tier_of(self, seed: int, num_requests: int) -> np.ndarray:
         """Each request's tier: drawn from the seed alone, so the same for every policy and load."""
@@ -211,9 +214,9 @@ class CapacityStudy:
     def tier_attainment(self, policy: str, seed: int, k: int, tpot_ms: float) -> np.ndarray:
         """Each tier's attainment at lattice point ``k``, every request judged against its own tier."""
         run = self.run(policy, seed, k, tpot_ms)
-        ttft, tpot = self._judged_targets(run, seed, tpot_ms)
-        tier_of = self._tier_of(seed, len(run.requests))[run.requests["request"].to_numpy()]
-        return tier_attainment(slo_met(run.requests, ttft, tpot), tier_of, len(self.tiers))
+        tier_of = self._tiers_of_run(run, seed)  # drawn once: the targets and the grouping both read it
+        met = slo_met(run.requests, self._tier_ttft_ms[tier_of], self._tier_tpot_ms[tier_of])
+        return tier_attainment(met, tier_of, len(self.tiers))
 
     def _tiers_missing(self, policy: str, seed: int, k: int, tpot_ms: float) -> str:
         """The tiers under the attainment target at lattice point ``k``, in the mix's order, "+"-joined."""
