@@ -89,6 +89,9 @@ def parse_args() -> argparse.Namespace:
         help=f"comma-separated plug-in configurations to serve, of {', '.join(PLUGIN_VARIANTS)}",
     )
     parser.add_argument("--no-default", action="store_true", help="do not serve vLLM's default budget")
+    parser.add_argument(
+        "--passes", type=int, default=1, help="serve every engine this many times, the order reversed every other pass"
+    )
     parser.add_argument("--profile-repeats", type=int, default=3)
     parser.add_argument(
         "--profile-file", type=Path, default=None, help="reuse a profile this script wrote (skips step 1)"
@@ -291,19 +294,27 @@ def main() -> None:
     for variant in args.plugin_variants.split(","):
         engines += [(variant, VLLM_CPU_DEFAULT_BUDGET, plugin_config | PLUGIN_VARIANTS[variant])]
     rows, capacities = [], []
-    for name, budget, config in engines:
+    # Passes alternate the engines' order, so that a slow spell of this shared machine does not
+    # fall on one engine only; each pass is an independent repeat.
+    for pass_, name, budget, config in [
+        (p, *engine) for p in range(args.passes) for engine in (engines if p % 2 == 0 else engines[::-1])
+    ]:
         engine = engine_for(model_dir, budget, config, warm=args)
         for seed in seeds:
             if args.capacity_steps:
-                capacities.append({"engine": name, "seed": seed, **capacity(engine, args, vocab, seed, rate)})
-                print(f"{name} seed {seed}: capacity {capacities[-1]['capacity_rps']:.2f} req/s", flush=True)
+                capacities.append(
+                    {"pass": pass_, "engine": name, "seed": seed, **capacity(engine, args, vocab, seed, rate)}
+                )
+                print(
+                    f"pass {pass_} {name} seed {seed}: capacity {capacities[-1]['capacity_rps']:.2f} req/s", flush=True
+                )
             workload = workload_for(args, seed, rate)
             policy = "sloweave-multi" if config else f"sarathi-{budget}"
             cost = (
                 resolve_cost(str(profile_path), cost_kind=config.get("cost_kind", "regression")) if config else resolved
             )
             sim = simulated(workload, policy, cost.model, args, budget, (config or {}).get("margin_form", "relative"))
-            rows.append({"engine": name, "seed": seed, **measure(engine, workload, args, vocab, seed),
+            rows.append({"pass": pass_, "engine": name, "seed": seed, **measure(engine, workload, args, vocab, seed),
                          **{f"simulated_{k}": sim[k] for k in ("attainment", "goodput_rps", "p99_ttft_ms", "p99_tpot_ms")}})  # fmt: skip
             print(
                 f"{name} seed {seed}: attainment {rows[-1]['attainment']:.3f} (simulated {sim['attainment']:.3f})",
@@ -343,7 +354,7 @@ def best_tuned(by_seed: pd.DataFrame) -> pd.Series:
 
 
 def summarize_capacity(capacities: pd.DataFrame) -> pd.DataFrame:
-    by_seed = capacities.pivot(index="seed", columns="engine", values="capacity_rps")
+    by_seed = capacities.pivot(index=["pass", "seed"], columns="engine", values="capacity_rps")
     best = best_tuned(by_seed)
     rows = []
     for engine in by_seed.columns:
@@ -361,7 +372,7 @@ def summarize_runs(runs: pd.DataFrame, baseline: str | None) -> pd.DataFrame:
     columns = ["attainment", "goodput_rps", "p99_ttft_ms", "p99_tpot_ms", "p50_tpot_ms", "mean_step_ms",
                "simulated_attainment", "simulated_goodput_rps", "load_1min_before"]  # fmt: skip
     medians = runs.groupby("engine", sort=False)[columns].median().reset_index()
-    by_seed = runs.pivot(index="seed", columns="engine", values="goodput_rps")
+    by_seed = runs.pivot(index=["pass", "seed"], columns="engine", values="goodput_rps")
     best = best_tuned(by_seed)
     if baseline is not None:  # the default budget was served
         medians["goodput_vs_default"] = [float(np.median(by_seed[e] / by_seed[baseline])) for e in medians["engine"]]

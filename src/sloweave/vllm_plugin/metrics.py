@@ -15,8 +15,13 @@ them with a ``MultiProcessCollector``. The plug-in follows that path: export
 registered here, in the engine core, appear on ``/metrics``. Without it they stay in the
 engine-core process, and the scheduler says so once in the log.
 
-Cost per step: a handful of histogram observations and counter increments (measured in
-``docs/operator-tools.md``), well under the 1 ms per step vLLM maintainers call a lot.
+Cost per step: one append. Steps are folded into the metrics in batches (every
+``FLUSH_EVERY_STEPS`` steps, when the engine runs out of requests, at shutdown, and before this
+process's registry is read): inside a real engine each step's forward pass leaves the CPU's
+caches cold, and a handful of observations made cold every step cost more than vLLM's own
+``schedule()`` at small batches (``benchmarks/vllm_engine_overhead.py``); made in a batch they
+run warm. A scrape in another process (multiprocess mode) can so lag the engine by up to that
+many steps.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import logging
 import math
 import multiprocessing
 import os
+import threading
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram, values
 
@@ -33,6 +39,8 @@ from sloweave.core import decision_metrics as names
 logger = logging.getLogger(__name__)
 
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
+# steps folded into the metrics at once (at a few ms a step: well under a scrape interval)
+FLUSH_EVERY_STEPS = 32
 
 
 class PrometheusRecorder:
@@ -61,6 +69,12 @@ class PrometheusRecorder:
 
         self.registry = registry
         self.engine = engine
+        # (plan, late requests) planned and (predicted, measured ms) back, not in the metrics yet
+        self._planned: list[tuple] = []
+        self._back: list[tuple[float, float]] = []
+        self._lock = threading.Lock()  # a scrape thread of this process may flush while the engine records
+        # registered before the metrics: a read of this registry folds pending steps in first
+        registry.register(_FlushFirst(self))
         self.chunk_tokens = histogram(names.CHUNK)
         self.token_budget_tokens = histogram(names.TOKEN_BUDGET)
         self.time_budget_ms = histogram(names.TIME_BUDGET)
@@ -92,6 +106,35 @@ class PrometheusRecorder:
         self._plugin_errors.labels(engine=self.engine, where=where).inc()
 
     def on_plan(self, plan, late_requests: int, ran_tokens: tuple[int, int] | None = None) -> None:
+        with self._lock:
+            self._planned.append((plan, late_requests))
+            if len(self._planned) >= FLUSH_EVERY_STEPS:
+                self._flush()
+
+    def on_step_done(self, plan, measured_ms: float, started_ms: float = math.nan) -> None:
+        with self._lock:
+            self._back.append((plan.predicted_ms, measured_ms))
+            if len(self._back) >= FLUSH_EVERY_STEPS:
+                self._flush()
+
+    def flush(self) -> None:
+        """Fold every pending step into the metrics."""
+        with self._lock:
+            self._flush()
+
+    def _flush(self) -> None:
+        planned, self._planned = self._planned, []
+        back, self._back = self._back, []
+        for plan, late_requests in planned:
+            self._record_plan(plan, late_requests)
+        # Predicted and measured are observed together, so their counts always match.
+        for predicted_ms, measured_ms in back:
+            self.predicted_step_ms.observe(predicted_ms)
+            self.measured_step_ms.observe(measured_ms)
+            if measured_ms > predicted_ms + names.UNDERPREDICTION_TOLERANCE_MS:
+                self.underpredicted_steps.inc()
+
+    def _record_plan(self, plan, late_requests: int) -> None:
         self.steps.inc()
         self.chunk_tokens.observe(plan.chunk_tokens)
         self.token_budget_tokens.observe(plan.token_budget)
@@ -104,12 +147,19 @@ class PrometheusRecorder:
             self.slo_exceptions.inc()
             self.slo_exception_requests.inc(late_requests)
 
-    def on_step_done(self, plan, measured_ms: float, started_ms: float = math.nan) -> None:
-        # Predicted and measured are observed together, so their counts always match.
-        self.predicted_step_ms.observe(plan.predicted_ms)
-        self.measured_step_ms.observe(measured_ms)
-        if measured_ms > plan.predicted_ms + names.UNDERPREDICTION_TOLERANCE_MS:
-            self.underpredicted_steps.inc()
+
+class _FlushFirst:
+    """A collector with no metrics of its own: collecting it flushes the recorder's pending steps."""
+
+    def __init__(self, recorder: PrometheusRecorder) -> None:
+        self.recorder = recorder
+
+    def describe(self) -> list:
+        return []
+
+    def collect(self) -> list:
+        self.recorder.flush()
+        return []
 
 
 _default_recorder: PrometheusRecorder | None = None

@@ -27,7 +27,8 @@ import logging
 import time
 from collections import deque
 from collections.abc import Iterable, Iterator
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
+from itertools import repeat
 
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.interface import PauseState
@@ -36,7 +37,7 @@ from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import Request, RequestStatus
 
 from sloweave.core.budget import BudgetController, StepPlan, StepState, check_clock_ms, make_policy_for_engine
-from sloweave.core.decision_metrics import Recorders
+from sloweave.core.decision_metrics import Recorders, flush_recorder
 from sloweave.core.policy import TokenBudget
 from sloweave.core.step_log import StepLogWriter
 from sloweave.vllm_plugin.config import PluginConfig, PluginConfigError, request_tpot_ms, step_log_path
@@ -61,9 +62,36 @@ def _uncomputed_prompt_tokens(request: Request) -> int:
     return max(0, request.num_tokens - request.num_computed_tokens)
 
 
-def _decode_demand(request: Request) -> int:
-    """Tokens a running decode asks for this step (1, plus drafts with speculative decoding)."""
-    return max(1, request.num_tokens_with_spec + request.num_output_placeholders - request.num_computed_tokens)
+@dataclass(frozen=True)
+class _RunningSplit:
+    """vLLM's running list seen by one plan: its decodes and partial prefills, in its order,
+    and what the decodes ask of the step."""
+
+    decodes: list[Request]
+    partial: list[Request]
+    decode_ids: tuple[str, ...]
+    decode_tokens: int  # 1 per decode, plus drafts with speculative decoding
+    decode_kv_tokens: int  # the KV context the decodes read
+
+    @classmethod
+    def of(cls, running: list[Request]) -> _RunningSplit:
+        # One pass, no call per request: this runs every step over every running request
+        # (_is_prefilling and the decode demand inlined).
+        decodes, partial, decode_ids = [], [], []
+        demand = kv = 0
+        for request in running:
+            computed = request.num_computed_tokens
+            tokens = request.num_tokens
+            if computed + 1 < tokens or (request.num_output_tokens == 0 and computed < request.num_prompt_tokens):
+                partial.append(request)
+                continue
+            decodes.append(request)
+            decode_ids.append(request.request_id)
+            kv += computed + 1
+            # the sampled token, plus drafts and (async scheduling) tokens still in flight
+            ahead = tokens + len(request.spec_token_ids) + request.num_output_placeholders - computed
+            demand += ahead if ahead > 1 else 1
+        return cls(decodes, partial, tuple(decode_ids), demand, kv)
 
 
 def extra_args_of(request: Request):
@@ -181,10 +209,10 @@ class SLOWeaveSchedulerMixin:
 
     def schedule(self, *args, **kwargs) -> SchedulerOutput:
         try:
-            decodes, plan = self._plan(self._now_ms())
+            split, plan = self._plan(self._now_ms())
         except Exception as err:  # noqa: BLE001 - see sloweave_fault
             self.sloweave_fault("schedule", err)
-            decodes, plan = [], None
+            split, plan = None, None
         self.last_plan = plan
         if plan is not None:
             self.max_num_scheduled_tokens = plan.token_budget
@@ -195,35 +223,36 @@ class SLOWeaveSchedulerMixin:
         if output.total_num_scheduled_tokens:
             if plan is not None:
                 try:
-                    self._scheduled(output, plan, decodes)
+                    self._scheduled(output, plan, split)
                 except Exception as err:  # noqa: BLE001
                     self.sloweave_fault("schedule", err)
                     plan = None
             self._planned_in_flight.append(plan is not None)
         return output
 
-    def _plan(self, now_ms: float) -> tuple[list[Request], StepPlan]:
+    def _plan(self, now_ms: float) -> tuple[_RunningSplit, StepPlan]:
+        running = self.running
+        split = _RunningSplit.of(running)
         # Decodes first, then partial prefills: vLLM serves `running` in order from one budget.
-        decodes, partial = [], []
-        for request in self.running:
-            (partial if _is_prefilling(request) else decodes).append(request)
-        if partial and self.running[-len(partial) :] != partial:
-            self.running[:] = decodes + partial
-        return decodes, self.sloweave.plan_step(self._step_state(now_ms, decodes, partial))
+        partial = split.partial
+        if partial and running[-len(partial) :] != partial:
+            running[:] = split.decodes + partial
+        return split, self.sloweave.plan_step(self._step_state(now_ms, split))
 
-    def _scheduled(self, output: SchedulerOutput, plan: StepPlan, decodes: list[Request]) -> None:
+    def _scheduled(self, output: SchedulerOutput, plan: StepPlan, split: _RunningSplit) -> None:
         # Requests done computing after this step emit a token at its end: decodes and
         # prompts whose last chunk is in it (vLLM advanced num_computed_tokens already).
+        scheduled = output.num_scheduled_tokens
+        progress, requests = self._prompt_progress_ms, self.requests
         emitting = []
-        progress = self._prompt_progress_ms
-        for request_id in output.num_scheduled_tokens:
-            if request_id in progress and _is_prefilling(self.requests[request_id]):
+        for request_id in scheduled:
+            if request_id in progress and _is_prefilling(requests[request_id]):
                 progress[request_id] = plan.scheduled_ms  # when it was planned: this call's clock
             else:
                 emitting.append(request_id)
         # What vLLM really scheduled (it may take less than the budget: max_num_seqs, KV
         # blocks); online correction learns from that step.
-        decode_ran = sum(output.num_scheduled_tokens.get(r.request_id, 0) for r in decodes)
+        decode_ran = sum(map(scheduled.get, split.decode_ids, repeat(0)))
         self.sloweave.on_scheduled(plan, emitting, (decode_ran, output.total_num_scheduled_tokens - decode_ran))
 
     def update_from_output(self, scheduler_output, model_runner_output):
@@ -233,6 +262,8 @@ class SLOWeaveSchedulerMixin:
         planned = ran and self._planned_in_flight.popleft()
         try:
             self._outputs_back(outputs, planned)
+            if not self.requests:  # the engine runs dry and waits: what it did shows before it does
+                flush_recorder(self.sloweave.recorder)
         except Exception as err:  # noqa: BLE001 - see sloweave_fault
             self.sloweave_fault("update_from_output", err)
         return outputs
@@ -252,8 +283,7 @@ class SLOWeaveSchedulerMixin:
             if planned:
                 self.sloweave.on_step_done(now_ms, emitted)
             else:  # an empty step, or one that ran on vLLM's own budget: only token times to record
-                for request_id in emitted:
-                    self.sloweave.on_token(request_id, now_ms)
+                self.sloweave.on_tokens(emitted, now_ms)
         finally:  # a finished request's deadline must go even when the step's time was refused
             for request_id in finished:
                 self._forget(request_id)
@@ -278,6 +308,7 @@ class SLOWeaveSchedulerMixin:
         return finished
 
     def shutdown(self) -> None:
+        flush_recorder(self.sloweave.recorder)
         if self.sloweave_step_log is not None:
             self.sloweave_step_log.close()
         super().shutdown()
@@ -287,12 +318,12 @@ class SLOWeaveSchedulerMixin:
         self._prompt_progress_ms.pop(request_id, None)
         self._request_tpot_ms.pop(request_id, None)
 
-    def _step_state(self, now_ms: float, decodes: list[Request], partial: list[Request]) -> StepState:
+    def _step_state(self, now_ms: float, split: _RunningSplit) -> StepState:
         limit = self._offer_limit_tokens
         pending, oldest, offer = 0, None, []
         # Prompts in the order vLLM will spend the budget on them: partial chunks in `running`,
         # then the waiting requests that already hold KV blocks, then the rest (see _admission_order).
-        for request, tokens in self._prompt_demand(partial):
+        for request, tokens in self._prompt_demand(split.partial):
             if pending >= limit:
                 break
             if tokens <= 0:
@@ -307,12 +338,12 @@ class SLOWeaveSchedulerMixin:
             waited_ms = now_ms - self._prompt_progress_ms.setdefault(oldest.request_id, now_ms)
         return StepState(
             now_ms=now_ms,
-            decode_tokens=sum(map(_decode_demand, decodes)),
+            decode_tokens=split.decode_tokens,
             pending_prompt_tokens=pending,
             oldest_prompt_id=None if oldest is None else oldest.request_id,
             oldest_prompt_waiting_ms=waited_ms,
-            decoding_ids=tuple(r.request_id for r in decodes),
-            decode_kv_tokens=sum(r.num_computed_tokens + 1 for r in decodes),
+            decoding_ids=split.decode_ids,
+            decode_kv_tokens=split.decode_kv_tokens,
             prefill_prefix_tokens=prefix_tokens,
             prompts_on_offer=tuple(offer),
         )

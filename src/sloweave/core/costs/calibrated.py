@@ -63,6 +63,7 @@ class OnlineCalibrator:
         # drift is mostly machine-wide, so it transfers.
         self._global = 0.0
         self._global_seen = 0
+        self._factors: list[tuple[float, float]] | None = None  # exp of the above, per bucket (see factor)
         # Relative residuals of the CORRECTED prediction over the last steps: the spread
         # that is left once the bias is removed, i.e. what a margin still has to cover.
         self.recent_residuals: deque[float] = deque(maxlen=window_steps)
@@ -78,9 +79,19 @@ class OnlineCalibrator:
         return bisect.bisect_right(N_BUCKET_EDGES, n_decodes) - 1
 
     def factor(self, n_decodes: int, has_chunk: bool) -> float:
-        i, j = self._bucket(n_decodes), int(has_chunk)
-        value = self.log_factor[i, j] if self.observations[i, j] else self._global
-        return math.exp(value)
+        # Asked tens of times per decision between two observed steps: the factors are
+        # exponentiated once per step, into plain floats (numpy's scalar indexing cost more).
+        factors = self._factors
+        if factors is None:
+            factors = self._factors = self._exp_factors()
+        return factors[self._bucket(n_decodes)][1 if has_chunk else 0]
+
+    def _exp_factors(self) -> list[tuple[float, float]]:
+        borrowed = math.exp(self._global)
+        return [
+            tuple(math.exp(self.log_factor[i, j]) if self.observations[i, j] else borrowed for j in (0, 1))
+            for i in range(len(N_BUCKET_EDGES))
+        ]
 
     def observe(self, n_decodes: int, chunk_tokens: int, predicted_ms: float, measured_ms: float) -> None:
         """Fold one step in; ``predicted_ms`` is the BASE model's prediction (not corrected).
@@ -115,6 +126,7 @@ class OnlineCalibrator:
         self.observations[i, j] += 1
         self._global += (self.alpha if self._global_seen else 1.0) * (error - self._global)
         self._global_seen += 1
+        self._factors = None
 
     def residual_quantile(self, quantile: float) -> float:
         """The ``quantile`` (in %) of the recent relative residuals, >= 0 (cached per step)."""
