@@ -97,6 +97,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--search-budget", type=int, default=512, help="--find-rate's budget")
     parser.add_argument("--search-steps", type=int, default=5, help="--find-rate's bisection steps")
     args = parser.parse_args(argv)
+    args.workload = "mixed"  # the bench's workload_for reads it; the twin's tables are on mixed
     args.seed_list = [int(s) for s in args.seeds.split(",")]
     args.load_list = [float(x) for x in args.loads.split(",")]
     if any(x <= 0 for x in args.load_list) or args.requests < 1 or not 0 < args.target <= 1:

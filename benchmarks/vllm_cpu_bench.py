@@ -63,6 +63,9 @@ def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=Path("results/vllm_cpu"))
     parser.add_argument("--requests", type=int, default=1000)
+    parser.add_argument(
+        "--workload", default="mixed", choices=("chat", "mixed", "long", "bursty"), help="the lengths and arrivals served"
+    )
     parser.add_argument("--seeds", default="0,1,2")
     parser.add_argument("--tuning-seed", type=int, default=100)
     parser.add_argument("--tpot-ms", type=float, default=40.0)
@@ -109,10 +112,10 @@ def workload_for(args, seed: int, rate_rps: float):
     from sloweave.sim.workloads import WORKLOADS
 
     return scaled_workload(
-        "mixed",
+        args.workload,
         args.requests,
         seed,
-        rate_rps / WORKLOADS["mixed"].rate_rps,
+        rate_rps / WORKLOADS[args.workload].rate_rps,
         args.prompt_scale,
         args.output_scale,
         args.max_prompt,

@@ -1,0 +1,60 @@
+"""The pure parts of benchmarks/loss_decomposition.py: the split of a run's time and its misses.
+No real engine runs here (the benchmark itself serves vLLM's CPU build)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import loss_decomposition  # noqa: E402
+
+
+def steps_frame(rng) -> pd.DataFrame:
+    """Steps whose model time is 2 ms + 0.05 ms a decode + 15 ms per 1,000 prefill tokens (+1 ms with a chunk),
+    each after 0.3 ms of scheduling, with 1 ms of idle between them."""
+    n = 400
+    decodes = rng.integers(0, 64, n)
+    prefill = np.where(rng.random(n) < 0.5, rng.integers(1, 1024, n), 0)
+    waiting = rng.integers(0, 3, n)
+    model = 2.0 + 0.05 * decodes + 0.015 * prefill + (prefill > 0)
+    schedule, update = np.full(n, 0.2), np.full(n, 0.1)
+    wall = model + schedule + update
+    start = np.concatenate([[0.0], np.cumsum(wall + 1.0)[:-1]])
+    return pd.DataFrame({"start_ms": start, "end_ms": start + wall, "schedule_ms": schedule, "update_ms": update,
+                         "decode_tokens": decodes, "prefill_tokens": prefill, "prompts_waiting": waiting})  # fmt: skip
+
+
+def test_a_runs_time_splits_into_model_scheduler_and_idle_and_the_model_is_recovered():
+    steps = steps_frame(np.random.default_rng(0))
+    span = float(steps["end_ms"].iloc[-1])
+    out = loss_decomposition.decompose(steps, span)
+    assert out["model_ms"] + out["scheduler_ms"] + out["idle_ms"] == pytest.approx(span)
+    assert out["idle_ms"] == pytest.approx(len(steps) - 1.0)  # 1 ms between steps
+    assert out["scheduler_us_per_step"] == pytest.approx(300.0)
+    assert out["model_ms_per_1k_prefill"] == pytest.approx(15.0)
+    assert out["model_ms_per_decode"] == pytest.approx(0.05)
+    without = (steps["prefill_tokens"] == 0) & (steps["prompts_waiting"] > 0)
+    assert out["steps_without_prefill_while_waiting"] == int(without.sum()) > 0
+    assert out["mean_chunk_tokens"] == pytest.approx(steps.loc[steps["prefill_tokens"] > 0, "prefill_tokens"].mean())
+
+
+def test_each_request_is_counted_once_by_the_target_it_missed():
+    requests = pd.DataFrame({
+        "status": ["finished", "finished", "finished", "finished", "pending"],
+        "ttft_ms": [100.0, 2000.0, 100.0, 2000.0, np.nan],
+        "p99_tpot_ms": [10.0, 10.0, 90.0, 90.0, np.nan],
+    })  # fmt: skip
+    out = loss_decomposition.misses(requests, argparse.Namespace(ttft_ms=1000.0, tpot_ms=40.0))
+    assert out == {"missed_ttft_only": 0.2, "missed_tpot_only": 0.2, "missed_both": 0.4}  # the pending one: both
+
+
+def test_bad_options_are_refused_by_name(capsys):
+    with pytest.raises(SystemExit):
+        loss_decomposition.parse_args(["--rate-rps", "0"])
+    assert "--rate-rps must be positive" in capsys.readouterr().err
