@@ -64,7 +64,10 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--out", type=Path, default=Path("results/vllm_cpu"))
     parser.add_argument("--requests", type=int, default=1000)
     parser.add_argument(
-        "--workload", default="mixed", choices=("chat", "mixed", "long", "bursty"), help="the lengths and arrivals served"
+        "--workload",
+        default="mixed",
+        choices=("chat", "mixed", "long", "bursty"),
+        help="the lengths and arrivals served",
     )
     parser.add_argument("--seeds", default="0,1,2")
     parser.add_argument("--tuning-seed", type=int, default=100)

@@ -62,7 +62,7 @@ def _uncomputed_prompt_tokens(request: Request) -> int:
     return max(0, request.num_tokens - request.num_computed_tokens)
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)  # made every step: not frozen (see StepPlan)
 class _RunningSplit:
     """vLLM's running list seen by one plan: its decodes and partial prefills, in its order,
     and what the decodes ask of the step."""
