@@ -53,15 +53,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default="sloweave",
         help=f"plug-in configurations served, of {', '.join(bench.PLUGIN_VARIANTS)}",
     )
-    parser.add_argument("--workload", default="mixed", choices=("chat", "mixed", "long", "bursty"))
-    parser.add_argument("--requests", type=int, default=1000)
-    parser.add_argument("--tpot-ms", type=float, default=40.0)
-    parser.add_argument("--ttft-ms", type=float, default=1000.0)
-    parser.add_argument("--prompt-scale", type=float, default=0.5)
-    parser.add_argument("--max-prompt", type=int, default=2048)
-    parser.add_argument("--output-scale", type=float, default=0.15)
-    parser.add_argument("--max-output", type=int, default=64)
-    parser.add_argument("--warm-up-requests", type=int, default=200)
+    bench.add_served_options(parser)
     parser.add_argument("--force", action="store_true", help="replace --out's earlier results")
     args = parser.parse_args(argv)
     if args.rate_rps <= 0 or args.repeats < 1 or args.requests < 1:
@@ -78,19 +70,19 @@ class StepSplitter:
     """Times a scheduler's calls and counts each step's decode and prefill tokens."""
 
     def __init__(self, scheduler) -> None:
+        from sloweave.vllm_plugin.offline import decoding_request_ids, split_step_tokens
+
         self.rows: list[dict] = []
-        self._scheduler = scheduler
         schedule, update = scheduler.schedule, scheduler.update_from_output
 
         def timed_schedule(*args, **kwargs):
-            decoding = {r.request_id for r in scheduler.running if not _prefilling(r)}
-            waiting = len(scheduler.waiting) + sum(_prefilling(r) for r in scheduler.running)
+            decoding = decoding_request_ids(scheduler)
+            waiting = len(scheduler.waiting) + len(scheduler.running) - len(decoding)
             start = time.perf_counter()
             output = schedule(*args, **kwargs)
             elapsed = time.perf_counter() - start
-            decode = sum(n for rid, n in output.num_scheduled_tokens.items() if rid in decoding)
-            self.rows.append({"schedule_ms": elapsed * 1000.0, "decode_tokens": decode,
-                              "prefill_tokens": output.total_num_scheduled_tokens - decode,
+            decode, prefill = split_step_tokens(output, decoding)
+            self.rows.append({"schedule_ms": elapsed * 1000.0, "decode_tokens": decode, "prefill_tokens": prefill,
                               "prompts_waiting": waiting, "update_ms": 0.0})  # fmt: skip
             return output
 
@@ -102,10 +94,6 @@ class StepSplitter:
                 self.rows[-1]["update_ms"] += (time.perf_counter() - start) * 1000.0
 
         scheduler.schedule, scheduler.update_from_output = timed_schedule, timed_update
-
-
-def _prefilling(request) -> bool:
-    return request.num_computed_tokens < request.num_prompt_tokens and request.num_output_tokens == 0
 
 
 def serve(name: str, budget: int, config: dict | None, args, repeat: int) -> tuple[dict, pd.DataFrame]:

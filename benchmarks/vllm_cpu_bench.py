@@ -59,30 +59,32 @@ PLUGIN_VARIANTS = {
 }
 
 
-def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", type=Path, default=Path("results/vllm_cpu"))
+def add_served_options(parser: argparse.ArgumentParser) -> None:
+    """The workload every engine serves and the targets it is judged by (``workload_for``,
+    ``warm_up``, ``measure``), for this benchmark and the ones that reuse its engines."""
+    parser.add_argument("--workload", default="mixed", choices=("chat", "mixed", "long", "bursty"),
+                        help="the lengths and arrivals served")  # fmt: skip
     parser.add_argument("--requests", type=int, default=1000)
-    parser.add_argument(
-        "--workload",
-        default="mixed",
-        choices=("chat", "mixed", "long", "bursty"),
-        help="the lengths and arrivals served",
-    )
-    parser.add_argument("--seeds", default="0,1,2")
-    parser.add_argument("--tuning-seed", type=int, default=100)
     parser.add_argument("--tpot-ms", type=float, default=40.0)
     parser.add_argument("--ttft-ms", type=float, default=1000.0)
-    parser.add_argument("--target", type=float, default=0.9, help="attainment the load point is chosen for")
-    parser.add_argument("--budgets", default="256,512,768,1024,1536,2048", help="candidate --max-num-batched-tokens")
     parser.add_argument("--prompt-scale", type=float, default=0.5)
     parser.add_argument("--max-prompt", type=int, default=2048)
     parser.add_argument("--output-scale", type=float, default=0.15)
     parser.add_argument("--max-output", type=int, default=64)
+    parser.add_argument("--warm-up-requests", type=int, default=200)
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, default=Path("results/vllm_cpu"))
+    add_served_options(parser)
+    parser.add_argument("--seeds", default="0,1,2")
+    parser.add_argument("--tuning-seed", type=int, default=100)
+    parser.add_argument("--target", type=float, default=0.9, help="attainment the load point is chosen for")
+    parser.add_argument("--budgets", default="256,512,768,1024,1536,2048", help="candidate --max-num-batched-tokens")
     parser.add_argument("--rate-rps", type=float, default=None, help="skip the load-point search and use this rate")
     parser.add_argument("--search-budget", type=int, default=512)
     parser.add_argument("--search-steps", type=int, default=5)
-    parser.add_argument("--warm-up-requests", type=int, default=200)
     parser.add_argument(
         "--tuned-budgets", default=None, help="skip the tuning (step 3): these two budgets, e.g. 512,256"
     )

@@ -168,6 +168,21 @@ def make_request(
     )
 
 
+def decoding_request_ids(scheduler) -> set[str]:
+    """The running requests past their prompt, taken before ``schedule()``: what it gives them is decode."""
+    return {
+        r.request_id
+        for r in scheduler.running
+        if r.num_output_tokens > 0 or r.num_computed_tokens >= r.num_prompt_tokens
+    }
+
+
+def split_step_tokens(output, decoding: set[str]) -> tuple[int, int]:
+    """(decode, prefill) tokens of a scheduled step, ``decoding`` from ``decoding_request_ids``."""
+    decode = sum(n for request_id, n in output.num_scheduled_tokens.items() if request_id in decoding)
+    return decode, output.total_num_scheduled_tokens - decode
+
+
 @dataclass
 class ManualClock:
     """The plug-in's clock under test control (milliseconds)."""
@@ -227,16 +242,11 @@ class OfflineEngine:
 
     def _schedule(self) -> _InFlight | None:
         scheduler = self.scheduler
-        was_decoding = {
-            r.request_id
-            for r in scheduler.running
-            if r.num_output_tokens > 0 or r.num_computed_tokens >= r.num_prompt_tokens
-        }
+        was_decoding = decoding_request_ids(scheduler)
         output = scheduler.schedule()
         if not output.total_num_scheduled_tokens:
             return None
-        decode_tokens = sum(n for rid, n in output.num_scheduled_tokens.items() if rid in was_decoding)
-        prefill_tokens = output.total_num_scheduled_tokens - decode_tokens
+        decode_tokens, prefill_tokens = split_step_tokens(output, was_decoding)
         # A step starts when the one in flight ends.
         start = self._in_flight[-1].record.end_ms if self._in_flight else self.clock.now_ms
         end = start + self.step_ms(decode_tokens, prefill_tokens)
