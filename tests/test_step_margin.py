@@ -18,10 +18,13 @@ from sloweave.core.costs.calibrated import (
 )
 from sloweave.core.costs.fitted import ContextualCost
 from sloweave.core.costs.step_margin import (
+    DECODE_ONLY,
     PREDICTED_MS_EDGES,
+    WITH_CHUNK,
     StepMargin,
     StepResiduals,
     covering_value,
+    margin_table,
     predicted_bucket,
     steps_for_quantile,
 )
@@ -114,6 +117,30 @@ def test_a_thin_bucket_pools_its_neighbours_and_no_margin_is_negative():
         correction.calibrator.observe(0, 1000, 24.0, 27.0)
     far = correction.margin(0, 2000)  # 44 ms: no step of its own, its nearest bucket's residuals
     assert far == pytest.approx(correction.margin(0, 1000), abs=1e-9) and far > 0
+
+
+def test_one_slow_step_does_not_keep_chunks_from_running_behind_its_margin():
+    """What the real engine did at a 20 ms target: one chunked step took 154 ms where 48 were
+    predicted; its kind had a few hundred steps spread thin over the buckets, so every small
+    chunk's bucket pooled its way out to that step and got a 106 ms margin, no chunk fitted the
+    budget again, and with no new chunked steps the margin never left. A thin bucket pools the
+    decode-only steps of its own predicted time first, and pools enough steps that one slow step
+    is not the quantile, so small chunks keep the machine's noise."""
+    residuals = StepResiduals()
+    rng = np.random.default_rng(0)
+    for _ in range(3000):  # decode-only steps of 2-8 ms, noise within +-1 ms
+        predicted = float(rng.uniform(2.0, 8.0))
+        residuals.add(False, predicted, predicted + float(rng.uniform(-1.0, 1.0)))
+    for predicted in np.geomspace(2.0, 64.0, 340):  # chunked steps, ~30 per bucket
+        residuals.add(True, float(predicted), float(predicted) + float(rng.uniform(-1.0, 1.0)))
+    residuals.add(True, 48.0, 154.0)  # the slow step
+    residuals.add(True, 2.5, 30.0)  # and one among small steps, whose bucket floors every larger one
+    additive, _, floors = margin_table(residuals, WITH_CHUNK, 99.7, relative_fraction=0.5)
+    for predicted in (6.0, 12.0):  # the noise of steps this size, not a slow step
+        bucket = predicted_bucket(predicted)
+        assert additive[bucket] <= 1.0 and floors[bucket] <= predicted + 1.0
+    decode_only, _, _ = margin_table(residuals, DECODE_ONLY, 99.7, relative_fraction=0.5)
+    assert decode_only[predicted_bucket(6.0)] <= 1.0
 
 
 LINEAR_COSTS = st.builds(

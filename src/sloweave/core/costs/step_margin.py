@@ -9,9 +9,10 @@ and the small ones, a minority of the pool, are under-covered at the same time.
 ``StepResiduals`` keeps the residuals in milliseconds (measured - corrected prediction) per
 step kind (decode-only, with a chunk) and per predicted-time bucket (edges a factor sqrt(2)
 apart), each in a bounded window. ``StepMargin`` reads, for a step of corrected prediction p,
-the ``quantile`` of its bucket's residuals. A bucket with too few steps for that quantile
-pools its nearest buckets of the same kind (the larger side first: noise grows with the step);
-a kind with too few steps in all takes the relative margin r x p. Quantiles are re-read every
+the ``quantile`` of its bucket's residuals. A bucket with fewer than ``POOLED_STEPS`` steps
+pools its nearest buckets (the larger side first: noise grows with the step), at each predicted
+time its own kind's residuals before the other kind's; with too few steps in all, the margin is
+the relative one, r x p. Quantiles are re-read every
 ``refresh_steps`` observed steps, not per call.
 
 The corrected model plus margin stays monotone in the chunk: within a kind (fixed for every
@@ -36,6 +37,10 @@ _UPPER_EDGES_MS = np.array(PREDICTED_MS_EDGES[1:])
 STEP_KINDS = ("decode-only", "with-chunk")
 # A bucket's window: its quantile at P99.7 is then about its third largest residual.
 BUCKET_WINDOW_STEPS = 1000
+# The fewest residuals a margin is read from (a thin bucket pools up to this many): with only the
+# fewest the quantile needs (333 at P99.7) the covering value is the pool's largest, and one slow
+# step (a 100 ms stall of the machine among 3 ms steps) would set the margin of every step near it.
+POOLED_STEPS = 1000
 
 
 def predicted_bucket(predicted_ms: float) -> int:
@@ -94,43 +99,46 @@ class StepResiduals:
         return np.empty(0) if ring is None else ring[: min(int(self.added[kind, bucket]), self.window_steps)]
 
 
-def _nearest_first(bucket: int, low: int, high: int):
-    """Buckets from ``low`` to ``high`` by distance to ``bucket``, the larger one first on a tie."""
-    yield bucket
-    for distance in range(1, high - low + 1):
-        if bucket + distance <= high:
-            yield bucket + distance
-        if bucket - distance >= low:
-            yield bucket - distance
+def _nearest_first(bucket: int, kind: int, low: int, high: int):
+    """(kind, bucket) pairs from ``low`` to ``high`` by distance to ``bucket``: at each distance the
+    larger bucket first, and within a bucket ``kind`` before the other kind."""
+    kinds = (kind, 1 - kind)
+    for distance in range(high - low + 1):
+        for side in (bucket + distance, bucket - distance) if distance else (bucket,):
+            if low <= side <= high:
+                yield from ((k, side) for k in kinds)
 
 
 def _additive_parts(residuals: StepResiduals, kind: int, quantile: float) -> list[float | None]:
-    """Each bucket's additive margin in ms (None: the kind has too few steps for ``quantile``).
-    A thin bucket pools its nearest buckets with data until the pool holds enough steps."""
-    counts = residuals.counts(kind)
+    """Each bucket's additive margin in ms for steps of ``kind`` (None: too few steps of either
+    kind for ``quantile``). A bucket thin in its own kind pools, nearest predicted time first, its
+    own kind's and the other kind's residuals until the pool holds ``POOLED_STEPS``: the noise is
+    mostly additive in the predicted time, and a kind the margin keeps from running (chunks
+    behind a margin one slow step set) must not keep that margin for want of new steps."""
+    counts = [residuals.counts(k) for k in range(len(STEP_KINDS))]
     needed = steps_for_quantile(quantile)
-    if sum(counts) < needed:
-        return [None] * len(counts)
-    filled = [b for b, count in enumerate(counts) if count]
+    if sum(map(sum, counts)) < needed:
+        return [None] * len(counts[kind])
+    filled = [b for b in range(len(counts[kind])) if counts[0][b] or counts[1][b]]
     low, high = filled[0], filled[-1]
     by_pool: dict[tuple, float] = {}
-    parts: list[float | None] = [None] * len(counts)
+    parts: list[float | None] = [None] * len(counts[kind])
     for bucket in range(low, high + 1):
         pool, pooled = [], 0
-        for neighbour in _nearest_first(bucket, low, high):
-            if counts[neighbour]:
-                pool.append(neighbour)
-                pooled += counts[neighbour]
-            if pooled >= needed:
+        for k, neighbour in _nearest_first(bucket, kind, low, high):
+            if counts[k][neighbour]:
+                pool.append((k, neighbour))
+                pooled += counts[k][neighbour]
+            if pooled >= max(needed, POOLED_STEPS):
                 break
         key = tuple(sorted(pool))
         if key not in by_pool:
-            pooled_ms = np.concatenate([residuals.window(kind, b) for b in key])
+            pooled_ms = np.concatenate([residuals.window(k, b) for k, b in key])
             by_pool[key] = max(covering_value(pooled_ms, quantile), 0.0)
         parts[bucket] = by_pool[key]
     # outside the range seen, the nearest bucket seen (its pool is theirs)
     parts[:low] = [parts[low]] * low
-    parts[high + 1 :] = [parts[high]] * (len(counts) - high - 1)
+    parts[high + 1 :] = [parts[high]] * (len(parts) - high - 1)
     return parts
 
 
@@ -171,7 +179,7 @@ class StepMargin:
     ``cost`` is the corrected cost the policy decides with (T'), ``residuals`` what its
     calibrator feeds, ``relative`` the relative form (``AdaptiveMargin``): used until
     ``min_steps`` steps are seen (its own fallback: the profile's margin), and, past that, its
-    fraction for a kind with fewer steps than the quantile needs.
+    fraction while fewer steps than the quantile needs have been seen.
     """
 
     def __init__(
