@@ -11,12 +11,13 @@ fixed-chunk decision (what engines do today). Prints medians and P99 over severa
 repetitions. What one vLLM ``schedule()`` costs for the same number of running requests is
 measured by ``benchmarks/vllm_schedule_cost.py`` (in the vLLM environment).
 
-``--before REV`` compares instead the operator-profile decisions (with the analytic and
-fixed-1024 ones as yardsticks) of this tree against revision REV: its ``src/`` is extracted
-with ``git archive`` and both trees are timed in their own processes, interleaved (before,
-after, before, ...) so both see the same machine load; medians of ``--runs`` runs, the load
-average, and whether the two trees took the same decisions and counted the same queries
-past the profile.
+``--before REV`` compares instead, between this tree and revision REV, the operator-profile
+decisions and those of the regression fitted to vLLM's CPU build with online correction (each
+margin form: the plug-in as the real-engine benchmark runs it), with the analytic and fixed-1024
+ones as yardsticks: REV's ``src/`` is extracted with ``git archive`` and both trees are timed in
+their own processes, interleaved (before, after, before, ...) so both see the same machine load;
+medians of ``--runs`` runs, the load average, and whether the two trees took the same decisions
+and counted the same queries past the profile.
 
     .venv/bin/python benchmarks/decision_cost.py [--before REV] [--runs 3]
 """
@@ -48,6 +49,7 @@ DECISIONS = 2000
 REPEATS = 5
 REPO = Path(__file__).resolve().parent.parent
 PRESETS = ("llama2-70b-tp2-a100", "llama3-8b-tp1-a100")
+CPU_PROFILE = "benchmarks/results-vllm-cpu/at-load/profile.csv"  # vLLM's CPU build, as its benchmark fits it
 ACTIVE = (16, 64, 256)
 
 
@@ -125,6 +127,25 @@ def fitted_costs():
     return costs
 
 
+def corrected_costs() -> dict:
+    """The plug-in as the CPU engine's benchmark runs it: the regression fitted to that engine's
+    profile, with online correction, per margin form, after 600 seeded steps (margin past its warm-up)."""
+    from sloweave.core.costs.calibrated import MARGIN_FORMS, self_correcting
+    from sloweave.core.costs.resolve import resolve_cost
+
+    fitted = resolve_cost(str(REPO / CPU_PROFILE), cost_kind="regression").model
+    rng = np.random.default_rng(0)
+    costs = {}
+    for form in MARGIN_FORMS:
+        correction = self_correcting(fitted, margin_form=form)
+        for _ in range(600):
+            n, c = int(rng.integers(1, 64)), int(rng.choice([0, rng.integers(1, 2048)]))
+            predicted_ms = fitted.predict(n, c, n * 1025, 0)
+            correction.calibrator.observe(n, c, predicted_ms, predicted_ms * float(rng.uniform(0.9, 1.4)) + 0.3)
+        costs[form] = correction.cost, correction.margin
+    return costs
+
+
 def profile_decisions() -> dict:
     """Median / P99 microseconds of the profile-model decisions (and the analytic and
     fixed-1024 yardsticks) at each size, and a digest of every decision taken and query counted."""
@@ -136,6 +157,8 @@ def profile_decisions() -> dict:
     for preset in PRESETS:
         cost = profile_cost(preset)
         kinds[f"sloweave, {preset}"] = (SLOWeave(cost=cost).decide, cost)
+    for form, (cost, margin) in corrected_costs().items():
+        kinds[f"sloweave, CPU fit, corrected, {form}"] = (SLOWeave(cost=cost, margin=margin).decide, cost)
     digest, timings = hashlib.sha256(), {}
     for active in ACTIVE:
         for name, (decide, cost) in kinds.items():
@@ -150,7 +173,7 @@ def profile_decisions() -> dict:
             median = statistics.median(float(np.median(r)) for r in reps)
             timings[f"{active} {name}"] = (median, statistics.median(float(np.percentile(r, 99)) for r in reps))
     for name, (_, cost) in kinds.items():
-        if cost is not None:
+        if hasattr(cost, "out_of_range"):
             digest.update(repr(sorted(cost.out_of_range.items())).encode())
     return {"timings": timings, "digest": digest.hexdigest()}
 

@@ -14,6 +14,9 @@ kind, and the ratios to vLLM's, in one run.
 
     .venv-vllm-cpu/bin/python benchmarks/vllm_engine_overhead.py --out results/vllm_engine_overhead \
         --profile benchmarks/results-vllm-cpu/at-load/profile.csv
+
+``--pieces`` also times the plug-in's own pieces (``PLUGIN_PIECES``) in the same table, rows with no
+vLLM counterpart; the timers then sit inside the plug-in's totals, so compare totals without it.
 """
 
 from __future__ import annotations
@@ -29,10 +32,15 @@ import pandas as pd
 PLUGIN = "sloweave.vllm_plugin.SLOWeaveScheduler"
 
 
-def timed(scheduler, samples: list[tuple[str, float]]) -> None:
-    """Record the wall time of each ``schedule()`` and ``update_from_output()`` call of this
-    scheduler into ``samples``, as (call, seconds)."""
-    for call in ("schedule", "update_from_output"):
+# The plug-in's own pieces (``--pieces``): reading the running list and planning, the prompts on
+# offer, the controller's plan, the bookkeeping after vLLM's schedule() and after its output.
+PLUGIN_PIECES = {"scheduler": ("_plan", "_step_state", "_scheduled", "_outputs_back"), "controller": ("plan_step",)}
+
+
+def timed(scheduler, samples: list[tuple[str, float]], calls=("schedule", "update_from_output")) -> None:
+    """Record the wall time of each call of these methods of this object (by default a scheduler's
+    ``schedule()`` and ``update_from_output()``) into ``samples``, as (call, seconds)."""
+    for call in calls:
         method = getattr(scheduler, call)
 
         def wrapper(*args, _method=method, _call=call, **kwargs):
@@ -95,6 +103,11 @@ def main() -> None:
     parser.add_argument(
         "--profile", type=Path, default=None, help="a step-time profile: adds the plug-in as the CPU benchmark runs it"
     )
+    parser.add_argument(
+        "--pieces",
+        action="store_true",
+        help="also time the plug-in's own pieces (its schedule() and update_from_output() then include the timers)",
+    )
     args = parser.parse_args()
 
     from sloweave.studies.outputs import check_writable, write_result_json
@@ -121,7 +134,11 @@ def main() -> None:
             max_model_len=1024,
         )
         samples[name] = []
-        timed(scheduler_of(engines[name]), samples[name])
+        scheduler = scheduler_of(engines[name])
+        timed(scheduler, samples[name])
+        if config and args.pieces:
+            timed(scheduler, samples[name], PLUGIN_PIECES["scheduler"])
+            timed(scheduler.sloweave, samples[name], PLUGIN_PIECES["controller"])
     rng = np.random.default_rng(0)
     rows, load = [], [os.getloadavg()[0]]
     for running in sizes:

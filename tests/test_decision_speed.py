@@ -1,4 +1,4 @@
-"""The fast chunk pricing of the operator-profile cost (``ProfileCost.chunk_pricer``, what a
+"""What makes a decision cheap without changing it. The fast chunk pricing of the operator-profile cost (``ProfileCost.chunk_pricer``, what a
 SLOWeave decision searches with) against the cost's own T(n, c): the same floats, the same
 queries counted past the profile, the same decisions.
 
@@ -10,11 +10,14 @@ pricer and one through ``__call__``; the tiny fixture's profiled range is small 
 import warnings
 from pathlib import Path
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sloweave.core.costs.margins import ConstantMargin, ZeroMargin
+from sloweave.core.costs.calibrated import MARGIN_FORMS, CalibratedCost, self_correcting
+from sloweave.core.costs.fitted import C_BUCKET_EDGES, N_BUCKET_EDGES, ContextualCost, ResidualMargin
+from sloweave.core.costs.margins import ConstantMargin, RelativeMargin, ZeroMargin
 from sloweave.core.costs.profile import profile_cost
 from sloweave.core.policy import SLOWeave
 
@@ -37,6 +40,10 @@ def policies(pair):
     found = {}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
+        # Built at one context: whether the rate can peak is checked at the context a cost holds
+        # (and more, for the fast copy alone), not at whatever an earlier example left.
+        _feed(fast, (0, 0), None)
+        _feed(reference, (0, 0), None)
         for margin_ms in (0.0, 0.5):
             margin = ConstantMargin(margin_ms) if margin_ms else ZeroMargin()
             found[margin_ms] = SLOWeave(cost=fast, margin=margin), SLOWeave(cost=Plain(reference), margin=margin)
@@ -126,3 +133,95 @@ def test_a_profile_decision_searches_with_the_pricer():
     assert SLOWeave(cost=cost)._predicted_at(64) is not cost  # the fast pricer, not T itself
     analytic = SLOWeave()
     assert analytic._predicted_at(64) is analytic.cost  # the analytic model has none: T itself
+
+
+class CountingConvexCost(ContextualCost):
+    """T(n, c) = 3 + 0.05 n + 0.01 c + 4e-6 c^2 ms, counting its queries: convex in c, so the rate
+    peaks and the fastest-chunk search probes below the largest safe chunk too."""
+
+    def __init__(self) -> None:
+        self.queries = 0
+
+    def predict(self, n_decodes: int, chunk_tokens: int, decode_kv_tokens: int, prefill_prefix_tokens: int) -> float:
+        self.queries += 1
+        return 3.0 + 0.05 * n_decodes + 0.01 * chunk_tokens + 4e-6 * chunk_tokens * chunk_tokens
+
+
+class Opaque:
+    """A margin seen only as delta(n, c): the policy must ask it, and it asks its cost again."""
+
+    def __init__(self, margin) -> None:
+        self.margin = margin
+
+    def __call__(self, n_decodes: int, chunk_tokens: int) -> float:
+        return self.margin(n_decodes, chunk_tokens)
+
+
+def _margins_reading_the_cost():
+    """(name, policy cost, margin whose ``cost`` is that cost, the counted base) for each margin
+    that reads the prediction; the online ones after a seeded run of noisy steps."""
+    built = []
+    plain = CountingConvexCost()
+    built.append(("relative", plain, RelativeMargin(plain, 0.15), plain))
+    fitted = CountingConvexCost()
+    fractions = np.linspace(0.05, 0.3, len(N_BUCKET_EDGES) * len(C_BUCKET_EDGES)).reshape(len(N_BUCKET_EDGES), -1)
+    built.append(("profile table", fitted, ResidualMargin(fitted, np.maximum.accumulate(fractions, axis=1)), fitted))
+    rng = np.random.default_rng(3)
+    for form in MARGIN_FORMS:
+        base = CountingConvexCost()
+        correction = self_correcting(base, margin_form=form)
+        for _ in range(600):
+            n, c = int(rng.integers(1, 64)), int(rng.choice([0, rng.integers(1, 4096)]))
+            predicted_ms = base.predict(n, c, 0, 0)
+            correction.calibrator.observe(n, c, predicted_ms, predicted_ms * float(rng.uniform(0.9, 1.3)) + 0.5)
+        built.append((f"online {form}", correction.cost, correction.margin, base))
+    return built
+
+
+@pytest.mark.parametrize(
+    "cost, margin, counted", [pytest.param(*built[1:], id=built[0]) for built in _margins_reading_the_cost()]
+)
+@settings(max_examples=60, deadline=None)
+@given(
+    n_decodes=st.integers(0, 300),
+    waiting_tokens=st.integers(0, 9000),
+    budget_ms=st.one_of(st.floats(0.0, 120.0), st.just(float("inf"))),
+)
+def test_a_margin_read_from_the_prediction_halves_the_cost_queries_with_the_same_floats(
+    cost, margin, counted, n_decodes, waiting_tokens, budget_ms
+):
+    quick, plain = SLOWeave(cost=cost, margin=margin), SLOWeave(cost=cost, margin=Opaque(margin))
+    assert quick._reads_price and not plain._reads_price
+    counted.queries = 0
+    decided = quick.decide(n_decodes, waiting_tokens, budget_ms)
+    priced = quick.margin_and_predicted_ms(n_decodes, decided.chunk_tokens)
+    quick_queries, counted.queries = counted.queries, 0
+    assert plain.decide(n_decodes, waiting_tokens, budget_ms) == decided
+    plain_priced = plain.margin_and_predicted_ms(n_decodes, decided.chunk_tokens)
+    assert [v.hex() for v in plain_priced] == [v.hex() for v in priced]
+    if isinstance(cost, CalibratedCost):  # its pricer takes T(n, 0) once per search, for both policies
+        assert 2 * quick_queries <= counted.queries + 4 and quick_queries < counted.queries
+    else:
+        assert counted.queries == 2 * quick_queries
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    n_decodes=st.integers(0, 300),
+    chunks=st.lists(st.integers(0, 9000), min_size=1, max_size=20),
+    context=st.tuples(st.integers(0, 100_000), st.integers(0, 8000)),
+)
+def test_the_corrected_costs_pricer_gives_its_floats_asking_the_base_once_per_chunk(n_decodes, chunks, context):
+    base = CountingConvexCost()
+    correction = self_correcting(base)
+    rng = np.random.default_rng(5)
+    for n in range(0, 300, 7):  # factors that differ by decode bucket and step kind
+        correction.calibrator.observe(n, n % 2 * 500, 10.0, 10.0 * float(rng.uniform(0.7, 1.6)))
+    cost = correction.cost
+    cost.set_context(*context)
+    price = cost.chunk_pricer(n_decodes)
+    base.queries = 0
+    got = [price(n_decodes, chunk).hex() for chunk in chunks]
+    assert base.queries == sum(chunk > 0 for chunk in chunks)
+    assert got == [cost(n_decodes, chunk).hex() for chunk in chunks]
+    assert price(n_decodes + 1, chunks[0]).hex() == cost(n_decodes + 1, chunks[0]).hex()

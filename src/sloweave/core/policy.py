@@ -12,21 +12,20 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import NamedTuple, Protocol
 
 from sloweave.core.fastest_chunk import fastest_chunk, rate_can_peak
 from sloweave.core.validate import positive_ms, positive_tokens
 from sloweave.core.costs.analytic import AnalyticCost
-from sloweave.core.costs.margins import ConstantMargin, ZeroMargin
+from sloweave.core.costs.margins import ConstantMargin, ZeroMargin, chunk_pricer_plus_margin, plus_margin
 from sloweave.core.costs.protocols import (
     CostModel,
     HasTileEdges,
     Invertible,
-    PricesChunks,
     Margin,
     MonotoneRepair,
+    ReadsPrediction,
     check_monotone_in_chunk,
     uncounted,
 )
@@ -69,22 +68,6 @@ class Policy(Protocol):
 def _check_max_prefills(value: int | None) -> None:
     if value not in (1, None):
         raise ValueError(f"max_prefills must be 1 (one prompt per iteration) or None (several), got {value!r}")
-
-
-def _pricer(cost: CostModel, margin: Margin) -> Callable[[int], CostModel] | None:
-    """n -> T + delta as a function of (n, c), faster for one n (a chunk search), where the cost
-    offers it; None where it does not."""
-    if not isinstance(cost, PricesChunks):
-        return None
-    chunk_pricer = cost.chunk_pricer
-    if isinstance(margin, ZeroMargin):
-        return chunk_pricer
-
-    def predicted_for(n_decodes: int) -> CostModel:
-        price = chunk_pricer(n_decodes)
-        return lambda n, c: price(n, c) + margin(n, c)
-
-    return predicted_for
 
 
 @dataclass(frozen=True)
@@ -137,9 +120,12 @@ class SLOWeave:
         # Hot-path helpers, fixed at construction: the decision is called every iteration, so
         # the cost's capabilities are asked here, once (isinstance of a Protocol is slow).
         cost, margin = self.cost, self.margin
-        predicted = cost if isinstance(margin, ZeroMargin) else (lambda n, c: cost(n, c) + margin(n, c))
+        # a margin read from the policy's own prediction takes it rather than asking the cost again
+        reads_price = isinstance(margin, ReadsPrediction) and margin.cost is cost
+        object.__setattr__(self, "_reads_price", reads_price)
+        predicted = plus_margin(cost, margin, reads_price)
         object.__setattr__(self, "_predicted", predicted)
-        object.__setattr__(self, "_pricer", _pricer(cost, margin))
+        object.__setattr__(self, "_pricer", chunk_pricer_plus_margin(cost, margin, reads_price))
         constant = isinstance(margin, (ZeroMargin, ConstantMargin))
         object.__setattr__(self, "_constant_margin_ms", margin(0, 0) if constant else 0.0)
         object.__setattr__(
@@ -160,10 +146,15 @@ class SLOWeave:
 
     def margin_and_predicted_ms(self, n_decodes: int, chunk_tokens: int) -> tuple[float, float]:
         """delta(n, c) and T(n, c) + delta(n, c), each computed once (a real engine records both)."""
-        if isinstance(self.margin, ZeroMargin):
+        margin = self.margin
+        if isinstance(margin, ZeroMargin):
             return 0.0, self.cost(n_decodes, chunk_tokens)
-        margin_ms = self.margin(n_decodes, chunk_tokens)
-        return margin_ms, self.cost(n_decodes, chunk_tokens) + margin_ms
+        predicted_ms = self.cost(n_decodes, chunk_tokens)
+        if self._reads_price:
+            margin_ms = margin.margin_for(n_decodes, chunk_tokens, predicted_ms)
+        else:
+            margin_ms = margin(n_decodes, chunk_tokens)
+        return margin_ms, predicted_ms + margin_ms
 
     def decide(self, n_decodes: int, waiting_tokens: int, budget_ms: float) -> Decision:
         # Cheap comparisons, on the hot path on purpose: a NaN budget compares False with

@@ -82,7 +82,8 @@ class _RunningSplit:
         for request in running:
             computed = request.num_computed_tokens
             tokens = request.num_tokens
-            if computed + 1 < tokens or (request.num_output_tokens == 0 and computed < request.num_prompt_tokens):
+            # the prompt-length test first: a decode is past its prompt, so the property is not read
+            if computed + 1 < tokens or (computed < request.num_prompt_tokens and request.num_output_tokens == 0):
                 partial.append(request)
                 continue
             decodes.append(request)

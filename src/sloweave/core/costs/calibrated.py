@@ -179,6 +179,26 @@ class CalibratedCost(ContextualCost):
         )
         return max(with_chunk, decode_only) if n_decodes > 0 else with_chunk
 
+    def chunk_pricer(self, n_decodes: int) -> CostModel:
+        """T'(n, c) for this n at the context set, the same floats as the cost: the factors and
+        the decode-only floor are taken once, for a search that asks this n only (``PricesChunks``)."""
+        k = self.calibrator.factor
+        context = self.decode_kv_tokens, self.prefill_prefix_tokens
+        base_predict = self.base.predict
+        decode_only = k(n_decodes, False) * base_predict(n_decodes, 0, *context)
+        with_chunk_factor = k(n_decodes, True)
+        floored = n_decodes > 0
+
+        def price(n: int, chunk_tokens: int) -> float:
+            if n != n_decodes:  # another decode batch: the cost itself
+                return self.predict(n, chunk_tokens, *context)
+            if chunk_tokens <= 0:
+                return decode_only
+            with_chunk = with_chunk_factor * base_predict(n, chunk_tokens, *context)
+            return max(with_chunk, decode_only) if floored else with_chunk
+
+        return price
+
 
 # The quantile of the corrected residuals the margin covers. It follows from how requests
 # are judged, not from a deployment: a request meets TPOT when its P99 token gap does, so
@@ -221,7 +241,10 @@ class AdaptiveMargin:
         return self.cost.calibrator.residual_quantile(self.quantile)
 
     def __call__(self, n_decodes: int, chunk_tokens: int) -> float:
-        return self.fraction(n_decodes, chunk_tokens) * self.cost(n_decodes, chunk_tokens)
+        return self.margin_for(n_decodes, chunk_tokens, self.cost(n_decodes, chunk_tokens))
+
+    def margin_for(self, n_decodes: int, chunk_tokens: int, predicted_ms: float) -> float:
+        return self.fraction(n_decodes, chunk_tokens) * predicted_ms
 
 
 class ScaledCost(ContextualCost):

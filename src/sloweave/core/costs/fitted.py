@@ -283,8 +283,11 @@ class ResidualMargin:
     fractions: np.ndarray  # shape (len(N_BUCKET_EDGES), len(C_BUCKET_EDGES))
 
     def __call__(self, n_decodes: int, chunk_tokens: int) -> float:
+        return self.margin_for(n_decodes, chunk_tokens, self.cost(n_decodes, chunk_tokens))
+
+    def margin_for(self, n_decodes: int, chunk_tokens: int, predicted_ms: float) -> float:
         r = self.fractions[_bucket(n_decodes, N_BUCKET_EDGES), _bucket(chunk_tokens, C_BUCKET_EDGES)]
-        return float(r * self.cost(n_decodes, chunk_tokens))
+        return float(r * predicted_ms)
 
     def fraction(self, n_decodes: int, chunk_tokens: int) -> float:
         return float(self.fractions[_bucket(n_decodes, N_BUCKET_EDGES), _bucket(chunk_tokens, C_BUCKET_EDGES)])

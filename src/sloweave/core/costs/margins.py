@@ -5,7 +5,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from sloweave.core.costs.protocols import CostModel, CostModelError
+from collections.abc import Callable
+
+from sloweave.core.costs.protocols import CostModel, CostModelError, Margin, PricesChunks
 from sloweave.core.validate import MARGIN_MS, non_negative_number
 
 
@@ -51,4 +53,35 @@ class RelativeMargin:
             raise CostModelError(str(err)) from None
 
     def __call__(self, n_decodes: int, chunk_tokens: int) -> float:
-        return self.fraction * self.cost(n_decodes, chunk_tokens)
+        return self.margin_for(n_decodes, chunk_tokens, self.cost(n_decodes, chunk_tokens))
+
+    def margin_for(self, n_decodes: int, chunk_tokens: int, predicted_ms: float) -> float:
+        return self.fraction * predicted_ms
+
+
+def plus_margin(price: CostModel, margin: Margin, reads_price: bool) -> CostModel:
+    """T + delta as a function of (n, c), ``price`` giving T. With ``reads_price`` the margin is
+    computed from that T (``ReadsPrediction``), so a chunk search asks for T once per chunk, not
+    twice (once more inside the margin): the same floats at half the cost queries."""
+    if isinstance(margin, ZeroMargin):
+        return price
+    if not reads_price:
+        return lambda n, c: price(n, c) + margin(n, c)
+    margin_for = margin.margin_for
+
+    def predicted(n_decodes: int, chunk_tokens: int) -> float:
+        predicted_ms = price(n_decodes, chunk_tokens)
+        return predicted_ms + margin_for(n_decodes, chunk_tokens, predicted_ms)
+
+    return predicted
+
+
+def chunk_pricer_plus_margin(cost: CostModel, margin: Margin, reads_price: bool) -> Callable[[int], CostModel] | None:
+    """n -> T + delta as a function of (n, c), faster for one n (a chunk search), where the cost
+    offers it; None where it does not."""
+    if not isinstance(cost, PricesChunks):
+        return None
+    chunk_pricer = cost.chunk_pricer
+    if isinstance(margin, ZeroMargin):
+        return chunk_pricer
+    return lambda n_decodes: plus_margin(chunk_pricer(n_decodes), margin, reads_price)

@@ -179,6 +179,18 @@ class Margin(Protocol):
     def __call__(self, n_decodes: int, chunk_tokens: int) -> float: ...
 
 
+@runtime_checkable
+class ReadsPrediction(Protocol):
+    """A margin computed from its ``cost``'s prediction T(n, c) (a fraction of it, a quantile of
+    steps predicted near it): given T, ``margin_for`` is delta(n, c) without asking ``cost``
+    again, the same float. When ``cost`` is the policy's own, a chunk search prices each chunk
+    once, not twice."""
+
+    cost: CostModel
+
+    def margin_for(self, n_decodes: int, chunk_tokens: int, predicted_ms: float) -> float: ...
+
+
 def check_monotone_in_chunk(
     cost: CostModel,
     max_chunk_tokens: int,

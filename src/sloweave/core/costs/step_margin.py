@@ -216,8 +216,13 @@ class StepMargin:
     def __call__(self, n_decodes: int, chunk_tokens: int) -> float:
         if self.residuals.observed < self.min_steps:
             return self.relative(n_decodes, chunk_tokens)
+        return self.margin_for(n_decodes, chunk_tokens, self.cost(n_decodes, chunk_tokens))
+
+    def margin_for(self, n_decodes: int, chunk_tokens: int, predicted: float) -> float:
+        """delta given T'(n, c) = ``predicted`` (the relative form reads the same cost)."""
+        if self.residuals.observed < self.min_steps:
+            return self.relative.margin_for(n_decodes, chunk_tokens, predicted)
         additive, relative, floors = self.tables()[WITH_CHUNK if chunk_tokens > 0 else DECODE_ONLY]
-        predicted = self.cost(n_decodes, chunk_tokens)
         bucket = predicted_bucket(predicted)
         margin = additive[bucket] + relative[bucket] * predicted
         if predicted + margin >= floors[bucket]:
