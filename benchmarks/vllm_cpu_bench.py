@@ -24,7 +24,9 @@ for real. Steps:
 5. **Capacity** on the real engine, per engine and seed: bisection on the arrival rate (between
    0.5x and 1.6x the load point, ``--capacity-steps`` steps: 7.5 % resolution) for the
    highest rate that still attains ``--target``; medians and spread over seeds, and per seed the
-   ratio against the better of the two tuned budgets.
+   ratio against the better of the two tuned budgets. The bounds are not tried: a capacity at
+   the last step below 1.6x is flagged ``at_ceiling`` (every try attained; the capacity is at
+   least that, and two engines there tie by construction).
 
 Steps 1-3 can be skipped with ``--profile-file``, ``--rate-rps`` and ``--tuned-budgets`` (to
 add step 5 to an earlier run's choices).
@@ -62,8 +64,8 @@ PLUGIN_VARIANTS = {
 def add_served_options(parser: argparse.ArgumentParser) -> None:
     """The workload every engine serves and the targets it is judged by (``workload_for``,
     ``warm_up``, ``measure``), for this benchmark and the ones that reuse its engines."""
-    parser.add_argument("--workload", default="mixed", choices=("chat", "mixed", "long", "bursty"),
-                        help="the lengths and arrivals served")  # fmt: skip
+    parser.add_argument("--workload", default="mixed", choices=("chat", "mixed", "long", "bursty", "drift"),
+                        help="the lengths and arrivals served (drift: chat, long, bursty back to back)")  # fmt: skip
     parser.add_argument("--requests", type=int, default=1000)
     parser.add_argument("--tpot-ms", type=float, default=40.0)
     parser.add_argument("--ttft-ms", type=float, default=1000.0)
@@ -114,13 +116,13 @@ def default_plugin_config(tpot_ms: float, profile_path: Path) -> dict:
 
 def workload_for(args, seed: int, rate_rps: float):
     from sloweave.runtime.experiment import scaled_workload
-    from sloweave.sim.workloads import WORKLOADS
+    from sloweave.sim.workloads import get_workload_spec
 
     return scaled_workload(
         args.workload,
         args.requests,
         seed,
-        rate_rps / WORKLOADS[args.workload].rate_rps,
+        rate_rps / get_workload_spec(args.workload).rate_rps,
         args.prompt_scale,
         args.output_scale,
         args.max_prompt,
@@ -348,12 +350,13 @@ def main() -> None:
 
 def capacity(engine, args, vocab: int, seed: int, rate: float) -> dict:
     """Highest rate in [0.5, 1.6] x ``rate`` at which this engine attains ``--target`` on ``seed``."""
-    floor = 0.5 * rate
-    low, high, _ = highest_attaining(
-        engine, args, vocab, seed, floor, 1.6 * rate, args.capacity_steps, f"capacity, seed {seed}"
-    )
-    # 0.5 x the load point is the floor of the search: an engine below it reports the floor, flagged
-    return {"capacity_rps": low, "at_floor": low == floor, "resolution": (high / low) - 1.0}
+    floor, ceiling = 0.5 * rate, 1.6 * rate
+    low, high, _ = highest_attaining(engine, args, vocab, seed, floor, ceiling, args.capacity_steps, f"capacity, seed {seed}")  # fmt: skip
+    # 0.5 x the load point is the floor of the search: an engine below it reports the floor, flagged.
+    # The ceiling is never tried: when every try attained, the capacity is at least the last one,
+    # and two engines there are a tie the search cannot break (flagged too).
+    return {"capacity_rps": low, "at_floor": low == floor, "at_ceiling": high == ceiling,
+            "resolution": (high / low) - 1.0}  # fmt: skip
 
 
 def best_tuned(by_seed: pd.DataFrame) -> pd.Series:
@@ -363,11 +366,15 @@ def best_tuned(by_seed: pd.DataFrame) -> pd.Series:
 
 def summarize_capacity(capacities: pd.DataFrame) -> pd.DataFrame:
     by_seed = capacities.pivot(index=["pass", "seed"], columns="engine", values="capacity_rps")
+    # (pass, seed) cells whose search never failed: capacity at least that (older results lack the flag)
+    at_ceiling = "at_ceiling" in capacities
+    ceiling = capacities.pivot(index=["pass", "seed"], columns="engine", values="at_ceiling") if at_ceiling else None
     best = best_tuned(by_seed)
     rows = []
     for engine in by_seed.columns:
         ratio = by_seed[engine] / best
         rows.append({"engine": engine, "capacity_rps_median": float(by_seed[engine].median()),
+                     "cells_at_ceiling": int(ceiling[engine].sum()) if ceiling is not None else 0,
                      "capacity_rps_min": float(by_seed[engine].min()), "capacity_rps_max": float(by_seed[engine].max()),
                      "capacity_vs_best_tuned_median": float(ratio.median()), "capacity_vs_best_tuned_min": float(ratio.min()),
                      "capacity_vs_best_tuned_max": float(ratio.max())})  # fmt: skip

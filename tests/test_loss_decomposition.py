@@ -58,3 +58,26 @@ def test_bad_options_are_refused_by_name(capsys):
     with pytest.raises(SystemExit):
         loss_decomposition.parse_args(["--rate-rps", "0"])
     assert "--rate-rps must be positive" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "limit_rps, at_floor, at_ceiling", [(1e9, False, True), (0.0, True, False), (95.0, False, False)]
+)
+def test_the_real_engine_benchmark_flags_a_capacity_its_search_never_saw_fail(
+    monkeypatch, limit_rps, at_floor, at_ceiling
+):
+    """The capacity search never tries its bounds: an engine that attains at every try reports the
+    last step below 1.6x the load point, which is a lower bound, and says so (two engines there tie)."""
+    bench = loss_decomposition.bench
+    monkeypatch.setattr(bench, "workload_for", lambda args, seed, rate: rate)
+    monkeypatch.setattr(
+        bench, "measure", lambda engine, rate, args, vocab, seed: {"attainment": float(rate <= limit_rps)}
+    )
+    args = argparse.Namespace(target=0.9, capacity_steps=4)
+    found = bench.capacity(None, args, 1024, 0, 100.0)
+    assert (found["at_floor"], found["at_ceiling"]) == (at_floor, at_ceiling)
+    # within the search's range, and at or below the limit unless the floor is all it can say
+    assert 50.0 <= found["capacity_rps"] <= max(min(limit_rps, 160.0), 50.0)
+    cells = pd.DataFrame([{"pass": 0, "seed": 0, "engine": name, **found} for name in ("vllm-tuned-512", "sloweave")])
+    summary = bench.summarize_capacity(cells)
+    assert summary["cells_at_ceiling"].tolist() == [int(at_ceiling)] * 2
