@@ -366,15 +366,14 @@ def best_tuned(by_seed: pd.DataFrame) -> pd.Series:
 
 def summarize_capacity(capacities: pd.DataFrame) -> pd.DataFrame:
     by_seed = capacities.pivot(index=["pass", "seed"], columns="engine", values="capacity_rps")
-    # (pass, seed) cells whose search never failed: capacity at least that (older results lack the flag)
-    at_ceiling = "at_ceiling" in capacities
-    ceiling = capacities.pivot(index=["pass", "seed"], columns="engine", values="at_ceiling") if at_ceiling else None
+    # per engine, the (pass, seed) cells whose search never failed: capacity at least that (older results lack the flag)
+    at_ceiling = capacities.groupby("engine")["at_ceiling"].sum() if "at_ceiling" in capacities else {}
     best = best_tuned(by_seed)
     rows = []
     for engine in by_seed.columns:
         ratio = by_seed[engine] / best
         rows.append({"engine": engine, "capacity_rps_median": float(by_seed[engine].median()),
-                     "cells_at_ceiling": int(ceiling[engine].sum()) if ceiling is not None else 0,
+                     "cells_at_ceiling": int(at_ceiling.get(engine, 0)),
                      "capacity_rps_min": float(by_seed[engine].min()), "capacity_rps_max": float(by_seed[engine].max()),
                      "capacity_vs_best_tuned_median": float(ratio.median()), "capacity_vs_best_tuned_min": float(ratio.min()),
                      "capacity_vs_best_tuned_max": float(ratio.max())})  # fmt: skip

@@ -60,6 +60,29 @@ def test_in_flight_step_moves_the_start_and_the_deadlines():
     assert third.budget_ms == pytest.approx(10.0)
 
 
+def test_a_request_gone_while_a_step_holding_it_is_in_flight_is_not_tracked_again():
+    """Asynchronous scheduling: step 2 holds "a" when step 1's output says "a" stopped (or it is
+    preempted); step 2's predicted token must not bring its deadline back, which would pass
+    and pin every later budget at 0 ms (decode-only steps while prompts wait)."""
+    c = controller()
+    c.on_tokens(["a", "b"], 0.0)
+    state = StepState(now_ms=0.0, decode_tokens=2, pending_prompt_tokens=5000)
+    c.on_scheduled(c.plan_step(state), ["a", "b"])
+    second = c.plan_step(StepState(now_ms=0.5, decode_tokens=2, pending_prompt_tokens=5000))
+    c.on_scheduled(second, ["a", "b"])
+    c.on_step_done(second.start_ms, ["a", "b"])  # step 1 back: "a" stopped
+    c.on_finished("a")
+    third = c.plan_step(StepState(now_ms=second.start_ms + 0.1, decode_tokens=1, pending_prompt_tokens=5000))
+    c.on_scheduled(third, ["b"])
+    assert "a" not in c.tracker
+    for step_end in (third.start_ms, third.start_ms + third.predicted_ms):  # steps 2 and 3 back
+        c.on_step_done(step_end, ["b"])
+    assert "a" not in c.tracker and len(c.tracker) == 1
+    # long after "a" would have been due, "b" alone sets the budget: a full chunk beside it
+    later = c.plan_step(StepState(now_ms=step_end + 1.0, decode_tokens=1, pending_prompt_tokens=5000))
+    assert later.budget_ms == pytest.approx(9.0) and later.chunk_tokens > 1000
+
+
 def test_per_request_target_tightens_the_budget():
     c = controller(tpot_ms=50.0, tpot_ms_of={"interactive": 10.0}.get)
     c.on_token("batch", 0.0)

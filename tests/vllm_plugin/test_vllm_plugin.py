@@ -172,6 +172,28 @@ def test_aborted_and_preempted_requests_release_their_deadline():
     assert b.request_id in eng.scheduler.sloweave.tracker
 
 
+@pytest.mark.parametrize("cls, overlap", [(SLOWeaveScheduler, False), (SLOWeaveAsyncScheduler, True)])
+def test_requests_stopping_on_a_stop_token_leave_no_deadline_behind(cls, overlap):
+    """vLLM's async scheduler has the next step scheduled, holding a request, when its stop token
+    comes back: once gone, its deadline must not return and pin every budget at 0 ms."""
+    eng = engine(cls, overlap=overlap, tpot_ms=10.0)
+    stopping = [make_request(50, 100, stop_on_sampled_token=True) for _ in range(4)]
+    decoding = make_request(50, 200)
+    for request in (*stopping, decoding):
+        eng.add(request)
+    for _ in range(6):
+        eng.step()
+    assert {r.request_id for r in stopping} <= eng.finished
+    tracker = eng.scheduler.sloweave.tracker
+    assert len(tracker) == 1 and decoding.request_id in tracker
+    eng.advance_to(eng.clock.now_ms + 50.0)  # long past any deadline the stopped ones had
+    eng.add(make_request(6000, 2))
+    steps = [eng.step() for _ in range(4)]
+    # the one decode's deadline sets the budget: the prompt gets its chunk (the first step is
+    # late for the decode, 50 ms since its token: decode-only)
+    assert [s.prefill_tokens for s in steps[1:]] == [1382] * 3
+
+
 @pytest.mark.parametrize(
     "config, message",
     [

@@ -98,6 +98,8 @@ class _InFlightStep:
     plan: StepPlan
     emitting: list[Hashable]  # requests that emit a token at its end
     applied: bool = False  # their predicted token time is in the deadline tracker
+    # requests finished or preempted after it was scheduled: they emit nothing at its end
+    gone: set[Hashable] | None = None
     # online correction: (decode tokens, chunk tokens, base prediction) of the step that ran
     observed: tuple[int, int, float] | None = None
 
@@ -157,7 +159,22 @@ class BudgetController:
             self.tracker.emit(request_ids, emitted_ms, self._tpot_ms_of)
 
     def on_finished(self, request_id: Hashable) -> None:
+        """A request finished (or was preempted): its deadline goes, now and in the steps in flight.
+
+        With asynchronous scheduling a step already scheduled may still hold it (a stop token
+        is seen only when the previous step's output comes back); that step's predicted token
+        must not start tracking it again, or its deadline would pass and pin every budget at 0."""
         self.tracker.remove(request_id)
+        for step in self._in_flight:
+            if step.gone is None:
+                step.gone = {request_id}
+            else:
+                step.gone.add(request_id)
+
+    def _emit_predicted(self, step: _InFlightStep) -> None:
+        """The tokens a step in flight is predicted to emit at its end, from the requests still there."""
+        emitting = step.emitting if step.gone is None else [r for r in step.emitting if r not in step.gone]
+        self.on_tokens(emitting, step.end_ms)
 
     # ---- one step ----------------------------------------------------------------------
 
@@ -223,7 +240,7 @@ class BudgetController:
         ends. (In a synchronous loop nothing is in flight here and this costs nothing.)"""
         for step in self._in_flight:
             if not step.applied:
-                self.on_tokens(step.emitting, step.end_ms)
+                self._emit_predicted(step)
                 step.applied = True
         return max(now_ms, self._in_flight[-1].end_ms) if self._in_flight else now_ms
 
@@ -295,7 +312,7 @@ class BudgetController:
             step.start_ms = max(step.plan.scheduled_ms, previous_end)
             step.end_ms = previous_end = step.start_ms + step.plan.predicted_ms
             if step.applied:
-                self.on_tokens(step.emitting, step.end_ms)
+                self._emit_predicted(step)
 
     def _misses(self, request_id: Hashable, end_ms: float) -> bool:
         return request_id in self.tracker and self.tracker.deadline_of(request_id) < end_ms

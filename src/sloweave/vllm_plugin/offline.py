@@ -153,12 +153,20 @@ def make_request(
     prompt_token_ids: list[int] | None = None,
     hasher=None,
     extra_args: dict | None = None,
+    stop_on_sampled_token: bool = False,
 ) -> Request:
-    """A request of ``prompt_tokens`` (one repeated token unless ``prompt_token_ids``)."""
+    """A request of ``prompt_tokens`` (one repeated token unless ``prompt_token_ids``);
+    ``stop_on_sampled_token``: it stops at its first token, as on a stop token, which no
+    scheduler can see coming (``output_tokens`` is then only its limit)."""
     extra = dict(extra_args or {})
     if tpot_ms is not None:
         extra["sloweave_tpot_ms"] = tpot_ms
-    params = SamplingParams(max_tokens=output_tokens, ignore_eos=True, extra_args=extra or None)
+    params = SamplingParams(
+        max_tokens=output_tokens,
+        ignore_eos=True,
+        stop_token_ids=[SAMPLED_TOKEN] if stop_on_sampled_token else None,
+        extra_args=extra or None,
+    )
     return Request(
         request_id=request_id or f"req-{next(_ids)}",
         prompt_token_ids=prompt_token_ids if prompt_token_ids is not None else [SAMPLED_TOKEN] * prompt_tokens,

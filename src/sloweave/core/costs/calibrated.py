@@ -183,18 +183,18 @@ class CalibratedCost(ContextualCost):
         """T'(n, c) for this n at the context set, the same floats as the cost: the factors and
         the decode-only floor are taken once, for a search that asks this n only (``PricesChunks``)."""
         k = self.calibrator.factor
-        context = self.decode_kv_tokens, self.prefill_prefix_tokens
+        kv, prefix = self.decode_kv_tokens, self.prefill_prefix_tokens
         base_predict = self.base.predict
-        decode_only = k(n_decodes, False) * base_predict(n_decodes, 0, *context)
+        decode_only = k(n_decodes, False) * base_predict(n_decodes, 0, kv, prefix)
         with_chunk_factor = k(n_decodes, True)
         floored = n_decodes > 0
 
         def price(n: int, chunk_tokens: int) -> float:
             if n != n_decodes:  # another decode batch: the cost itself
-                return self.predict(n, chunk_tokens, *context)
+                return self.predict(n, chunk_tokens, kv, prefix)
             if chunk_tokens <= 0:
                 return decode_only
-            with_chunk = with_chunk_factor * base_predict(n, chunk_tokens, *context)
+            with_chunk = with_chunk_factor * base_predict(n, chunk_tokens, kv, prefix)
             return max(with_chunk, decode_only) if floored else with_chunk
 
         return price

@@ -8,7 +8,11 @@ and the small ones, a minority of the pool, are under-covered at the same time.
 
 ``StepResiduals`` keeps the residuals in milliseconds (measured - corrected prediction) per
 step kind (decode-only, with a chunk) and per predicted-time bucket (edges a factor sqrt(2)
-apart), each in a bounded window. ``StepMargin`` reads, for a step of corrected prediction p,
+apart), each in a bounded window, and only those of the last ``HORIZON_STEPS`` steps of any
+kind: a burst of stalls (the machine busy elsewhere) gives the steps with a chunk a margin that
+keeps chunks from running, so their buckets would hold the burst for as long as the margin
+stands, and it would stand for ever (measured on vLLM's CPU engine: 2 % of steps with a chunk
+minutes after the burst, prompts waiting). ``StepMargin`` reads, for a step of corrected prediction p,
 the ``quantile`` of its bucket's residuals. A bucket with fewer than ``POOLED_STEPS`` steps
 pools its nearest buckets (the larger side first: noise grows with the step), at each predicted
 time its own kind's residuals before the other kind's; with too few steps in all, the margin is
@@ -37,6 +41,10 @@ _UPPER_EDGES_MS = np.array(PREDICTED_MS_EDGES[1:])
 STEP_KINDS = ("decode-only", "with-chunk")
 # A bucket's window: its quantile at P99.7 is then about its third largest residual.
 BUCKET_WINDOW_STEPS = 1000
+# A residual counts for this many steps of either kind, then it is dropped: twice the pool, so a
+# full pool of fresh steps stays possible, and a burst of stalls is forgotten within seconds of
+# decode-only steps.
+HORIZON_STEPS = 2 * 1000
 # The fewest residuals a margin is read from (a thin bucket pools up to this many): with only the
 # fewest the quantile needs (333 at P99.7) the covering value is the pool's largest, and one slow
 # step (a 100 ms stall of the machine among 3 ms steps) would set the margin of every step near it.
@@ -62,17 +70,23 @@ def covering_value(residuals_ms: np.ndarray, quantile: float) -> float:
 
 
 class StepResiduals:
-    """Residuals in ms of the corrected prediction, per step kind and predicted-time bucket, windowed.
+    """Residuals in ms of the corrected prediction, per step kind and predicted-time bucket,
+    windowed, and only those of the last ``horizon_steps`` steps.
 
-    Each bucket's window is a ring of ``window_steps`` numbers, made on its first step: a
-    quantile reads it as an array, with no copy out of a Python container."""
+    Each bucket's window is a ring of ``window_steps`` numbers, made on its first step, beside
+    the step number of each: a quantile reads it as an array, with no copy out of a Python
+    container."""
 
-    def __init__(self, window_steps: int = BUCKET_WINDOW_STEPS) -> None:
-        if isinstance(window_steps, bool) or not isinstance(window_steps, int) or window_steps < 1:
-            raise ValueError(f"window_steps must be a whole number >= 1, got {window_steps!r}")
+    def __init__(self, window_steps: int = BUCKET_WINDOW_STEPS, horizon_steps: int = HORIZON_STEPS) -> None:
+        for name, value in (("window_steps", window_steps), ("horizon_steps", horizon_steps)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a whole number >= 1, got {value!r}")
         self.window_steps = window_steps
+        self.horizon_steps = horizon_steps
         self.rings: list[list[np.ndarray | None]] = [[None] * len(PREDICTED_MS_EDGES) for _ in STEP_KINDS]
+        self.step_numbers: list[list[np.ndarray | None]] = [[None] * len(PREDICTED_MS_EDGES) for _ in STEP_KINDS]
         self.added = np.zeros((len(STEP_KINDS), len(PREDICTED_MS_EDGES)), dtype=np.int64)
+        self.last_step = np.zeros((len(STEP_KINDS), len(PREDICTED_MS_EDGES)), dtype=np.int64)
         self.observed = 0
 
     def add(self, with_chunk: bool, predicted_ms: float, measured_ms: float) -> None:
@@ -85,18 +99,34 @@ class StepResiduals:
         ring = self.rings[kind][bucket]
         if ring is None:
             ring = self.rings[kind][bucket] = np.empty(self.window_steps)
+            self.step_numbers[kind][bucket] = np.empty(self.window_steps, dtype=np.int64)
         added = int(self.added[kind, bucket])
         ring[added % self.window_steps] = measured_ms - predicted_ms
+        self.step_numbers[kind][bucket][added % self.window_steps] = self.observed
         self.added[kind, bucket] = added + 1
+        self.last_step[kind, bucket] = self.observed
         self.observed += 1
 
-    def counts(self, kind: int) -> list[int]:
-        return np.minimum(self.added[kind], self.window_steps).tolist()
+    def windows(self) -> list[list[np.ndarray]]:
+        """Per kind and bucket, the residuals in its window from the last ``horizon_steps`` steps
+        (in no particular order; empty where none)."""
+        oldest = self.observed - self.horizon_steps
+        fresh = (self.added > 0) & (self.last_step >= oldest)  # a bucket whose last step is older holds nothing
+        held = np.minimum(self.added, self.window_steps)
+        empty = np.empty(0)
+        windows = []
+        for kind in range(len(STEP_KINDS)):
+            rings, numbers, per_bucket = self.rings[kind], self.step_numbers[kind], [empty] * len(PREDICTED_MS_EDGES)
+            for bucket in np.flatnonzero(fresh[kind]).tolist():
+                n = int(held[kind, bucket])
+                residuals = rings[bucket][:n]
+                per_bucket[bucket] = residuals[numbers[bucket][:n] >= oldest]
+            windows.append(per_bucket)
+        return windows
 
-    def window(self, kind: int, bucket: int) -> np.ndarray:
-        """The residuals in ``bucket``'s window (in no particular order)."""
-        ring = self.rings[kind][bucket]
-        return np.empty(0) if ring is None else ring[: min(int(self.added[kind, bucket]), self.window_steps)]
+    def counts(self, kind: int) -> list[int]:
+        """Per bucket, the residuals of ``kind`` from the last ``horizon_steps`` steps in its window."""
+        return [window.size for window in self.windows()[kind]]
 
 
 def _nearest_first(bucket: int, kind: int, low: int, high: int):
@@ -109,13 +139,13 @@ def _nearest_first(bucket: int, kind: int, low: int, high: int):
                 yield from ((k, side) for k in kinds)
 
 
-def _additive_parts(residuals: StepResiduals, kind: int, quantile: float) -> list[float | None]:
+def _additive_parts(windows: list[list[np.ndarray]], kind: int, quantile: float) -> list[float | None]:
     """Each bucket's additive margin in ms for steps of ``kind`` (None: too few steps of either
     kind for ``quantile``). A bucket thin in its own kind pools, nearest predicted time first, its
     own kind's and the other kind's residuals until the pool holds ``POOLED_STEPS``: the noise is
     mostly additive in the predicted time, and a kind the margin keeps from running (chunks
     behind a margin one slow step set) must not keep that margin for want of new steps."""
-    counts = [residuals.counts(k) for k in range(len(STEP_KINDS))]
+    counts = [[window.size for window in of_kind] for of_kind in windows]
     needed = steps_for_quantile(quantile)
     if sum(map(sum, counts)) < needed:
         return [None] * len(counts[kind])
@@ -133,7 +163,7 @@ def _additive_parts(residuals: StepResiduals, kind: int, quantile: float) -> lis
                 break
         key = tuple(sorted(pool))
         if key not in by_pool:
-            pooled_ms = np.concatenate([residuals.window(k, b) for k, b in key])
+            pooled_ms = np.concatenate([windows[k][b] for k, b in key])
             by_pool[key] = max(covering_value(pooled_ms, quantile), 0.0)
         parts[bucket] = by_pool[key]
     # outside the range seen, the nearest bucket seen (its pool is theirs)
@@ -142,10 +172,11 @@ def _additive_parts(residuals: StepResiduals, kind: int, quantile: float) -> lis
     return parts
 
 
-def margin_table(residuals: StepResiduals, kind: int, quantile: float, relative_fraction: float) -> tuple:
+def margin_table(windows: list[list[np.ndarray]], kind: int, quantile: float, relative_fraction: float) -> tuple:
     """Per bucket of ``kind``: additive ms a_b, relative fraction r_b, and the floor F_b (the
-    largest total p + a + r p any lower bucket reaches, at its upper edge)."""
-    parts = _additive_parts(residuals, kind, quantile)
+    largest total p + a + r p any lower bucket reaches, at its upper edge); ``windows`` are
+    ``StepResiduals.windows()``."""
+    parts = _additive_parts(windows, kind, quantile)
     additive = np.array([0.0 if part is None else part for part in parts])
     relative = np.array([relative_fraction if part is None else 0.0 for part in parts])
     # each bucket's total at its upper edge, in the float expression the policy adds (cost + margin),
@@ -206,16 +237,14 @@ class StepMargin:
         """Per step kind: (additive ms, relative fraction, floor ms) per bucket, re-read every ``refresh_steps``."""
         epoch = self.residuals.observed // self.refresh_steps
         if epoch != self._read_at:
-            fraction = self.relative.window_fraction()
+            fraction, windows = self.relative.window_fraction(), self.residuals.windows()
             self._tables = tuple(
-                margin_table(self.residuals, kind, self.quantile, fraction) for kind in range(len(STEP_KINDS))
+                margin_table(windows, kind, self.quantile, fraction) for kind in range(len(STEP_KINDS))
             )
             self._read_at = epoch
         return self._tables
 
     def __call__(self, n_decodes: int, chunk_tokens: int) -> float:
-        if self.residuals.observed < self.min_steps:
-            return self.relative(n_decodes, chunk_tokens)
         return self.margin_for(n_decodes, chunk_tokens, self.cost(n_decodes, chunk_tokens))
 
     def margin_for(self, n_decodes: int, chunk_tokens: int, predicted: float) -> float:
