@@ -26,6 +26,7 @@ from sloweave.core.costs.protocols import (
     Margin,
     MonotoneRepair,
     ReadsPrediction,
+    WeighsAddedRisk,
     check_monotone_in_chunk,
     uncounted,
 )
@@ -126,6 +127,7 @@ class SLOWeave:
         predicted = plus_margin(cost, margin, reads_price)
         object.__setattr__(self, "_predicted", predicted)
         object.__setattr__(self, "_pricer", chunk_pricer_plus_margin(cost, margin, reads_price))
+        object.__setattr__(self, "_set_step", margin.set_step if isinstance(margin, WeighsAddedRisk) else None)
         constant = isinstance(margin, (ZeroMargin, ConstantMargin))
         object.__setattr__(self, "_constant_margin_ms", margin(0, 0) if constant else 0.0)
         object.__setattr__(
@@ -169,6 +171,8 @@ class SLOWeave:
             ) from None
         max_chunk = self.max_chunk_tokens  # a conditional, not min(): a builtin call less per iteration
         upper = waiting_tokens if waiting_tokens < max_chunk else max_chunk
+        if self._set_step is not None:  # the margin weighs this step's budget (WeighsAddedRisk)
+            self._set_step(n_decodes, budget_ms)
         if n_decodes == 0:  # no deadline to protect: the largest chunk
             return _decision(Decision, (upper, False))
         # ``_predicted_at`` and ``_largest_fitting`` inlined up to the search: this runs every iteration

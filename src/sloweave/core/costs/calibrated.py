@@ -68,6 +68,8 @@ class OnlineCalibrator:
         # that is left once the bias is removed, i.e. what a margin still has to cover.
         self.recent_residuals: deque[float] = deque(maxlen=window_steps)
         self._quantiles: dict[float, float] = {}
+        self._largest: float | None = None  # of the recent residuals, and them in order (per refresh)
+        self._ranked: list[float] | None = None
         # The same residuals in ms per step kind and predicted time, for the per-step margin
         # (``step_margin.StepMargin``); None when the margin is the relative one.
         self.step_residuals: StepResiduals | None = None
@@ -116,7 +118,7 @@ class OnlineCalibrator:
         # hundreds of steps barely moves in one, and sorting them per step would cost more
         # than the decision itself.
         if self._global_seen % QUANTILE_REFRESH_STEPS == 0:
-            self._quantiles = {}
+            self._quantiles, self._largest, self._ranked = {}, None, None
         error = min(max(math.log(measured_ms / predicted_ms), self.log_min), self.log_max)
         i, j = self._bucket(n_decodes), int(chunk_tokens > 0)
         if self.observations[i, j]:
@@ -133,6 +135,18 @@ class OnlineCalibrator:
         if quantile not in self._quantiles:
             self._quantiles[quantile] = max(0.0, float(np.percentile(self.recent_residuals, quantile)))
         return self._quantiles[quantile]
+
+    def residual_share_above(self, residual: float) -> float:
+        """The share of the recent relative residuals above ``residual`` (0 when none is)."""
+        largest = self._largest
+        if largest is None:
+            largest = self._largest = max(self.recent_residuals)
+        if residual >= largest:  # a quiet machine, a budget with room: no sort
+            return 0.0
+        ranked = self._ranked
+        if ranked is None:
+            ranked = self._ranked = sorted(self.recent_residuals)
+        return (len(ranked) - bisect.bisect_right(ranked, residual)) / len(ranked)
 
     def as_dict(self) -> dict:
         return {
@@ -211,6 +225,12 @@ DEFAULT_MARGIN_QUANTILE = 99.7
 class AdaptiveMargin:
     """delta = r x T', with r the ``quantile`` (P99.7) of the recent corrected residuals once there are enough.
 
+    Told each decision's budget B first (``set_step``, ``WeighsAddedRisk``), it holds a chunk back
+    only for the risk the chunk adds: when a decode-only step would itself miss B for a share p0
+    of the recent residuals (a burst of stalls that delays any step), r is read at q - p0, so a
+    step with a chunk misses at most 1 - q more often than the decode-only step would. On a quiet
+    machine p0 = 0 and r is the quantile itself.
+
     Until ``min_steps`` steps have been seen it is the profile's ``ResidualMargin``. The
     fraction does not depend on c, so T' + delta = (1 + r) T' stays monotone in c. With a
     recalibrated cost the profile's margin would count the profile's bias twice (once in
@@ -229,12 +249,27 @@ class AdaptiveMargin:
         self.fallback = fallback
         self.quantile = quantile
         self.min_steps = min_steps
+        self._step_fraction: float | None = None  # r at q - p0 for the step set (None: at q)
+
+    def set_step(self, n_decodes: int, budget_ms: float) -> None:
+        """The decision about to be taken: its decode batch and budget (see the class)."""
+        self._step_fraction = None
+        calibrator = self.cost.calibrator
+        if not n_decodes or len(calibrator.recent_residuals) < self.min_steps or not budget_ms < math.inf:
+            return  # no deadline, or too few steps seen
+        decode_only_ms = self.cost(n_decodes, 0)
+        if decode_only_ms > 0.0:
+            level = self.quantile - 100.0 * calibrator.residual_share_above(budget_ms / decode_only_ms - 1.0)
+            # past the median the decode-only step is itself likely late: the quantile as it is
+            if 50.0 <= level < self.quantile:
+                self._step_fraction = calibrator.residual_quantile(level)
 
     def fraction(self, n_decodes: int, chunk_tokens: int) -> float:
         calibrator = self.cost.calibrator
         if len(calibrator.recent_residuals) < self.min_steps:
             return self.fallback.fraction(n_decodes, chunk_tokens)
-        return calibrator.residual_quantile(self.quantile)
+        step_fraction = self._step_fraction
+        return calibrator.residual_quantile(self.quantile) if step_fraction is None else step_fraction
 
     def window_fraction(self) -> float:
         """r of the recent residuals, whatever their number (at least one step seen)."""

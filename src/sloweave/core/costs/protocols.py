@@ -191,6 +191,15 @@ class ReadsPrediction(Protocol):
     def margin_for(self, n_decodes: int, chunk_tokens: int, predicted_ms: float) -> float: ...
 
 
+@runtime_checkable
+class WeighsAddedRisk(Protocol):
+    """A margin told each decision's decode batch and time budget first (``set_step``), so that it
+    holds a chunk back only for the risk the chunk adds to what a decode-only step already runs
+    (``calibrated.AdaptiveMargin``): a stall that delays any step is no reason to prefill nothing."""
+
+    def set_step(self, n_decodes: int, budget_ms: float) -> None: ...
+
+
 def check_monotone_in_chunk(
     cost: CostModel,
     max_chunk_tokens: int,
