@@ -86,7 +86,6 @@ class StepResiduals:
         self.rings: list[list[np.ndarray | None]] = [[None] * len(PREDICTED_MS_EDGES) for _ in STEP_KINDS]
         self.step_numbers: list[list[np.ndarray | None]] = [[None] * len(PREDICTED_MS_EDGES) for _ in STEP_KINDS]
         self.added = np.zeros((len(STEP_KINDS), len(PREDICTED_MS_EDGES)), dtype=np.int64)
-        self.last_step = np.zeros((len(STEP_KINDS), len(PREDICTED_MS_EDGES)), dtype=np.int64)
         self.observed = 0
 
     def add(self, with_chunk: bool, predicted_ms: float, measured_ms: float) -> None:
@@ -104,29 +103,23 @@ class StepResiduals:
         ring[added % self.window_steps] = measured_ms - predicted_ms
         self.step_numbers[kind][bucket][added % self.window_steps] = self.observed
         self.added[kind, bucket] = added + 1
-        self.last_step[kind, bucket] = self.observed
         self.observed += 1
 
     def windows(self) -> list[list[np.ndarray]]:
         """Per kind and bucket, the residuals in its window from the last ``horizon_steps`` steps
         (in no particular order; empty where none)."""
         oldest = self.observed - self.horizon_steps
-        fresh = (self.added > 0) & (self.last_step >= oldest)  # a bucket whose last step is older holds nothing
         held = np.minimum(self.added, self.window_steps)
         empty = np.empty(0)
         windows = []
         for kind in range(len(STEP_KINDS)):
             rings, numbers, per_bucket = self.rings[kind], self.step_numbers[kind], [empty] * len(PREDICTED_MS_EDGES)
-            for bucket in np.flatnonzero(fresh[kind]).tolist():
+            for bucket in np.flatnonzero(held[kind]).tolist():
                 n = int(held[kind, bucket])
                 residuals = rings[bucket][:n]
                 per_bucket[bucket] = residuals[numbers[bucket][:n] >= oldest]
             windows.append(per_bucket)
         return windows
-
-    def counts(self, kind: int) -> list[int]:
-        """Per bucket, the residuals of ``kind`` from the last ``horizon_steps`` steps in its window."""
-        return [window.size for window in self.windows()[kind]]
 
 
 def _nearest_first(bucket: int, kind: int, low: int, high: int):
@@ -262,8 +255,9 @@ class StepMargin:
         """The margin per bucket that has one of its own or pooled (for a run's record)."""
         tables = self.tables() if self.residuals.observed >= self.min_steps else None
         described = {"quantile": self.quantile, "bucket_lower_edges_ms": list(PREDICTED_MS_EDGES)}
+        windows = self.residuals.windows()
         for kind, name in enumerate(STEP_KINDS):
-            described[f"steps_{name}"] = self.residuals.counts(kind)
+            described[f"steps_{name}"] = [window.size for window in windows[kind]]
             if tables is not None:
                 described[f"additive_ms_{name}"] = [round(a, 4) for a in tables[kind][0]]
         return described
