@@ -369,6 +369,9 @@ def test_plugin_configuration_refuses_what_it_would_ignore():
     with pytest.raises(PluginConfigError, match="budget_rule must be one of deadline, fixed, got 'static'"):
         PluginConfig.from_sources({"sloweave": {"budget_rule": "static"}}, {})
     assert PluginConfig.from_sources({}, {"SLOWEAVE_BUDGET_RULE": "fixed"}).budget_rule == "fixed"
+    with pytest.raises(PluginConfigError, match="chunk_choice must be one of fastest, largest, got 'smallest'"):
+        PluginConfig.from_sources({"sloweave": {"chunk_choice": "smallest"}}, {})
+    assert PluginConfig.from_sources({}, {"SLOWEAVE_CHUNK_CHOICE": "largest"}).chunk_choice == "largest"
 
     with pytest.raises(PluginConfigError, match="unknown environment variable.*SLOWEAVE_TPOT;"):
         PluginConfig.from_sources({}, {"SLOWEAVE_TPOT": "10"})

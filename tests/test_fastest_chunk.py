@@ -162,23 +162,23 @@ def test_with_tile_edges_the_tile_edge_rule_is_kept_or_improved(n, budget):
     assert rate(cost, n, chunk) >= rate(cost, n, tile_edge_rule(cost, n, largest))
 
 
-def test_on_the_cpu_engines_profile_the_fitted_table_takes_a_smaller_faster_chunk():
-    """The CPU engine's fitted costs at a 39 ms budget with a few decodes. The regression is affine in
-    the chunk (no KV term fitted here): its rate never peaks, so it keeps the largest chunk. The
-    table follows the measured steps, whose per-token time rises past about 1,024 tokens: its fastest
-    chunk is smaller than the largest fitting one and prefills faster."""
+def test_on_the_cpu_engines_profile_both_fitted_models_take_a_smaller_faster_chunk():
+    """The CPU engine's fitted costs at a 39 ms budget with a few decodes. Its measured steps cost more
+    per token in a large chunk: the table follows them, and
+    the regression has a term for it, so for both the fastest chunk is smaller than the largest
+    fitting one and prefills faster. (A regression without that term is affine in the chunk and
+    would keep the largest.)"""
     fit = fit_profile_file(CPU_PROFILE)
-    regression = SLOWeave(cost=fit.cost("regression"))
-    assert not regression._seeks_fastest
-    table_cost = fit.cost("table")
-    table = SLOWeave(cost=table_cost)
-    assert table._seeks_fastest
-    for n in (2, 4, 8):
-        assert regression.decide(n, 8000, 39.0) == regression._largest_fitting(n, 8000, 39.0)
-        largest = table._largest_fitting(n, 8000, 39.0).chunk_tokens
-        chunk = table.decide(n, 8000, 39.0).chunk_tokens
-        assert table_cost(n, chunk) <= 39.0 and chunk < largest
-        assert rate(table_cost, n, chunk) > 1.1 * rate(table_cost, n, largest)
+    for kind in ("regression", "table"):
+        cost = fit.cost(kind)
+        policy = SLOWeave(cost=cost)
+        assert policy._seeks_fastest, kind
+        for n in (2, 4, 8):
+            largest = policy._largest_fitting(n, 8000, 39.0).chunk_tokens
+            chunk = policy.decide(n, 8000, 39.0).chunk_tokens
+            assert cost(n, chunk) <= 39.0 and chunk < largest, kind
+            assert rate(cost, n, chunk) > 1.1 * rate(cost, n, largest), kind
+    assert fit.cost("regression").as_dict()["coefficients"]["per_1m_chunk_pairs_ms"] > 0
 
 
 def test_the_choice_is_named_and_checked():

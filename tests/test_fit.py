@@ -26,10 +26,12 @@ from sloweave.core.policy import SLOWeave, make_policy
 from sloweave.sim.engine import simulate
 from sloweave.sim.workloads import WORKLOADS
 
-TRUE_COEF = np.array([1.0, 0.5, 0.05, 0.3, 0.02, 0.4, 0.8])
+TRUE_COEF = np.array([1.0, 0.5, 0.05, 0.3, 0.02, 0.4, 0.8, 0.0])
 
 
-def synthetic_profile(noise: float = 0.03, seed: int = 0, repeats: int = 3) -> pd.DataFrame:
+def synthetic_profile(
+    noise: float = 0.03, seed: int = 0, repeats: int = 3, coef: np.ndarray = TRUE_COEF
+) -> pd.DataFrame:
     """A grid profile: the regression's own form times one-sided lognormal noise (contention only adds time)."""
     rng = np.random.default_rng(seed)
     rows = []
@@ -40,7 +42,7 @@ def synthetic_profile(noise: float = 0.03, seed: int = 0, repeats: int = 3) -> p
                     continue
                 for r in range(repeats):
                     d = n * (context + 1)
-                    t = float(regression_features(n, c, d, 0) @ TRUE_COEF) * float(np.exp(abs(rng.normal(0, noise))))
+                    t = float(regression_features(n, c, d, 0) @ coef) * float(np.exp(abs(rng.normal(0, noise))))
                     rows.append(
                         dict(
                             n_decodes=n,
@@ -56,7 +58,7 @@ def synthetic_profile(noise: float = 0.03, seed: int = 0, repeats: int = 3) -> p
             for _ in range(3):  # off-grid held-out steps, some with a prefix
                 c, p = int(rng.integers(1, 1024)), int(rng.integers(0, 512))
                 d = n * (context + 1)
-                t = float(regression_features(n, c, d, p) @ TRUE_COEF) * float(np.exp(abs(rng.normal(0, noise))))
+                t = float(regression_features(n, c, d, p) @ coef) * float(np.exp(abs(rng.normal(0, noise))))
                 rows.append(
                     dict(
                         n_decodes=n,
@@ -85,6 +87,23 @@ def test_regression_recovers_the_true_model_and_scores_holdout():
         > 2 * holdout["median_abs_rel_error"]
     )
     assert result.report["table_holdout"]["steps"] == 54
+
+
+def test_the_regression_learns_that_a_token_costs_more_in_a_large_chunk_and_the_policy_takes_the_faster_chunk():
+    """An engine whose chunk costs grow as c^2 (vLLM's CPU build): the chunk's pairs of tokens,
+    c^2 / 2, are a term of their own, fitted, held out within 5 %, and the policy deciding on the
+    fit takes the chunk the true model prefills fastest."""
+    per_sequence = np.array([1.0, 0.5, 0.05, 0.3, 0.01, 0.4, 0.0, 12.0])
+    result = fit_profile(synthetic_profile(coef=per_sequence))
+    fitted = dict(zip(REGRESSION_TERMS, result.regression.coefficients))
+    assert fitted["per_1m_chunk_pairs_ms"] == pytest.approx(12.0, rel=0.1)
+    assert result.report["regression_holdout"]["median_abs_rel_error"] < 0.05
+    truth = FixedContextCost(RegressionCost(per_sequence), 256)
+    policy = SLOWeave(cost=FixedContextCost(result.regression, 256), max_chunk_tokens=4096)
+    chunk = policy.decide(8, 8000, 60.0).chunk_tokens
+    best = max(range(1, 4097), key=lambda c: c / truth(8, c) if truth(8, c) <= 60.0 else 0.0)
+    assert truth(8, chunk) <= 60.0 and chunk < policy._largest_fitting(8, 8000, 60.0).chunk_tokens
+    assert chunk / truth(8, chunk) >= 0.99 * best / truth(8, best)
 
 
 def test_fitted_costs_are_monotone_in_chunk_and_usable_by_the_policy():
@@ -209,7 +228,7 @@ def test_table_needs_a_full_grid_but_the_regression_does_not():
 
 def test_regression_rejects_negative_coefficients():
     with pytest.raises(ProfileError):
-        RegressionCost(np.array([1, 1, 1, 1, -0.1, 1, 1.0]))
+        RegressionCost(np.array([1, 1, 1, 1, -0.1, 1, 1, 1.0]))
 
 
 def test_simulator_runs_on_a_profiled_cost():
@@ -275,7 +294,7 @@ def test_regression_predict_matches_its_design_matrix():
     from sloweave.core.costs.fitted import RegressionCost, regression_features
 
     rng = np.random.default_rng(5)
-    cost = RegressionCost(rng.uniform(0.0, 2.0, 7))
+    cost = RegressionCost(rng.uniform(0.0, 2.0, 8))
     for _ in range(200):
         n, c, d, p = (int(v) for v in rng.integers(0, 5000, 4))
         expected = float(regression_features(n, c, d, p) @ cost.coefficients)

@@ -93,7 +93,7 @@ def test_ten_copies_of_one_step_are_one_step():
         [dict(n_decodes=4, chunk_tokens=256, decode_kv_tokens=1200, prefill_prefix_tokens=0, step_ms=3.5)] * 10
     )
     with pytest.raises(
-        ProfileError, match=r"1 distinct fit step\(s\) in \d+ row\(s\); the regression fit needs at least 7"
+        ProfileError, match=r"1 distinct fit step\(s\) in \d+ row\(s\); the regression fit needs at least 8"
     ):
         fit_profile(copies)
     # seven steps along one chunk size: enough rows and steps, but nothing says how time grows with c
@@ -191,7 +191,7 @@ def test_a_regression_that_prices_every_chunk_alike_is_refused():
         match=r"the regression fit prices chunk_tokens=4096 no higher than chunk_tokens=\d+ at n_decodes=\d+",
     ):
         fit_profile(flat, holdout_share=0.0)
-    constant = RegressionCost(np.array([0.85, 0, 0, 0, 0, 0, 0.0]))
+    constant = RegressionCost(np.array([0.85, 0, 0, 0, 0, 0, 0, 0.0]))
     rows = analytic_rows()
     with pytest.raises(ProfileError, match=r"its terms: base_ms 0.85 \(the others 0\)"):
         accept_fit("regression", constant, rows, rows.iloc[:0])

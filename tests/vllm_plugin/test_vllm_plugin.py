@@ -275,13 +275,12 @@ def test_vllm_default_scheduler_runs_in_the_same_harness():
     assert step.end_ms - step.start_ms > 10.0  # a 10 ms TPOT target is missed by the fixed budget
 
 
-def test_profile_file_as_the_cost_model(tmp_path):
-    """A step-time profile (the format `sloweave profile` and the GPU profiler write) drives the plug-in."""
+def write_grid_profile(path, step_ms) -> str:
+    """A step-time profile (the format `sloweave profile` and the GPU profiler write) of
+    ``step_ms(n, c, kv)`` with 3 % noise, on a grid of decodes, chunks and contexts."""
     import itertools
 
     import pandas as pd
-
-    from sloweave.core.costs.profile_fit import fit_profile_file
 
     rows = []
     rng = np.random.default_rng(1)
@@ -291,22 +290,28 @@ def test_profile_file_as_the_cost_model(tmp_path):
         if n == c == 0:
             continue  # an empty step is not a step
         kv = n * (context + 1)
-        step = COST(n, c) + 0.0002 * kv
         rows.append(
             {
                 "n_decodes": n,
                 "chunk_tokens": c,
                 "decode_kv_tokens": kv,
                 "prefill_prefix_tokens": 0,
-                "step_ms": step * rng.uniform(0.97, 1.03),
+                "step_ms": step_ms(n, c, kv) * rng.uniform(0.97, 1.03),
                 "context_tokens": context,
             }
         )
-    path = tmp_path / "profile.csv"
     pd.DataFrame(rows).to_csv(path, index=False)
+    return str(path)
+
+
+def test_profile_file_as_the_cost_model(tmp_path):
+    """A step-time profile drives the plug-in."""
+    from sloweave.core.costs.profile_fit import fit_profile_file
+
+    path = write_grid_profile(tmp_path / "profile.csv", lambda n, c, kv: COST(n, c) + 0.0002 * kv)
     fitted = fit_profile_file(path).cost("regression")
 
-    eng = engine(tpot_ms=10.0, cost=str(path))
+    eng = engine(tpot_ms=10.0, cost=path)
     for _ in range(4):
         eng.add(make_request(500, 30))
     eng.step()
@@ -320,7 +325,32 @@ def test_profile_file_as_the_cost_model(tmp_path):
     # the profile's margin states the quantile its table was fitted at (P99): the dashboards' coverage
     from sloweave.vllm_plugin.config import PluginConfig
 
-    assert PluginConfig(cost=str(path), profile_margin=True).build_decision().coverage == 0.99
+    assert PluginConfig(cost=path, profile_margin=True).build_decision().coverage == 0.99
+
+
+def test_where_a_token_costs_more_in_a_large_chunk_the_plugin_takes_the_fastest_chunk(tmp_path):
+    """A profile whose steps cost more per token in a large chunk (the chunk's own attention, as on
+    vLLM's CPU build): by default the chunk vLLM schedules beside the decodes is the one the fitted
+    cost prefills fastest within the deadline, smaller than the largest that fits; with
+    ``chunk_choice: largest`` it is the largest."""
+    from sloweave.core.costs.profile_fit import fit_profile_file
+
+    path = write_grid_profile(tmp_path / "profile.csv", lambda n, c, kv: 2.0 + 0.05 * n + 0.01 * c + 1e-5 * c * c / 2)
+    fitted = fit_profile_file(path).cost("regression")
+    chunks = {}
+    for choice in ("fastest", "largest"):
+        eng = engine(tpot_ms=60.0, cost=path, chunk_choice=choice)
+        for _ in range(4):
+            eng.add(make_request(500, 30))
+        eng.step()
+        eng.add(make_request(9000, 2))
+        step = eng.step()
+        chunks[choice] = step.prefill_tokens
+        assert step.decode_tokens == 4 and step.prefill_tokens == eng.scheduler.last_plan.chunk_tokens > 0
+    kv = 4 * 502
+    assert fitted.predict(4, chunks["largest"], kv, 0) <= 60.0 < fitted.predict(4, chunks["largest"] + 1, kv, 0)
+    rate = {choice: chunk / fitted.predict(4, chunk, kv, 0) for choice, chunk in chunks.items()}
+    assert chunks["fastest"] < chunks["largest"] and rate["fastest"] > 1.05 * rate["largest"]
 
 
 @pytest.mark.parametrize("overlap", [False, True])

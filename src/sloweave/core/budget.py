@@ -332,6 +332,11 @@ def check_clock_ms(now_ms: float) -> float:
     return now_ms
 
 
-def make_policy_for_engine(cost: CostModel, margin: Margin | None, max_chunk_tokens: int) -> SLOWeave:
+def make_policy_for_engine(
+    cost: CostModel, margin: Margin | None, max_chunk_tokens: int, chunk_choice: str = "fastest"
+) -> SLOWeave:
     """SLOWeave spreading its chunk over several prompts, as engines batch (vLLM, Sarathi)."""
-    return SLOWeave(cost=cost, margin=margin or ZeroMargin(), max_chunk_tokens=max_chunk_tokens, max_prefills=None)
+    margin = margin or ZeroMargin()
+    return SLOWeave(
+        cost=cost, margin=margin, max_chunk_tokens=max_chunk_tokens, max_prefills=None, chunk_choice=chunk_choice
+    )

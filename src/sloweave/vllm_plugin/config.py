@@ -19,6 +19,7 @@ Sources, later ones win: defaults, environment variables ``SLOWEAVE_*``, and vLL
 | step_log_max_steps | SLOWEAVE_STEP_LOG_MAX_STEPS | 1000000 | the log stops (and says so in its last line) after this many steps, about 400 bytes each |
 | online_correction | SLOWEAVE_ONLINE_CORRECTION | false | self-correction from the measured step times (`sloweave.core.costs.calibrated.self_correcting`, as the CPU runtime and the simulator): the cost is recalibrated online and the margin is the adaptive P99.7 of the corrected model's recent residuals |
 | budget_rule | SLOWEAVE_BUDGET_RULE | deadline | `deadline`: each step's token budget from the earliest next-token deadline (SLOWeave); `fixed`: vLLM's own `--max-num-batched-tokens` every step, planned, priced and logged as SLOWeave's would be (a step log and metrics of the tuned baseline, for the simulator's twin of it) |
+| chunk_choice | SLOWEAVE_CHUNK_CHOICE | fastest | among the chunks that meet the deadline, `fastest`: the one with the most prompt tokens per millisecond of the step (where the cost's per-token time rises with the chunk, as on vLLM's CPU build), `largest`: the largest (the paper's rule); the same on a cost whose per-token time does not rise |
 | margin_form | SLOWEAVE_MARGIN_FORM | relative | with `online_correction`, the adaptive margin's form: `relative` (the P99.7 of measured / corrected - 1 over all recent steps, times the step's prediction) or `per-step` (milliseconds: the P99.7 of measured - corrected of recent steps of the same kind and predicted time, `sloweave.core.costs.step_margin`); `per-step` needs `online_correction` |
 
 With ``online_correction`` the controller decides with ``SelfCorrection.cost`` (the ``cost``
@@ -43,6 +44,7 @@ from typing import TYPE_CHECKING
 from sloweave.core.costs.analytic import AnalyticCost
 from sloweave.core.costs.margins import ConstantMargin, RelativeMargin, ZeroMargin
 from sloweave.core.costs.protocols import CostModel, Margin
+from sloweave.core.policy import CHUNK_CHOICES
 from sloweave.core.step_log import DEFAULT_MAX_STEPS
 from sloweave.core.validate import MARGIN_MS, TOKENS, Range, whole_number
 
@@ -109,6 +111,7 @@ class PluginConfig:
     step_log: str = ""
     step_log_max_steps: int = DEFAULT_MAX_STEPS
     budget_rule: str = "deadline"
+    chunk_choice: str = "fastest"
 
     def __post_init__(self) -> None:
         # Numbers are kept as the checked floats: an integer past int64 (2**64 in the JSON) is a
@@ -165,6 +168,10 @@ class PluginConfig:
         if self.budget_rule not in BUDGET_RULES:
             raise PluginConfigError(
                 f"sloweave config: budget_rule must be one of {', '.join(BUDGET_RULES)}, got {self.budget_rule!r}"
+            )
+        if self.chunk_choice not in CHUNK_CHOICES:
+            raise PluginConfigError(
+                f"sloweave config: chunk_choice must be one of {', '.join(CHUNK_CHOICES)}, got {self.chunk_choice!r}"
             )
 
     @classmethod

@@ -157,7 +157,7 @@ class SLOWeaveSchedulerMixin:
         schedules as vanilla vLLM does, and its steps are still planned, priced and logged."""
         if config.budget_rule == "fixed":
             return TokenBudget(self._configured_budget, max_prefills=None, cost=decision.cost)
-        return make_policy_for_engine(decision.cost, decision.margin, max_chunk)
+        return make_policy_for_engine(decision.cost, decision.margin, max_chunk, config.chunk_choice)
 
     def _open_step_log(self, config: PluginConfig, rank: int) -> StepLogWriter | None:
         if not config.step_log:

@@ -11,7 +11,8 @@ Three things are fitted from a profile:
     hole it leaves in the grid hides a drop).
 (b) ``RegressionCost``: non-negative least squares on terms that each grow with c, so the
     model is monotone in c by construction. The context terms matter on engines whose
-    attention reads the whole packed batch (transformers on CPU: cost ~ query x KV tokens).
+    attention reads the whole packed batch (transformers on CPU: cost ~ query x KV tokens);
+    the chunk's square on vLLM's CPU build, where a token costs more in a large chunk.
 (c) ``ResidualMargin``: delta(n, c) = r(n, c) x T(n, c), with r the P99 of out-of-fold relative
     residuals per (n, c) bucket, non-decreasing along c so T + delta stays monotone.
 
@@ -77,18 +78,23 @@ class ContextualCost:
 def regression_features(n, c, d, p) -> np.ndarray:
     """Design matrix of ``RegressionCost``; every column is non-decreasing in c.
 
-    Columns: 1, 1[n>0], n, 1[c>0], c, KV read / 1e3, (query tokens x KV read) / 1e6.
-    The last is the attention over a packed batch with a dense mask: n + c query rows
-    against every KV token of the step (decodes' contexts, the chunk's prefix and itself).
+    Columns: 1, 1[n>0], n, 1[c>0], c, KV read / 1e3, (query tokens x KV read) / 1e6,
+    (pairs of chunk tokens, c^2 / 2) / 1e6. The seventh is the attention over a packed batch
+    with a dense mask: n + c query rows against every KV token of the step (decodes' contexts,
+    the chunk's prefix and itself). The last makes a token dearer in a large chunk than in a
+    small one, as on vLLM's CPU build (about 18 us a token at 512, 25 at 2,048), so the prefill
+    rate c / T can peak below the largest chunk; the other columns are affine in c. It leaves
+    the chunk's prefix out on purpose: c x (p + c / 2), fitted to the same profile (whose chunks
+    all start at prefix 0), priced a long prompt's later chunks far above what the served engine
+    ran (the simulator put tuned 512 at attainment 0.25-0.43 where the engine attained 1.00).
     """
     n = np.asarray(n, dtype=float)
     c = np.asarray(c, dtype=float)
     d = np.asarray(d, dtype=float)
     p = np.asarray(p, dtype=float)
     kv = d + np.where(c > 0, p + c, 0.0)
-    return np.stack(
-        [np.ones_like(n), (n > 0).astype(float), n, (c > 0).astype(float), c, kv / 1e3, (n + c) * kv / 1e6], axis=-1
-    )
+    columns = [np.ones_like(n), (n > 0).astype(float), n, (c > 0).astype(float), c, kv / 1e3, (n + c) * kv / 1e6]
+    return np.stack([*columns, c * c / 2e6], axis=-1)
 
 
 REGRESSION_TERMS = (
@@ -99,6 +105,7 @@ REGRESSION_TERMS = (
     "per_chunk_token_ms",
     "per_1k_kv_ms",
     "per_query_x_1m_kv_ms",
+    "per_1m_chunk_pairs_ms",
 )
 
 
@@ -106,7 +113,7 @@ def nnls(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     """Exact non-negative least squares for a handful of columns, by trying every support.
 
     The optimum is the unconstrained solution on its own support, so the best feasible
-    support over all 2^k subsets is the answer (k = 7 here: 127 small solves).
+    support over all 2^k subsets is the answer (k = 8 here: 255 small solves).
     """
     k = a.shape[1]
     best, best_err = np.zeros(k), float(np.sum(b * b))
@@ -150,10 +157,11 @@ class RegressionCost(ContextualCost):
     def predict(self, n_decodes: int, chunk_tokens: int, decode_kv_tokens: int, prefill_prefix_tokens: int) -> float:
         # Plain float arithmetic (the same terms as regression_features): the policy calls
         # this a dozen times per decision, and numpy's per-call overhead would dominate.
-        base, decode_base, per_decode, prefill_base, per_chunk_token, per_1k_kv, per_query_kv = self._coef
+        base, decode_base, per_decode, prefill_base, per_chunk_token, per_1k_kv, per_query_kv, per_pair = self._coef
         kv = decode_kv_tokens + (prefill_prefix_tokens + chunk_tokens if chunk_tokens > 0 else 0)
         t = base + per_decode * n_decodes + per_chunk_token * chunk_tokens + per_1k_kv * kv / 1e3
         t += per_query_kv * (n_decodes + chunk_tokens) * kv / 1e6
+        t += per_pair * chunk_tokens * chunk_tokens / 2e6
         if n_decodes > 0:
             t += decode_base
         if chunk_tokens > 0:

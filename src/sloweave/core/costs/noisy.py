@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -35,7 +36,9 @@ class NoisyCost:
         object.__setattr__(self, "_rng", np.random.default_rng(self.seed))
 
     def __call__(self, n_decodes: int, chunk_tokens: int) -> float:
-        factor = float(np.exp(self._rng.normal(0.0, self.sigma))) if self.sigma else 1.0  # type: ignore[attr-defined]
+        # libm's exp, not numpy's: numpy's is vectorised per CPU (its AVX-512 kernel differs in
+        # the last bit), and a seeded run must give the same times on every machine
+        factor = math.exp(self._rng.normal(0.0, self.sigma)) if self.sigma else 1.0  # type: ignore[attr-defined]
         if self.max_factor is not None:
             factor = min(factor, self.max_factor)
         return self.cost(n_decodes, chunk_tokens) * factor * self.bias
