@@ -33,15 +33,15 @@ COLUMNS = ("ran_decode_tokens", "ran_prefill_tokens", "decode_kv_tokens", "prefi
 
 
 def replay(log_path: Path, config: dict, max_chunk_tokens: int) -> dict:
-    from sloweave.core.budget import make_policy_for_engine
     from sloweave.core.step_log import read_step_log
     from sloweave.vllm_plugin.config import PluginConfig
 
-    parts = PluginConfig.from_sources({"sloweave": config}).build_decision()
+    plugin = PluginConfig.from_sources({"sloweave": config})
+    parts = plugin.build_decision()
     if parts.correction is None:
         raise SystemExit("--config: the replay feeds online correction; set online_correction: true")
     cost, calibrator = parts.cost, parts.correction.calibrator
-    policy = make_policy_for_engine(cost, parts.margin, max_chunk_tokens)
+    policy = plugin.deadline_policy(parts, max_chunk_tokens)
     chunks, infeasible = [], 0
     for n, c, kv, prefix, measured_ms, decodes, pending, budget_ms in (
         read_step_log(log_path).steps[list(COLUMNS)].to_numpy()

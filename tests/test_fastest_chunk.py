@@ -164,9 +164,8 @@ def test_with_tile_edges_the_tile_edge_rule_is_kept_or_improved(n, budget):
 
 def test_on_the_cpu_engines_profile_both_fitted_models_take_a_smaller_faster_chunk():
     """The CPU engine's fitted costs at a 39 ms budget with a few decodes. Its measured steps cost more
-    per token in a large chunk: the table follows them, and
-    the regression has a term for it, so for both the fastest chunk is smaller than the largest
-    fitting one and prefills faster. (A regression without that term is affine in the chunk and
+    per token in a large chunk: the table follows them, and the regression has a term for it, so
+    for both the fastest chunk is smaller than the largest fitting one and prefills faster. (A regression without that term is affine in the chunk and
     would keep the largest.)"""
     fit = fit_profile_file(CPU_PROFILE)
     for kind in ("regression", "table"):
@@ -190,3 +189,14 @@ def test_the_choice_is_named_and_checked():
         SLOWeave(chunk_choice="smallest")
     with pytest.raises(ValueError, match="unknown policy"):
         make_policy("fixed-512-largest")
+
+
+def test_the_plugins_configuration_builds_its_policy_with_its_choice():
+    """The scheduler and the replay of its decisions build SLOWeave from the plug-in's configuration:
+    its ``chunk_choice`` reaches the policy (default ``fastest``)."""
+    from sloweave.vllm_plugin.config import PluginConfig
+
+    for keys, expected in (({}, "fastest"), ({"chunk_choice": "largest"}, "largest")):
+        config = PluginConfig.from_sources({"sloweave": keys}, {})
+        policy = config.deadline_policy(config.build_decision(), 2048)
+        assert policy.chunk_choice == expected and policy.max_chunk_tokens == 2048

@@ -19,7 +19,7 @@ import pytest
 from click.testing import CliRunner
 
 from sloweave.cli import main
-from sloweave.core.budget import BudgetController, StepPlan, make_policy_for_engine
+from sloweave.core.budget import BudgetController, StepPlan
 from sloweave.core.costs.calibrated import self_correcting
 from sloweave.core.costs.analytic import AnalyticCost
 from sloweave.core.costs.fitted import RegressionCost
@@ -130,7 +130,7 @@ def test_the_runtime_and_the_plugins_controller_make_the_same_plans(engine, prof
     # SLOWeaveSchedulerMixin.__init__'s controller (its per-request targets come from the requests' extra args)
     plugin = config.build_decision()
     controller = BudgetController(
-        make_policy_for_engine(plugin.cost, plugin.margin, min(config.max_chunk_tokens, engine.max_batch_tokens)),
+        config.deadline_policy(plugin, min(config.max_chunk_tokens, engine.max_batch_tokens)),
         default_tpot_ms=config.tpot_ms,
         max_budget_tokens=engine.max_batch_tokens,
         aging_ms=config.aging_ms or None,

@@ -41,10 +41,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING
 
+from sloweave.core.budget import make_policy_for_engine
 from sloweave.core.costs.analytic import AnalyticCost
 from sloweave.core.costs.margins import ConstantMargin, RelativeMargin, ZeroMargin
 from sloweave.core.costs.protocols import CostModel, Margin
-from sloweave.core.policy import CHUNK_CHOICES
+from sloweave.core.policy import CHUNK_CHOICES, SLOWeave
 from sloweave.core.step_log import DEFAULT_MAX_STEPS
 from sloweave.core.validate import MARGIN_MS, TOKENS, Range, whole_number
 
@@ -239,6 +240,11 @@ class PluginConfig:
             # the residual quantile the fit's margin table was made at (its report says which)
             return DecisionParts(cost, margin, coverage=resolved.fit.report["margin_quantile"] / 100.0)
         return DecisionParts(cost, self._plain_margin(cost))
+
+    def deadline_policy(self, decision: DecisionParts, max_chunk_tokens: int) -> SLOWeave:
+        """The plug-in's SLOWeave on ``decision``'s cost and margin, with this configuration's
+        ``chunk_choice``: the one place the scheduler, and whatever replays its decisions, build it."""
+        return make_policy_for_engine(decision.cost, decision.margin, max_chunk_tokens, self.chunk_choice)
 
     def resolved_cost(self):
         """The ``cost`` spec resolved by the core (``sloweave.core.costs.resolve.ResolvedCost``): its model,

@@ -36,7 +36,7 @@ from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import Request, RequestStatus
 
-from sloweave.core.budget import BudgetController, StepPlan, StepState, check_clock_ms, make_policy_for_engine
+from sloweave.core.budget import BudgetController, StepPlan, StepState, check_clock_ms
 from sloweave.core.decision_metrics import Recorders, flush_recorder
 from sloweave.core.policy import TokenBudget
 from sloweave.core.step_log import StepLogWriter
@@ -157,7 +157,7 @@ class SLOWeaveSchedulerMixin:
         schedules as vanilla vLLM does, and its steps are still planned, priced and logged."""
         if config.budget_rule == "fixed":
             return TokenBudget(self._configured_budget, max_prefills=None, cost=decision.cost)
-        return make_policy_for_engine(decision.cost, decision.margin, max_chunk, config.chunk_choice)
+        return config.deadline_policy(decision, max_chunk)
 
     def _open_step_log(self, config: PluginConfig, rank: int) -> StepLogWriter | None:
         if not config.step_log:

@@ -86,7 +86,7 @@ def regression_features(n, c, d, p) -> np.ndarray:
     rate c / T can peak below the largest chunk; the other columns are affine in c. It leaves
     the chunk's prefix out on purpose: c x (p + c / 2), fitted to the same profile (whose chunks
     all start at prefix 0), priced a long prompt's later chunks far above what the served engine
-    ran (the simulator put tuned 512 at attainment 0.25-0.43 where the engine attained 1.00).
+    ran (the simulator put tuned 512 at attainment 0.25-0.43 where the engine attained 0.67-1.00).
     """
     n = np.asarray(n, dtype=float)
     c = np.asarray(c, dtype=float)
