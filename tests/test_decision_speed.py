@@ -7,6 +7,7 @@ pricer and one through ``__call__``; the tiny fixture's profiled range is small 
 128-token chunk, a 64-token prefix, 4 decodes), so most draws cross one of its edges.
 """
 
+import math
 import warnings
 from pathlib import Path
 
@@ -19,6 +20,7 @@ from sloweave.core.costs.calibrated import MARGIN_FORMS, CalibratedCost, self_co
 from sloweave.core.costs.fitted import C_BUCKET_EDGES, N_BUCKET_EDGES, ContextualCost, ResidualMargin
 from sloweave.core.costs.margins import ConstantMargin, RelativeMargin, ZeroMargin
 from sloweave.core.costs.profile import profile_cost
+from sloweave.core.largest_chunk import SECANT_ALLOWANCE, largest_fitting
 from sloweave.core.policy import SLOWeave
 
 TINY = str(Path(__file__).parent / "fixtures" / "profiles" / "tiny")
@@ -225,3 +227,73 @@ def test_the_corrected_costs_pricer_gives_its_floats_asking_the_base_once_per_ch
     assert base.queries == sum(chunk > 0 for chunk in chunks)
     assert got == [cost(n_decodes, chunk).hex() for chunk in chunks]
     assert price(n_decodes + 1, chunks[0]).hex() == cost(n_decodes + 1, chunks[0]).hex()
+
+
+def _bisection(predicted, n_decodes: int, budget_ms: float, hi: int) -> tuple[int, int]:
+    """The plain binary search ``largest_fitting`` replaces: (answer, probes)."""
+    lo, probes = 0, 0
+    while hi - lo > 1:
+        mid, probes = (lo + hi) // 2, probes + 1
+        lo, hi = (mid, hi) if predicted(n_decodes, mid) <= budget_ms else (lo, mid)
+    return lo, probes
+
+
+@settings(max_examples=200, deadline=None, derandomize=True)
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    hi=st.integers(1, 4096),
+    budget_ms=st.floats(0.0, 400.0),
+    infinite_from=st.one_of(st.none(), st.integers(1, 4096)),
+)
+def test_the_secant_search_answers_as_bisection_on_any_monotone_cost(seed, hi, budget_ms, infinite_from):
+    """Plateaus, jumps and an infinite prediction past some chunk (a cost past its data): the
+    bracketing search keeps its invariant, so its answer is bisection's, with at most
+    ``SECANT_ALLOWANCE`` probes more than bisection's worst case."""
+    rng = np.random.default_rng(seed)
+    steps = rng.uniform(0.0, 0.2, hi + 1)
+    steps[rng.random(hi + 1) < rng.uniform(0.0, 0.9)] = 0.0
+    steps[rng.random(hi + 1) < 0.02] += rng.uniform(1.0, 30.0)
+    table = np.cumsum(steps)
+    if infinite_from is not None:
+        table[min(infinite_from, hi) :] = np.inf
+    probes = []
+    predicted = lambda n, c: probes.append(c) or float(table[c])  # noqa: E731
+    if table[0] > budget_ms or table[hi] <= budget_ms:
+        return  # the search is asked only when 0 fits and hi does not
+    expected, _ = _bisection(predicted, 1, budget_ms, hi)
+    probes.clear()
+    assert largest_fitting(predicted, 1, budget_ms, float(table[0]), hi, float(table[hi])) == expected
+    assert len(probes) <= math.ceil(math.log2(hi)) + SECANT_ALLOWANCE
+    assert all(0 < c < hi for c in probes)
+
+
+def test_the_secant_search_lands_in_a_few_probes_on_a_smooth_cost():
+    """The CPU engine's corrected fit is smooth in c: bisection over 4,096 tokens takes 12 probes."""
+    cost = CountingConvexCost()
+    price = lambda n, c: cost.predict(n, c, 0, 0) * 1.3 + 0.5  # noqa: E731
+    most = 0
+    for budget_ms in np.linspace(price(16, 0) + 0.01, price(16, 4096) - 0.01, 200):
+        probes = []
+        counted = lambda n, c: probes.append(c) or price(n, c)  # noqa: E731
+        chunk = largest_fitting(counted, 16, budget_ms, price(16, 0), 4096, price(16, 4096))
+        assert chunk == _bisection(price, 16, budget_ms, 4096)[0]
+        most = max(most, len(probes))
+    assert most <= 6
+
+
+def test_the_online_relative_margin_prices_a_search_with_one_fraction_and_the_same_floats():
+    """After its warm-up the adaptive margin's r is one number per decision: the search's pricer
+    takes T + r T without asking the margin per chunk, float for float what the margin gives."""
+    built = {name: (cost, margin) for name, cost, margin, _ in _margins_reading_the_cost()}
+    cost, margin = built["online relative"]
+    policy = SLOWeave(cost=cost, margin=margin)
+    cost.set_context(16 * 1025, 0)
+    for budget_ms in (8.0, 20.0, 60.0):
+        margin.set_step(16, budget_ms)
+        assert margin.step_fraction() is not None
+        price = policy._predicted_at(16)
+        for chunk in (0, 1, 77, 900, 4096):
+            expected = cost(16, chunk) + margin(16, chunk)
+            assert price(16, chunk).hex() == expected.hex()
+    warming = self_correcting(CountingConvexCost())  # too few steps seen: the margin varies with c
+    assert warming.margin.step_fraction() is None

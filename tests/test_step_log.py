@@ -133,3 +133,48 @@ def test_sloweave_fit_reads_a_step_log(tmp_path):
     result = CliRunner().invoke(main, ["fit", str(tmp_path / "served.jsonl")])
     assert result.exit_code == 0, result.output
     assert json.loads(result.stdout)["report"]["fit_steps"] + json.loads(result.stdout)["report"]["holdout_steps"] == 18
+
+
+def test_each_step_records_its_prompts_on_offer_one_by_one(tmp_path):
+    step = StepPlan(
+        4 + 300, 300, 0.0, 0.0, 20.0, 5.0, False, False, 4,
+        pending_prompt_tokens=1100, prompts_on_offer=2, offer=((900, 128), (200, 0)),
+    )  # fmt: skip
+    steps = read_step_log(written(tmp_path / "s.jsonl", [step, plan(0)])).steps
+    assert steps["offer"].tolist() == [[[900, 128], [200, 0]], []]
+
+
+def test_a_format_1_log_without_offers_still_reads(tmp_path):
+    path = written(tmp_path / "s.jsonl", [plan(64)])
+    header, line = (json.loads(text) for text in path.read_text().splitlines())
+    header["format"] = 1
+    del line["offer"]
+    path.write_text(json.dumps(header) + "\n" + json.dumps(line) + "\n")
+    steps = read_step_log(path).steps
+    assert steps["chunk_tokens"].tolist() == [64] and steps["offer"].tolist() == [None]
+
+
+@pytest.mark.parametrize(
+    "offer, message",
+    [
+        ([[100, 0]], "offer must be a list of 0 prompts"),
+        ("none", "offer must be a list of 0 prompts"),
+    ],
+)
+def test_an_offer_that_does_not_match_its_count_is_refused(tmp_path, offer, message):
+    path = written(tmp_path / "s.jsonl", [plan(0)])
+    header, line = (json.loads(text) for text in path.read_text().splitlines())
+    line["offer"] = offer
+    path.write_text(json.dumps(header) + "\n" + json.dumps(line) + "\n")
+    with pytest.raises(StepLogError, match=f"line 2: {message}"):
+        read_step_log(path)
+
+
+@pytest.mark.parametrize("prompt", [[0, 0], [10, -1], [10], [10.5, 0], [True, 0], "10,0"])
+def test_a_prompt_on_offer_that_is_not_tokens_and_computed_tokens_is_refused(tmp_path, prompt):
+    path = written(tmp_path / "s.jsonl", [plan(0)])
+    header, line = (json.loads(text) for text in path.read_text().splitlines())
+    line.update(offer=[prompt], prompts_on_offer=1)
+    path.write_text(json.dumps(header) + "\n" + json.dumps(line) + "\n")
+    with pytest.raises(StepLogError, match="line 2: each prompt on offer must be"):
+        read_step_log(path)

@@ -12,7 +12,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from sloweave.core.step_log import STEP_FIELDS, read_step_log
+from sloweave.core.step_log import FORMAT, STEP_FIELDS, read_step_log
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import twin_fidelity  # noqa: E402
@@ -87,9 +87,10 @@ def test_capacity_table_compares_the_study_with_the_real_capacity():
 
 
 def write_log(path: Path, steps: int) -> None:
-    lines = [{"kind": "header", "format": 1}]
+    lines = [{"kind": "header", "format": FORMAT}]
     for i in range(steps):
         values = dict.fromkeys(STEP_FIELDS, 0)
+        values["offer"] = []
         values.update(step=i, start_ms=10.0 * i, measured_ms=5.0 + i, decode_tokens=1, ran_decode_tokens=1,
                       chunk_tokens=64, ran_prefill_tokens=64, token_budget=2048, budget_ms=40.0,
                       predicted_ms=5.0, margin_ms=1.0, base_predicted_ms=5.0, infeasible=False, aged=False)  # fmt: skip

@@ -61,6 +61,12 @@ def test_the_step_log_holds_every_step_the_engine_ran_with_its_plan_and_measured
     no_deadline = steps["decode_tokens"] == 0  # nothing decoding: the budget is +inf
     assert no_deadline.iloc[0] and (steps["budget_ms"].map(math.isinf) == no_deadline).all() and not no_deadline.all()
     assert 0 < steps["chunk_tokens"].iloc[3] < 4096 and (steps["pending_prompt_tokens"] >= steps["chunk_tokens"]).all()
+    # the prompts on offer one by one, in vLLM's order: the partial prompt (its computed tokens), then the waiting
+    assert steps["offer"].iloc[0] == [[6000, 0]]
+    assert steps["offer"].iloc[1] == [[6000 - 4096, 4096], [40, 0], [40, 0], [40, 0]]
+    assert (
+        steps["offer"].map(lambda offer: sum(tokens for tokens, _ in offer)) == steps["pending_prompt_tokens"]
+    ).all()
     # measured: the step's own time (synchronous) or from its re-timed start (overlapped)
     with_prefill = steps["ran_prefill_tokens"] > 0
     late = steps["measured_ms"] > steps["predicted_ms"]

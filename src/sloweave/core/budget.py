@@ -80,6 +80,8 @@ class StepPlan:
     prompts_on_offer: int = 0
     policy_chunk_tokens: int = 0  # the decision's chunk (policy, then aging) before the engine's cap
     deadline_ms: float = math.inf  # the earliest next-token deadline budget_ms counts to (+inf: none)
+    # (prompt tokens on offer, tokens of it already computed) per prompt, in the engine's order
+    offer: tuple[tuple[int, int], ...] = ()
 
 
 @dataclass
@@ -223,6 +225,7 @@ class BudgetController:
             len(state.prompts_on_offer),
             decided,
             deadline_ms,
+            state.prompts_on_offer,
         )
         self.stats.steps += 1
         self.stats.infeasible_steps += infeasible

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple, Protocol
 
 from sloweave.core.fastest_chunk import fastest_chunk, rate_can_peak
+from sloweave.core.largest_chunk import largest_fitting
 from sloweave.core.validate import positive_ms, positive_tokens
 from sloweave.core.costs.analytic import AnalyticCost
 from sloweave.core.costs.margins import ConstantMargin, ZeroMargin, chunk_pricer_plus_margin, plus_margin
@@ -75,8 +76,9 @@ def _check_max_prefills(value: int | None) -> None:
 class SLOWeave:
     """The prefill chunk that meets the earliest deadline and prefills fastest.
 
-    c* = max { c in [0, min(C_max, L)] : T(n, c) + delta(n, c) <= B }, found by binary
-    search because T is monotone in c, is the largest safe chunk; every smaller one is safe too.
+    c* = max { c in [0, min(C_max, L)] : T(n, c) + delta(n, c) <= B }, found by a bracketing
+    search because T is monotone in c (``largest_fitting``), is the largest safe chunk; every
+    smaller one is safe too.
     When c* < L, ``chunk_choice="fastest"`` takes the safe chunk with the highest rate
     c / (T + delta), which is c* itself on a cost whose rate never peaks (the analytic model):
     ``sloweave.core.fastest_chunk``. Decode-only when no prompt waits or nothing fits;
@@ -178,11 +180,12 @@ class SLOWeave:
         # ``_predicted_at`` and ``_largest_fitting`` inlined up to the search: this runs every iteration
         pricer = self._pricer
         predicted = self._predicted if pricer is None else pricer(n_decodes)
-        if predicted(n_decodes, 0) > budget_ms:
+        decode_only_ms = predicted(n_decodes, 0)
+        if decode_only_ms > budget_ms:
             return _INFEASIBLE
         if upper <= 0:
             return _DECODE_ONLY
-        chunk = self._fitting_chunk(n_decodes, upper, budget_ms, predicted)
+        chunk = self._fitting_chunk(n_decodes, upper, budget_ms, predicted, decode_only_ms)
         if not self._seeks_fastest or not chunk or chunk >= waiting_tokens:
             return _decision(Decision, (chunk, False))  # the whole prompt fits: finishing it serves TTFT best
         return _decision(Decision, (fastest_chunk(predicted, n_decodes, chunk, self._tile_edges), False))
@@ -202,14 +205,18 @@ class SLOWeave:
             return Decision(upper)
         if predicted is None:
             predicted = self._predicted_at(n_decodes)
-        if predicted(n_decodes, 0) > budget_ms:
+        decode_only_ms = predicted(n_decodes, 0)
+        if decode_only_ms > budget_ms:
             return Decision(0, True)
         if upper <= 0:
             return Decision(0)
-        return Decision(self._fitting_chunk(n_decodes, upper, budget_ms, predicted))
+        return Decision(self._fitting_chunk(n_decodes, upper, budget_ms, predicted, decode_only_ms))
 
-    def _fitting_chunk(self, n_decodes: int, upper: int, budget_ms: float, predicted: CostModel) -> int:
-        """The largest chunk in [0, upper] whose T + delta fits the budget, given that 0 fits."""
+    def _fitting_chunk(
+        self, n_decodes: int, upper: int, budget_ms: float, predicted: CostModel, decode_only_ms: float
+    ) -> int:
+        """The largest chunk in [0, upper] whose T + delta fits the budget, given that 0 fits
+        (its T + delta: ``decode_only_ms``)."""
         lo, hi = 0, upper  # invariant: lo fits the budget; hi does not, once checked
         if self._estimate is not None:
             # A linear model can be inverted; the guess is checked against T + delta and
@@ -226,8 +233,11 @@ class SLOWeave:
             else:
                 lo = guess + 1
         if hi == upper:
-            if predicted(n_decodes, upper) <= budget_ms:
+            upper_ms = predicted(n_decodes, upper)
+            if upper_ms <= budget_ms:
                 return upper
+            if lo == 0 and self._tile_edges is None:  # a tiled cost jumps at its edges: the secant would miss
+                return largest_fitting(predicted, n_decodes, budget_ms, decode_only_ms, upper, upper_ms)
         while hi - lo > 1:
             mid = (lo + hi) // 2
             if predicted(n_decodes, mid) <= budget_ms:

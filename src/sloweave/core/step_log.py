@@ -4,10 +4,11 @@ A ``StepLogWriter`` is a ``DecisionRecorder`` (``sloweave.core.decision_metrics`
 plug-in writes one when its configuration names a ``step_log`` file. The first line is a
 header (format, version, the engine's settings, the clock); each later line is one step that
 came back: what was planned (decodes, chunk, token budget, time budget, prediction and its
-margin), what the engine really scheduled, the KV context, the prompts on offer, and the
-measured time. The file is bounded: after ``max_steps`` steps one last line says the log
-stopped, so a long-running server cannot fill its disk. ``read_step_log`` reads it back for
-``sloweave served-run`` (pictures of a served run, beside the simulator's), and
+margin), what the engine really scheduled, the KV context, the prompts on offer (each one's
+tokens on offer and tokens already computed), and the measured time. The file is bounded:
+after ``max_steps`` steps one last line says the log stopped, so a long-running server cannot
+fill its disk. ``read_step_log`` reads it back for ``sloweave served-run`` (pictures of a served
+run, beside the simulator's), and
 ``profile_rows`` turns it into a step-time profile (``sloweave fit`` and ``--cost`` read a
 ``.jsonl`` step log as one), so a profile can be taken while serving, not only in isolation.
 
@@ -45,7 +46,8 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-FORMAT = 1
+FORMAT = 2  # 2: each step's ``offer``, prompt by prompt; format 1 logs (without it) still read
+READS_FORMATS = (1, 2)
 DEFAULT_MAX_STEPS = 1_000_000  # about 400 MB of log; a served hour at 250 steps/s
 # the columns of a step line, in order (the reader checks every line has exactly these)
 STEP_FIELDS = (
@@ -61,6 +63,7 @@ STEP_FIELDS = (
     "prefill_prefix_tokens",
     "pending_prompt_tokens",
     "prompts_on_offer",
+    "offer",  # [[prompt tokens on offer, tokens of it already computed], ...] in the engine's order
     "budget_ms",
     "predicted_ms",
     "margin_ms",
@@ -92,6 +95,9 @@ FIELD_RANGES = {
     **{name: (REQUEST_COUNT, False) for name in ("prompts_on_offer", "late_requests")},
 }
 FLAG_FIELDS = ("infeasible", "aged")
+OFFER_FIELD = "offer"
+# a format 1 step: no offer
+_FORMAT_1_FIELDS = tuple(name for name in STEP_FIELDS if name != OFFER_FIELD)
 
 
 class StepLogError(ValueError):
@@ -158,6 +164,7 @@ class StepLogWriter:
                     plan.prefill_prefix_tokens,
                     plan.pending_prompt_tokens,
                     plan.prompts_on_offer,
+                    [[int(tokens), int(computed)] for tokens, computed in plan.offer],
                     _number_or_null(plan.budget_ms),
                     plan.predicted_ms,
                     plan.margin_ms,
@@ -227,16 +234,20 @@ def read_step_log(path: str | Path) -> StepLog:
     if not records or records[0].get("kind") != "header":
         raise StepLogError(f"step log {path}: the first line must be its header (is this a sloweave step log?)")
     header = records[0]
-    if header.get("format") != FORMAT:
-        raise StepLogError(f"step log {path}: format {header.get('format')!r}, this sloweave reads format {FORMAT}")
+    if header.get("format") not in READS_FORMATS:
+        raise StepLogError(
+            f"step log {path}: format {header.get('format')!r}, this sloweave reads formats "
+            f"{', '.join(map(str, READS_FORMATS))}"
+        )
+    expected = STEP_FIELDS if header["format"] == FORMAT else _FORMAT_1_FIELDS
     rows, stopped = [], None
     for number, record in enumerate(records[1:], start=2):
         kind = record.get("kind")
         if kind == "step" and stopped is None:
             fields = tuple(k for k in record if k != "kind")
-            if fields != STEP_FIELDS:
-                raise StepLogError(f"step log {path}, line {number}: a step needs the fields {', '.join(STEP_FIELDS)}")
-            rows.append(tuple(record[k] for k in STEP_FIELDS))
+            if fields != expected:
+                raise StepLogError(f"step log {path}, line {number}: a step needs the fields {', '.join(expected)}")
+            rows.append(tuple(record.get(k) for k in STEP_FIELDS))  # a format 1 step's offer: None
         elif kind == "stopped" and stopped is None:
             stopped = str(record.get("why", "stopped"))
         else:
@@ -262,6 +273,9 @@ def _check_fields(path: Path, rows: list[tuple]) -> None:
     """Every field of every step in its range (a boolean is no count, 1e20 no token count):
     the first bad value is named with its line (steps start on line 2)."""
     for index, column in enumerate(STEP_FIELDS):
+        if column == OFFER_FIELD:
+            _check_offers(path, rows, index, STEP_FIELDS.index("prompts_on_offer"))
+            continue
         if column in FLAG_FIELDS:
             bad = next((i for i, row in enumerate(rows) if type(row[index]) is not bool), None)
             expected = "true or false"
@@ -273,6 +287,32 @@ def _check_fields(path: Path, rows: list[tuple]) -> None:
             raise StepLogError(
                 f"step log {path}, line {bad + 2}: {column} must be {expected}, got {rows[bad][index]!r}"
             )
+
+
+def _check_offers(path: Path, rows: list[tuple], index: int, count_index: int) -> None:
+    """Each step's offer (format 2; None in format 1) is a list of [tokens >= 1, computed >= 0]
+    pairs, one per prompt the step's ``prompts_on_offer`` counts."""
+    for line, row in enumerate(rows, start=2):
+        offer = row[index]
+        if offer is None:
+            continue
+        if not isinstance(offer, list) or len(offer) != row[count_index]:
+            raise StepLogError(
+                f"step log {path}, line {line}: offer must be a list of {row[count_index]!r} prompts "
+                f"(prompts_on_offer), got {offer!r}"
+            )
+        for prompt in offer:
+            if not (
+                isinstance(prompt, list)
+                and len(prompt) == 2
+                and _in_range(prompt[0], TOKEN_COUNT, False)
+                and prompt[0] >= 1
+                and _in_range(prompt[1], TOKEN_COUNT, False)
+            ):
+                raise StepLogError(
+                    f"step log {path}, line {line}: each prompt on offer must be [tokens >= 1, computed tokens >= 0], "
+                    f"got {prompt!r}"
+                )
 
 
 def profile_rows(log: StepLog) -> "pd.DataFrame":

@@ -265,9 +265,15 @@ class AdaptiveMargin:
                 self._step_fraction = calibrator.residual_quantile(level)
 
     def fraction(self, n_decodes: int, chunk_tokens: int) -> float:
+        fraction = self.step_fraction()
+        return self.fallback.fraction(n_decodes, chunk_tokens) if fraction is None else fraction
+
+    def step_fraction(self) -> float | None:
+        """r for every chunk of the decision ``set_step`` announced (``ProportionalPerStep``); None
+        while the profile's margin stands in (its r depends on the chunk)."""
         calibrator = self.cost.calibrator
         if len(calibrator.recent_residuals) < self.min_steps:
-            return self.fallback.fraction(n_decodes, chunk_tokens)
+            return None
         step_fraction = self._step_fraction
         return calibrator.residual_quantile(self.quantile) if step_fraction is None else step_fraction
 

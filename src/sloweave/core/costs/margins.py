@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from collections.abc import Callable
 
-from sloweave.core.costs.protocols import CostModel, CostModelError, Margin, PricesChunks
+from sloweave.core.costs.protocols import CostModel, CostModelError, Margin, PricesChunks, ProportionalPerStep
 from sloweave.core.validate import MARGIN_MS, non_negative_number
 
 
@@ -84,4 +84,24 @@ def chunk_pricer_plus_margin(cost: CostModel, margin: Margin, reads_price: bool)
     chunk_pricer = cost.chunk_pricer
     if isinstance(margin, ZeroMargin):
         return chunk_pricer
-    return lambda n_decodes: plus_margin(chunk_pricer(n_decodes), margin, reads_price)
+    if not (reads_price and isinstance(margin, ProportionalPerStep)):
+        return lambda n_decodes: plus_margin(chunk_pricer(n_decodes), margin, reads_price)
+    step_fraction = margin.step_fraction
+
+    def pricer(n_decodes: int) -> CostModel:
+        fraction = step_fraction()  # after the margin was told the step (the policy's order)
+        if fraction is None:
+            return plus_margin(chunk_pricer(n_decodes), margin, reads_price)
+        return _plus_fraction(chunk_pricer(n_decodes), fraction)
+
+    return pricer
+
+
+def _plus_fraction(price: CostModel, fraction: float) -> CostModel:
+    """T + r T, the same float as ``plus_margin`` with a margin r x T."""
+
+    def predicted(n_decodes: int, chunk_tokens: int) -> float:
+        predicted_ms = price(n_decodes, chunk_tokens)
+        return predicted_ms + fraction * predicted_ms
+
+    return predicted

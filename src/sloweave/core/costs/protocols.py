@@ -192,6 +192,15 @@ class ReadsPrediction(Protocol):
 
 
 @runtime_checkable
+class ProportionalPerStep(Protocol):
+    """A margin delta = r x T(n, c) whose r is one number for a whole decision
+    (``calibrated.AdaptiveMargin``): ``step_fraction()`` is that r, or None when it depends on the
+    chunk. A chunk search then prices T + r T without asking the margin for every chunk."""
+
+    def step_fraction(self) -> float | None: ...
+
+
+@runtime_checkable
 class WeighsAddedRisk(Protocol):
     """A margin told each decision's decode batch and time budget first (``set_step``), so that it
     holds a chunk back only for the risk the chunk adds to what a decode-only step already runs
