@@ -7,10 +7,11 @@ engines live side by side with the same engine options: vLLM's default ``Schedul
 benchmark runs it (``--profile``: a fitted step-time profile with ``online_correction``). For
 16, 64 and 256 running requests each engine gets that many short prompts with long outputs and
 runs until all of them decode; then the wall time of every ``schedule()`` and
-``update_from_output()`` call is taken over ``--steps`` steps (the model's forward pass is not in it) while ``--waiting`` 900-token prompts
-are kept queued, so every step also plans and schedules a prefill chunk. The engines
-alternate, ``--rounds`` times per size, so all see the same machine; medians of all calls of each
-kind, and the ratios to vLLM's, in one run.
+``update_from_output()`` call is taken over ``--steps`` steps (the model's forward pass is not in
+it) while ``--waiting`` 900-token prompts are kept queued, so every step also plans and schedules
+a prefill chunk. The engines take their steps in turn, one each (the order rotating every step),
+so all see the same seconds of the machine; ``--rounds`` rounds per size; medians of all calls
+of each kind, and the ratios to vLLM's, in one run.
 
     .venv-vllm-cpu/bin/python benchmarks/vllm_engine_overhead.py --out results/vllm_engine_overhead \
         --profile benchmarks/results-vllm-cpu/at-load/profile.csv
@@ -58,34 +59,54 @@ def timed(scheduler, samples: list[tuple[str, float]], calls=("schedule", "updat
         setattr(scheduler, call, wrapper)
 
 
-def measure(engine, samples: list, running: int, steps: int, waiting: int, vocab: int, rng) -> list[tuple[str, float]]:
-    from vllm.inputs import TokensPrompt
-    from vllm.sampling_params import RequestOutputKind, SamplingParams
+class Load:
+    """One engine's load for a round: ``running`` short prompts with long outputs, all decoding,
+    and ``waiting`` 900-token prompts kept queued, so every step also plans a prefill chunk."""
 
-    def add(tag: str, prompt_tokens: int, max_tokens: int) -> str:
-        request_id = f"{tag}{running}-{rng.integers(1 << 62)}"
+    def __init__(self, engine, running: int, steps: int, waiting: int, vocab: int, rng) -> None:
+        self.engine, self.waiting, self.vocab, self.rng, self.running = engine, waiting, vocab, rng, running
+        self.scheduler = engine.engine_core.engine_core.scheduler
+        self.ids = [self._add("d", 16, steps + 50) for _ in range(running)]
+        decoding: set[str] = set()
+        while len(decoding) < running:  # prefills done: every request has its first token
+            decoding |= {o.request_id for o in engine.step() if o.outputs[0].token_ids}
+
+    def _add(self, tag: str, prompt_tokens: int, max_tokens: int) -> str:
+        from vllm.inputs import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind, SamplingParams
+
+        request_id = f"{tag}{self.running}-{self.rng.integers(1 << 62)}"
         params = SamplingParams(
             max_tokens=max_tokens, ignore_eos=True, output_kind=RequestOutputKind.DELTA, detokenize=False
         )
-        engine.add_request(
-            request_id, TokensPrompt(prompt_token_ids=rng.integers(10, vocab - 10, prompt_tokens).tolist()), params
-        )
+        prompt = self.rng.integers(10, self.vocab - 10, prompt_tokens).tolist()
+        self.engine.add_request(request_id, TokensPrompt(prompt_token_ids=prompt), params)
         return request_id
 
-    ids = [add("d", 16, steps + 50) for _ in range(running)]
-    decoding: set[str] = set()
-    while len(decoding) < running:  # prefills done: every request has its first token
-        decoding |= {o.request_id for o in engine.step() if o.outputs[0].token_ids}
-    scheduler = engine.engine_core.engine_core.scheduler
-    samples.clear()
-    for _ in range(steps):
-        while len(scheduler.waiting) < waiting:  # prompts on offer at every step
-            ids.append(add("p", 900, 1))
-        engine.step()
-    measured = list(samples)
-    engine.abort_request(ids)
-    while engine.has_unfinished_requests():
-        engine.step()
+    def step(self) -> None:
+        while len(self.scheduler.waiting) < self.waiting:  # prompts on offer at every step
+            self.ids.append(self._add("p", 900, 1))
+        self.engine.step()
+
+    def stop(self) -> None:
+        self.engine.abort_request(self.ids)
+        while self.engine.has_unfinished_requests():
+            self.engine.step()
+
+
+def measure_round(engines: dict, samples: dict, running: int, steps: int, waiting: int, rng) -> dict:
+    """Every engine loaded, then stepped in turn, one step each (the order rotating every step),
+    so that all see the same minute of the machine: {engine: [(call, seconds), ...]}."""
+    loads = {name: Load(engine, running, steps, waiting, 1024, rng) for name, engine in engines.items()}
+    for taken in samples.values():
+        taken.clear()
+    names = list(engines)
+    for step in range(steps):
+        for name in names[step % len(names) :] + names[: step % len(names)]:
+            loads[name].step()
+    measured = {name: list(taken) for name, taken in samples.items()}
+    for load in loads.values():
+        load.stop()
     return measured
 
 
@@ -163,11 +184,8 @@ def main() -> None:
     rows, load = [], [os.getloadavg()[0]]
     for running in sizes:
         for round_ in range(args.rounds):
-            names = list(engines)
-            # the order rotates each round: no engine always runs first, right after the model warmed up
-            for name in names[round_ % len(names) :] + names[: round_ % len(names)]:
-                engine = engines[name]
-                for call, seconds in measure(engine, samples[name], running, args.steps, args.waiting, 1024, rng):
+            for name, measured in measure_round(engines, samples, running, args.steps, args.waiting, rng).items():
+                for call, seconds in measured:
                     rows.append(
                         {"running": running, "round": round_, "scheduler": name, "call": call, "us": seconds * 1e6}
                     )

@@ -187,7 +187,7 @@ def bad_sources(tmp_path):
         for i in range(40):
             fields = dict(step=i, start_ms=float(i), measured_ms=3.0, decode_tokens=1, chunk_tokens=0, token_budget=1)
             fields.update(ran_decode_tokens=1, ran_prefill_tokens=0, decode_kv_tokens=10, prefill_prefix_tokens=0)
-            fields.update(pending_prompt_tokens=0, prompts_on_offer=0, budget_ms=None, predicted_ms=2.0)
+            fields.update(pending_prompt_tokens=0, prompts_on_offer=0, offer=[], budget_ms=None, predicted_ms=2.0)
             fields.update(margin_ms=0.0, base_predicted_ms=None, infeasible=False, aged=False, late_requests=0)
             log.write(json.dumps({"kind": "step", **fields}) + "\n")
     rows = "\n".join(f"1,{c},0,0" for c in range(60))
