@@ -101,7 +101,7 @@ def serve(name: str, budget: int, config: dict | None, args, repeat: int) -> tup
     from sloweave.vllm_plugin.engine_driver import run_workload, scheduler_of
     from sloweave.vllm_plugin.offline import tiny_model_dir
 
-    engine = bench.engine_for(str(tiny_model_dir()), budget, config, warm=args)
+    engine = bench.engine_for(str(tiny_model_dir()), budget, config, warm=args, dtype=args.dtype)
     splitter = StepSplitter(scheduler_of(engine))
     workload = bench.workload_for(args, args.seed, args.rate_rps)
     load = os.getloadavg()[0]

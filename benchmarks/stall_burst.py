@@ -59,9 +59,9 @@ def parse_args() -> argparse.Namespace:
 
 def engine_named(name: str, args: argparse.Namespace, model_dir: str):
     if name.startswith("vllm-tuned-"):
-        return bench.engine_for(model_dir, int(name.rsplit("-", 1)[1]), None, warm=args)
+        return bench.engine_for(model_dir, int(name.rsplit("-", 1)[1]), None, warm=args, dtype=args.dtype)
     config = bench.default_plugin_config(args.tpot_ms, args.profile_file) | bench.PLUGIN_VARIANTS[name]
-    return bench.engine_for(model_dir, bench.VLLM_CPU_DEFAULT_BUDGET, config, warm=args)
+    return bench.engine_for(model_dir, bench.VLLM_CPU_DEFAULT_BUDGET, config, warm=args, dtype=args.dtype)
 
 
 def burst(args: argparse.Namespace) -> list[subprocess.Popen]:

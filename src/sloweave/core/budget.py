@@ -77,11 +77,14 @@ class StepPlan:
     prefill_prefix_tokens: int = 0
     margin_ms: float = 0.0  # delta(n, c), included in predicted_ms
     pending_prompt_tokens: int = 0  # prompt tokens on offer (what the chunk could have been)
-    prompts_on_offer: int = 0
     policy_chunk_tokens: int = 0  # the decision's chunk (policy, then aging) before the engine's cap
     deadline_ms: float = math.inf  # the earliest next-token deadline budget_ms counts to (+inf: none)
     # (prompt tokens on offer, tokens of it already computed) per prompt, in the engine's order
     offer: tuple[tuple[int, int], ...] = ()
+
+    @property
+    def prompts_on_offer(self) -> int:
+        return len(self.offer)
 
 
 @dataclass
@@ -222,7 +225,6 @@ class BudgetController:
             state.prefill_prefix_tokens,
             margin_ms,
             state.pending_prompt_tokens,
-            len(state.prompts_on_offer),
             decided,
             deadline_ms,
             state.prompts_on_offer,

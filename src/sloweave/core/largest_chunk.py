@@ -18,20 +18,30 @@ from sloweave.core.costs.protocols import CostModel
 SECANT_ALLOWANCE = 4
 
 
-def largest_fitting(predicted: CostModel, n_decodes: int, budget_ms: float, lo_ms: float, hi: int, hi_ms: float) -> int:
-    """The largest chunk c in [0, hi) with predicted(n, c) <= budget_ms, given that chunk 0 fits
-    (at ``lo_ms``) and ``hi`` does not (at ``hi_ms``); ``predicted`` monotone in c.
+def largest_fitting(
+    predicted: CostModel,
+    n_decodes: int,
+    budget_ms: float,
+    lo: int,
+    lo_ms: float,
+    hi: int,
+    hi_ms: float,
+    allowance: int = SECANT_ALLOWANCE,
+) -> int:
+    """The largest chunk c in [lo, hi) with predicted(n, c) <= budget_ms, given that ``lo`` fits
+    (at ``lo_ms``) and ``hi`` does not (at ``hi_ms``; either time NaN where it was not asked);
+    ``predicted`` monotone in c.
 
     A bracketing search: the bracket [lo, hi] keeps lo fitting and hi not, so the answer is the
     binary search's, exactly. Its probes are secant estimates of where T + delta crosses the
     budget, through the last two probes (a measured or fitted cost is smooth between its jumps,
     and the estimate lands within a token in a few probes, where bisection takes log2(hi));
-    an estimate on the last probe tests its neighbour, and once ``SECANT_ALLOWANCE`` probes have
-    failed to halve the bracket the rest is bisection.
+    an estimate on the last probe tests its neighbour, and once ``allowance`` probes have
+    failed to halve the bracket the rest is bisection (``allowance=0``: bisection throughout,
+    for a cost that jumps, where the secant would only waste probes). Without two known times
+    it bisects until it has them.
     """
-    lo = 0
     a, a_ms, b, b_ms = lo, lo_ms, hi, hi_ms  # the last two probes
-    allowance = SECANT_ALLOWANCE
     while hi - lo > 1:
         width = hi - lo
         estimate = math.nan

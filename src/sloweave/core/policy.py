@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple, Protocol
 
 from sloweave.core.fastest_chunk import fastest_chunk, rate_can_peak
-from sloweave.core.largest_chunk import largest_fitting
+from sloweave.core.largest_chunk import SECANT_ALLOWANCE, largest_fitting
 from sloweave.core.validate import positive_ms, positive_tokens
 from sloweave.core.costs.analytic import AnalyticCost
 from sloweave.core.costs.margins import ConstantMargin, ZeroMargin, chunk_pricer_plus_margin, plus_margin
@@ -232,19 +232,15 @@ class SLOWeave:
                 return guess
             else:
                 lo = guess + 1
+        hi_ms = math.nan
         if hi == upper:
-            upper_ms = predicted(n_decodes, upper)
-            if upper_ms <= budget_ms:
+            hi_ms = predicted(n_decodes, upper)
+            if hi_ms <= budget_ms:
                 return upper
-            if lo == 0 and self._tile_edges is None:  # a tiled cost jumps at its edges: the secant would miss
-                return largest_fitting(predicted, n_decodes, budget_ms, decode_only_ms, upper, upper_ms)
-        while hi - lo > 1:
-            mid = (lo + hi) // 2
-            if predicted(n_decodes, mid) <= budget_ms:
-                lo = mid
-            else:
-                hi = mid
-        return lo
+        lo_ms = decode_only_ms if lo == 0 else math.nan
+        # a tiled cost jumps at its edges, where a secant estimate would miss: it bisects
+        allowance = 0 if self._tile_edges is not None else SECANT_ALLOWANCE
+        return largest_fitting(predicted, n_decodes, budget_ms, lo, lo_ms, hi, hi_ms, allowance)
 
     def decide_lookahead(
         self,
