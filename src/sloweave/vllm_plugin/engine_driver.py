@@ -237,10 +237,12 @@ def profile_steps(
             "context_tokens": context,
             "repeat": repeat,
         }
+        # repeats outermost: a slow spell of a shared machine then falls on one repeat of many
+        # points, not on every repeat of one, and the fit's fastest repeat stays clean
+        for repeat in range(repeats)
         for context in contexts
         for n in decode_counts
         for c in chunk_sizes
         if n or c  # an empty step is not a step
-        for repeat in range(repeats)
     ]
     return pd.DataFrame(rows)
