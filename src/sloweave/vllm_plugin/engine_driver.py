@@ -238,7 +238,7 @@ def profile_steps(
             "repeat": repeat,
         }
         # repeats outermost: a slow spell of a shared machine then falls on one repeat of many
-        # points, not on every repeat of one, and the fit's fastest repeat stays clean
+        # points, not on every repeat of one, and the fastest repeat the checks take can escape it
         for repeat in range(repeats)
         for context in contexts
         for n in decode_counts
