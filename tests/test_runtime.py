@@ -190,6 +190,34 @@ def test_profile_fit_schedule_path(engine, profile_frame, fitted, tmp_path):
     )
 
 
+def test_profile_command_runs_the_model_in_the_dtype_asked_and_records_where(tmp_path):
+    # the GPU check profiles an 8B model in bfloat16 on a GPU (benchmarks/gpu_device_check.sh);
+    # here the same command on the CPU, whose dtype and device the profile's meta must name
+    assert next(load_model("tiny", dtype="bfloat16").parameters()).dtype == torch.bfloat16
+    assert next(load_model("tiny").parameters()).dtype == torch.float32
+    out = tmp_path / "p.csv"
+    grid = ["--decodes", "0,2", "--chunks", "0,16,32,64", "--contexts", "16,48", "--repeats", "2"]
+    done = CliRunner().invoke(main, ["profile", "--model", "tiny", "--dtype", "bfloat16", "--out", str(out), *grid])
+    assert out.exists(), done.output
+    meta = json.loads(out.with_suffix(".meta.json").read_text())
+    assert meta["dtype"] == "bfloat16" and meta["device"] == "cpu"
+    written = read_profile(out)
+    assert set(written.loc[written["split"] == "fit", "chunk_tokens"]) == {0, 16, 32, 64}
+
+
+def test_profile_on_a_gpu_that_is_not_there_is_refused_naming_the_option(tmp_path):
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU: the refusal is for machines without one")
+    done = CliRunner().invoke(
+        main, ["profile", "--model", "tiny", "--device", "cuda", "--out", str(tmp_path / "p.csv")]
+    )
+    assert done.exit_code == 2
+    assert "--device" in done.output and "no GPU is visible" in done.output
+    assert not (tmp_path / "p.csv").exists()
+    with pytest.raises(ValueError, match="dtype 'float16' is not one of float32, bfloat16"):
+        load_model("tiny", dtype="float16")
+
+
 def test_online_calibration_learns_a_stale_cost_model(engine, fitted):
     """A cost model far too optimistic is corrected from measured steps as the run goes.
 

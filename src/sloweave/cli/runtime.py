@@ -78,6 +78,13 @@ def _need_runtime(command: str) -> None:
             ) from None
 
 
+def _need_device(device: str) -> None:
+    import torch
+
+    if device == "cuda" and not torch.cuda.is_available():
+        raise click.BadParameter(f"no GPU is visible to torch {torch.__version__}", param_hint="--device")
+
+
 def _fit_or_fail(profile: Path, monotone_tolerance_ms: float = 5.0, max_holdout_error: float = MAX_HOLDOUT_ERROR):
     from sloweave.core.costs.profile_fit import fit_profile_file
     from sloweave.core.costs.step_profiles import ProfileError
@@ -140,14 +147,27 @@ def model_option():
 )
 @click.option("--threads", type=ranged(REPEATS), default=1, show_default=True, help="torch threads")
 @click.option("--seed", type=ranged(SEED), default=0, show_default=True)
-def profile(model, out_path, decodes, chunks, contexts, repeats, holdout_per_state, threads, seed) -> None:
-    """Measure step times of the real CPU engine over a (decodes, chunk, context) grid."""
+@click.option("--dtype", type=click.Choice(["float32", "bfloat16"]), default="float32", show_default=True)
+@click.option(
+    "--device",
+    type=click.Choice(["cpu", "cuda"]),
+    default="cpu",
+    show_default=True,
+    help="where the model runs (cuda: a GPU profile of transformers' kernels, not vLLM's)",
+)
+def profile(
+    model, out_path, decodes, chunks, contexts, repeats, holdout_per_state, threads, seed, dtype, device
+) -> None:
+    """Measure step times of the real engine over a (decodes, chunk, context) grid."""
     check_writable(out_path, "--out", is_file=True)
     _need_runtime("profile")
+    _need_device(device)
     from sloweave.core.costs.profile_fit import fit_profile
     from sloweave.core.costs.step_profiles import ProfileError, write_profile
 
-    frame, meta = measure_profile(model, decodes, chunks, contexts, repeats, holdout_per_state, threads, seed)
+    frame, meta = measure_profile(
+        model, decodes, chunks, contexts, repeats, holdout_per_state, threads, seed, dtype, device
+    )
     write_profile(frame, out_path, meta)
     click.echo(f"wrote {len(frame)} steps to {out_path} in {meta['seconds']} s")
     try:

@@ -19,9 +19,18 @@ from sloweave.studies.outputs import command_settings, write_result_json
 
 
 def measure_profile(
-    model: str, decodes, chunks, contexts, repeats: int, holdout_per_state: int, threads: int, seed: int
+    model: str,
+    decodes,
+    chunks,
+    contexts,
+    repeats: int,
+    holdout_per_state: int,
+    threads: int,
+    seed: int,
+    dtype: str = "float32",
+    device: str = "cpu",
 ):
-    """Step times of the real CPU engine over a (decodes, chunk, context) grid, and what made them."""
+    """Step times of the real engine over a (decodes, chunk, context) grid, and what made them."""
     import torch
     import transformers
 
@@ -31,7 +40,7 @@ def measure_profile(
 
     started = time.time()
     engine = TransformersEngine(
-        load_model(model, seed),
+        load_model(model, seed, dtype, device),
         max_batch_tokens=max(decodes) + 2 * max(chunks),
         num_blocks=profile_blocks(decodes, chunks, contexts, repeats, DEFAULT_PAGE_TOKENS),
         threads=threads,
@@ -42,6 +51,8 @@ def measure_profile(
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "threads": threads,
+        "dtype": dtype,
+        "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
         "grid": {"decodes": decodes, "chunks": chunks, "contexts": contexts, "repeats": repeats},
         "seconds": round(time.time() - started, 1),
     }

@@ -1,4 +1,4 @@
-"""A synchronous driver of transformers' continuous batching on CPU.
+"""A synchronous driver of transformers' continuous batching (on CPU; a GPU for profiling).
 
 The manager's own background thread would own the clock and the loop; here the caller
 does: it adds requests when they arrive, and each ``step()`` runs one iteration
@@ -77,6 +77,8 @@ class TransformersEngine:
             max_requests_per_batch=max_batch_tokens,
         )
         self.model = model
+        # A GPU runs the step's kernels asynchronously: its time ends when the device is done.
+        self._synchronize = torch.cuda.synchronize if model.device.type == "cuda" else (lambda: None)
         self.manager = model.init_continuous_batching(generation_config=generation, continuous_batching_config=config)
         self.processor = self.manager._create_batch_processor()
         self.manager.batch_processor = self.processor
@@ -142,6 +144,7 @@ class TransformersEngine:
         engine_query_tokens = int(self.processor.inputs_and_outputs.total_seqlen_q)
         self.manager._generation_step()
         self.processor.update_batch()
+        self._synchronize()
         end_ms = self.now_ms()
 
         emitted, finished = [], []

@@ -34,25 +34,35 @@ def packaged_config(name: str) -> dict:
     return config
 
 
-def load_model(name_or_path: str, seed: int = 0) -> torch.nn.Module:
-    """A causal LM in eval mode with the SDPA attention that continuous batching accepts on CPU."""
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def load_model(name_or_path: str, seed: int = 0, dtype: str = "float32", device: str = "cpu") -> torch.nn.Module:
+    """A causal LM in eval mode with the SDPA attention that continuous batching accepts.
+
+    Random weights are made on ``device`` itself: an 8B model's float32 initialisation on the
+    host would take minutes and 32 GB before it moved to a GPU.
+    """
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype {dtype!r} is not one of {', '.join(DTYPES)}")
     torch.manual_seed(seed)
     path = Path(name_or_path)
-    if name_or_path in PACKAGED_MODELS:
-        config = LlamaConfig(**packaged_config(name_or_path), attn_implementation="sdpa")
-        model = LlamaForCausalLM(config)
-    elif path.is_dir() and (path / "config.json").exists():
-        if any((path / f).exists() for f in WEIGHT_FILES):
-            model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="sdpa", local_files_only=True)
+    with torch.device(device):
+        if name_or_path in PACKAGED_MODELS:
+            config = LlamaConfig(**packaged_config(name_or_path), attn_implementation="sdpa")
+            model = LlamaForCausalLM(config)
+        elif path.is_dir() and (path / "config.json").exists():
+            if any((path / f).exists() for f in WEIGHT_FILES):
+                model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="sdpa", local_files_only=True)
+            else:
+                config = AutoConfig.from_pretrained(path, local_files_only=True)
+                config._attn_implementation = "sdpa"
+                model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=DTYPES[dtype])
         else:
-            config = AutoConfig.from_pretrained(path, local_files_only=True)
-            config._attn_implementation = "sdpa"
-            model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
-    else:
-        raise ValueError(
-            f"model {name_or_path!r} is neither a packaged model ({', '.join(PACKAGED_MODELS)}) nor a directory with a config.json"
-        )
-    return model.to(torch.float32).eval()
+            raise ValueError(
+                f"model {name_or_path!r} is neither a packaged model ({', '.join(PACKAGED_MODELS)}) nor a directory with a config.json"
+            )
+    return model.to(device=device, dtype=DTYPES[dtype]).eval()
 
 
 def model_label(name_or_path: str) -> str:
