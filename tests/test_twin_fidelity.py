@@ -56,6 +56,33 @@ def test_fidelity_table_medians_errors_and_hits():
     assert failed["twin_attainment"] == pytest.approx(0.65)
 
 
+def test_fidelity_table_scores_the_held_out_prediction_on_its_own():
+    # the held-out prediction (profile + another run's noise) right at 1.2x where the twin misses
+    runs = runs_frame()
+    runs["heldout_attainment"] = np.where(runs["load"] == 1.2, runs["real_attainment"] + 0.05, 0.5)
+    table = twin_fidelity.fidelity_table(runs, tolerance=0.1).set_index(["engine", "load"])
+    assert table.loc[("sloweave", 1.2), "heldout_attainment_error"] == pytest.approx(0.05)
+    assert table.loc[("sloweave", 1.2), "heldout_within_tolerance"]
+    assert not table.loc[("sloweave", 1.2), "within_tolerance"]
+    assert table.loc[("sloweave", 1.0), "heldout_attainment_error"] == pytest.approx(0.48)
+    assert not table.loc[("sloweave", 1.0), "heldout_within_tolerance"]
+    per_run = twin_fidelity.with_errors(runs)
+    assert per_run["heldout_attainment_error"].iloc[0] == pytest.approx(0.5 - 1.0)
+
+
+def test_held_out_noise_comes_from_the_next_seed_of_the_same_engine_and_load(tmp_path):
+    args = twin_fidelity.parse_args(["--seeds", "3,5,9"])
+    for seed in (3, 5, 9):
+        twin_fidelity.run_log_of(tmp_path, "vllm-tuned-512", 1.2, seed).write_text("{}\n")
+    row = {"engine": "vllm-tuned-512", "load": 1.2}
+    picked = [twin_fidelity.heldout_noise_log({**row, "seed": s}, args, tmp_path) for s in (3, 5, 9)]
+    assert picked == [twin_fidelity.run_log_of(tmp_path, "vllm-tuned-512", 1.2, s) for s in (5, 9, 3)]
+    with pytest.raises(FileNotFoundError, match="seed 5"):
+        twin_fidelity.heldout_noise_log({**row, "seed": 3, "load": 1.0}, args, tmp_path)
+    with pytest.raises(ValueError, match="at least two --seeds"):
+        twin_fidelity.heldout_noise_log({**row, "seed": 3}, twin_fidelity.parse_args(["--seeds", "3"]), tmp_path)
+
+
 def test_fidelity_table_without_any_twin_says_no_hit():
     runs = runs_frame().drop(columns=["twin_attainment", "twin_goodput_rps"])
     table = twin_fidelity.fidelity_table(runs)
@@ -75,9 +102,14 @@ def test_capacity_from_loads_interpolates_and_censors():
 
 
 def test_capacity_table_compares_the_study_with_the_real_capacity():
-    fidelity = twin_fidelity.fidelity_table(runs_frame())
+    runs = runs_frame()
+    runs["heldout_attainment"] = np.where(runs["load"] == 1.2, 0.8, 0.95)  # crosses 0.9 a third of the way
+    fidelity = twin_fidelity.fidelity_table(runs)
     table = twin_fidelity.capacity_table(fidelity, 0.9, 100.0, {"sloweave": 110.0}, 0.15).set_index("engine")
     real = 100.0 * (1.0 + 0.2 * (0.98 - 0.9) / (0.98 - 0.6))
+    heldout = 100.0 * (1.0 + 0.2 / 3)
+    assert table.loc["sloweave", "heldout_capacity_rps_at_loads"] == pytest.approx(heldout)
+    assert table.loc["sloweave", "heldout_vs_real"] == pytest.approx(heldout / real)
     assert table.loc["sloweave", "real_capacity_rps"] == pytest.approx(real)
     assert table.loc["sloweave", "study_vs_real"] == pytest.approx(110.0 / real)
     assert table.loc["sloweave", "within_tolerance"]
@@ -109,6 +141,21 @@ def test_cut_and_combined_logs_read_back_as_step_logs(tmp_path):
     combined = tmp_path / "all.jsonl"
     assert twin_fidelity.combine_logs([first, second], combined) == 7
     assert read_step_log(combined).steps["step"].tolist() == list(range(3, 10))
+
+
+def test_served_steps_are_set_against_the_profiles_price_by_chunk_size(tmp_path):
+    write_log(twin_fidelity.run_log_of(tmp_path, "vllm-tuned-256", 1.0, 0), 4)  # 64-token chunks, 5-8 ms at 5
+    runs = pd.DataFrame(
+        [{"engine": "vllm-tuned-256", "load": 1.0, "seed": 0, "real_attainment": 1.0},
+         {"engine": "vllm-tuned-256", "load": 1.2, "seed": 0, "real_attainment": np.nan}]  # failed: no log read
+    )  # fmt: skip
+    table = twin_fidelity.served_against_profile(runs, tmp_path)
+    assert len(table) == 1
+    row = table.iloc[0]
+    assert (row["engine"], row["chunk_tokens_up_to"], row["steps"]) == ("vllm-tuned-256", 128, 4)
+    assert row["median_measured_ms"] == pytest.approx(6.5) and row["median_profile_ms"] == pytest.approx(5.0)
+    assert row["median_ratio"] == pytest.approx(1.3)
+    assert row["p90_ratio"] == pytest.approx(np.quantile([1.0, 1.2, 1.4, 1.6], 0.9))
 
 
 def test_engines_served_plugin_first_with_its_log(tmp_path):
@@ -150,5 +197,18 @@ def test_real_rows_drop_an_earlier_pass_predictions(tmp_path):
     runs = runs_frame().assign(error=["", "real run: boom; prediction: bad"] + [np.nan] * 10)
     runs.to_csv(tmp_path / "runs.csv", index=False)
     rows = twin_fidelity.real_rows(tmp_path / "runs.csv")
-    assert not any(k.startswith(("twin_", "plain_")) for k in rows[0])
+    assert not any(k.startswith(("twin_", "plain_", "heldout_")) for k in rows[0])
     assert [r["error"] for r in rows[:3]] == ["", "real run: boom", ""]
+
+
+def test_the_noise_ablation_reads_the_twin_runs_own_settings(tmp_path):
+    import twin_noise_ablation
+
+    settings = vars(twin_fidelity.parse_args(["--rate-rps", "41.5", "--tpot-ms", "30", "--seeds", "0,1"]))
+    settings = {k: str(v) if isinstance(v, Path) else v for k, v in settings.items()}
+    settings["log_dir"] = None
+    (tmp_path / "summary.json").write_text(json.dumps({"settings": settings}))
+    args = twin_noise_ablation.twin_args(tmp_path)
+    assert (args.rate_rps, args.tpot_ms, args.seed_list) == (41.5, 30.0, [0, 1])
+    assert args.log_dir == tmp_path / "step-logs" and args.out == tmp_path
+    assert args.profile_file == twin_fidelity.DEFAULT_PROFILE
