@@ -84,7 +84,7 @@ def add_served_options(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def parse_args() -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=Path("results/vllm_cpu"))
     add_served_options(parser)
@@ -119,7 +119,17 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument(
         "--profile-file", type=Path, default=None, help="reuse a profile this script wrote (skips step 1)"
     )
-    return parser.parse_args()
+    parser.add_argument(
+        "--noise-from",
+        type=Path,
+        default=None,
+        help="a step log of an earlier served run (twin_fidelity.py writes them): the simulated columns add "
+        "its residuals against the profile's cost as the machine's noise (a noiseless simulator misses P99 TPOT)",
+    )
+    args = parser.parse_args(argv)
+    if args.noise_from is not None and not args.noise_from.is_file():
+        parser.error(f"--noise-from {args.noise_from}: no such step log")
+    return args
 
 
 def default_plugin_config(tpot_ms: float, profile_path: Path) -> dict:
@@ -204,6 +214,21 @@ def simulated(
     policy = make_policy(policy_name, cost=cost if policy_cost is None else policy_cost, max_chunk_tokens=max_chunk)
     result = options.simulate(workload, policy, args.tpot_ms, args.ttft_ms, cost, noise_seed)
     return evaluate(result, args.ttft_ms, args.tpot_ms).as_dict()
+
+
+def predicted(args, workload, budget: int, plugin_config: dict | None, resolved, seed: int) -> dict:
+    """The simulated columns of one served run: vLLM's rule at ``budget`` on the profile's cost
+    (``resolved``), or the plug-in's with its configuration's cost kind and margin; with
+    ``--noise-from``, that step log's residuals as the machine's noise."""
+    from sloweave.core.costs.resolve import resolve_cost
+
+    config = plugin_config or {}
+    policy = "sloweave-multi" if plugin_config else f"sarathi-{budget}"
+    cost = resolve_cost(config["cost"], cost_kind=config.get("cost_kind", "regression")) if plugin_config else resolved
+    return simulated(
+        workload, policy, cost.model, args, budget, config.get("margin_form", "relative"),
+        step_noise_from=args.noise_from and str(args.noise_from), noise_seed=seed,
+    )  # fmt: skip
 
 
 def load_point(args, model_dir: str, vocab: int) -> tuple[float, list[dict]]:
@@ -351,11 +376,7 @@ def main() -> None:
                     f"pass {pass_} {name} seed {seed}: capacity {capacities[-1]['capacity_rps']:.2f} req/s", flush=True
                 )
             workload = workload_for(args, seed, rate)
-            policy = "sloweave-multi" if config else f"sarathi-{budget}"
-            cost = (
-                resolve_cost(str(profile_path), cost_kind=config.get("cost_kind", "regression")) if config else resolved
-            )
-            sim = simulated(workload, policy, cost.model, args, budget, (config or {}).get("margin_form", "relative"))
+            sim = predicted(args, workload, budget, config, resolved, seed)
             rows.append({"pass": pass_, "engine": name, "seed": seed, **measure(engine, workload, args, vocab, seed),
                          **{f"simulated_{k}": sim[k] for k in ("attainment", "goodput_rps", "p99_ttft_ms", "p99_tpot_ms")}})  # fmt: skip
             print(

@@ -78,13 +78,6 @@ def _need_runtime(command: str) -> None:
             ) from None
 
 
-def _need_device(device: str) -> None:
-    import torch
-
-    if device == "cuda" and not torch.cuda.is_available():
-        raise click.BadParameter(f"no GPU is visible to torch {torch.__version__}", param_hint="--device")
-
-
 def _fit_or_fail(profile: Path, monotone_tolerance_ms: float = 5.0, max_holdout_error: float = MAX_HOLDOUT_ERROR):
     from sloweave.core.costs.profile_fit import fit_profile_file
     from sloweave.core.costs.step_profiles import ProfileError
@@ -161,7 +154,6 @@ def profile(
     """Measure step times of the real engine over a (decodes, chunk, context) grid."""
     check_writable(out_path, "--out", is_file=True)
     _need_runtime("profile")
-    _need_device(device)
     from sloweave.core.costs.profile_fit import fit_profile
     from sloweave.core.costs.step_profiles import ProfileError, write_profile
 

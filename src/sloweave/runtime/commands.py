@@ -38,6 +38,8 @@ def measure_profile(
     from sloweave.runtime.model import load_model, model_label
     from sloweave.runtime.profiler import profile_blocks, run_profile
 
+    if device == "cuda" and not torch.cuda.is_available():
+        raise OptionError(f"no GPU is visible to torch {torch.__version__}", "--device")
     started = time.time()
     engine = TransformersEngine(
         load_model(model, seed, dtype, device),

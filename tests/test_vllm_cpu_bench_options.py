@@ -1,0 +1,44 @@
+"""benchmarks/vllm_cpu_bench.py's options that need no engine: the simulated columns' noise."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import vllm_cpu_bench  # noqa: E402
+
+
+def test_noise_from_names_a_step_log_that_must_exist(tmp_path, capsys):
+    assert vllm_cpu_bench.parse_args([]).noise_from is None
+    log = tmp_path / "served.jsonl"
+    log.write_text("{}\n")
+    assert vllm_cpu_bench.parse_args(["--noise-from", str(log)]).noise_from == log
+    with pytest.raises(SystemExit):
+        vllm_cpu_bench.parse_args(["--noise-from", str(tmp_path / "gone.jsonl")])
+    err = capsys.readouterr().err
+    assert "--noise-from" in err and "gone.jsonl: no such step log" in err
+
+
+def test_a_finished_bench_run_is_simulated_again_with_its_own_settings(tmp_path):
+    import bench_with_noise
+
+    log = tmp_path / "served.jsonl"
+    log.write_text("{}\n")
+    settings = vars(vllm_cpu_bench.parse_args(["--tpot-ms", "30", "--ttft-ms", "1500", "--workload", "long"]))
+    summary = {"settings": {k: str(v) if isinstance(v, Path) else v for k, v in settings.items()},
+               "plugin_variants": {"sloweave": {"tpot_ms": 30.0, "cost": "p.csv"}}}  # fmt: skip
+    args = bench_with_noise.bench_args(json.loads(json.dumps(summary)), log, tmp_path)
+    assert (args.tpot_ms, args.ttft_ms, args.workload, args.noise_from) == (30.0, 1500.0, "long", log)
+    assert args.profile_file == tmp_path / "profile.csv"  # the bench took its own profile there
+    assert bench_with_noise.engine_of("vllm-tuned-256", summary) == (256, None)
+    assert bench_with_noise.engine_of("vllm-default-2048", summary) == (2048, None)
+    assert bench_with_noise.engine_of("sloweave", summary) == (
+        vllm_cpu_bench.VLLM_CPU_DEFAULT_BUDGET,
+        {"tpot_ms": 30.0, "cost": "p.csv"},
+    )
+    with pytest.raises(ValueError, match="'sloweave-largest' is neither a plug-in variant of this run"):
+        bench_with_noise.engine_of("sloweave-largest", summary)
