@@ -26,4 +26,6 @@ else
         --out "$OUT/gpu_transformers_profile.csv" | tee "$OUT/gpu_transformers_fit.json"
     PYTHONPATH="src${PYTHONPATH:+:$PYTHONPATH}" timeout 120 "${PYTHON:-python3}" benchmarks/gpu_prefill_curve.py \
         --out "$OUT/prefill_curve.csv"
+    PYTHONPATH="src${PYTHONPATH:+:$PYTHONPATH}" timeout 180 "${PYTHON:-python3}" benchmarks/gpu_prefill_curve.py \
+        --cuda-graph --out "$OUT/prefill_curve_graph.csv"
 fi

@@ -35,17 +35,45 @@ def time_forward_ms(model, chunk_tokens: int, warmup: int, repeats: int) -> list
     return times
 
 
+def time_graph_ms(model, chunk_tokens: int, warmup: int, repeats: int) -> list[float]:
+    """The same forward captured once in a CUDA graph and replayed: no host launch cost, as a
+    serving engine's CUDA graphs run it."""
+    ids = torch.randint(0, model.config.vocab_size, (1, chunk_tokens), device="cuda")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.no_grad():
+        with torch.cuda.stream(side):
+            for _ in range(warmup):
+                model(input_ids=ids, use_cache=False, logits_to_keep=1)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            model(input_ids=ids, use_cache=False, logits_to_keep=1)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for i in range(warmup + repeats):
+        start.record()
+        graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        if i >= warmup:
+            times.append(start.elapsed_time(end))
+    return times
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=str(Path(__file__).parent / "models" / "llama-3.1-8b"))
     parser.add_argument("--chunks", type=int, nargs="+", default=[128, 256, 512, 1024, 2048, 4096, 8192])
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--out", type=Path, default=Path("results/gpu/prefill_curve.csv"))
+    parser.add_argument("--cuda-graph", action="store_true", help="replay each forward from a CUDA graph")
     args = parser.parse_args()
     model = load_model(args.model, seed=0, dtype="bfloat16", device="cuda")
+    timer = time_graph_ms if args.cuda_graph else time_forward_ms
     rows = []
     for chunk in sorted(args.chunks):
-        times = pd.Series(time_forward_ms(model, chunk, warmup=3, repeats=args.repeats))
+        times = pd.Series(timer(model, chunk, warmup=3, repeats=args.repeats))
         rows.append({"chunk_tokens": chunk, "median_ms": times.median(), "min_ms": times.min(), "max_ms": times.max()})
     frame = pd.DataFrame(rows)
     frame["ms_per_token"] = frame.median_ms / frame.chunk_tokens
@@ -58,7 +86,8 @@ def main() -> None:
         "torch": torch.__version__,
         "dtype": "bfloat16",
     }
-    meta.update(repeats=args.repeats, warmup=3, timer="CUDA events around one forward")
+    timed = "one CUDA graph replay" if args.cuda_graph else "one eager forward"
+    meta.update(repeats=args.repeats, warmup=3, timer=f"CUDA events around {timed}")
     args.out.with_suffix(".meta.json").write_text(json.dumps(meta, indent=2) + "\n")
     print(frame.to_string(index=False))
 
