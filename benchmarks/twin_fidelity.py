@@ -279,16 +279,25 @@ def predict_row(row: dict, args, costs: Costs, log_dir: Path) -> None:
         )  # fmt: skip
         row.update({f"twin_{k}": twin[k] for k in METRICS})
         row["twin_cost"], row["twin_noise"] = fitted.name, noise.name
-        other = heldout_noise_log(row, args, log_dir)
-        heldout = bench.simulated(
-            workload, row["policy"], costs.profile.model, args, row["budget"],
-            step_noise_from=str(other), noise_seed=row["seed"],
-        )  # fmt: skip
-        row.update({f"heldout_{k}": heldout[k] for k in METRICS})
-        row["heldout_noise"] = other.name
     except Exception as err:  # noqa: BLE001 - a twin that cannot be built is a result
-        row["error"] = "; ".join(e for e in (row.get("error"), f"prediction: {err!r}") if e)
-        print(f"prediction {row['engine']} load {row['load']:g} seed {row['seed']}: FAILED {err!r}", flush=True)
+        prediction_failed(row, "", err)
+    if len(args.seed_list) > 1:  # a held-out prediction takes its noise from another seed's run
+        try:
+            other = heldout_noise_log(row, args, log_dir)
+            heldout = bench.simulated(
+                workload, row["policy"], costs.profile.model, args, row["budget"],
+                step_noise_from=str(other), noise_seed=row["seed"],
+            )  # fmt: skip
+            row.update({f"heldout_{k}": heldout[k] for k in METRICS})
+            row["heldout_noise"] = other.name
+        except Exception as err:  # noqa: BLE001 - the twin's prediction stands without it
+            prediction_failed(row, "held-out ", err)
+
+
+def prediction_failed(row: dict, which: str, err: Exception) -> None:
+    """Recorded in the row's ``error`` (``real_rows`` strips it again for ``--predict-only``)."""
+    row["error"] = "; ".join(e for e in (row.get("error"), f"prediction: {which}{err!r}") if e)
+    print(f"prediction {which}{row['engine']} load {row['load']:g} seed {row['seed']}: FAILED {err!r}", flush=True)
 
 
 CHUNK_BUCKETS = (-1, 0, 128, 256, 512, 1024, 1 << 30)

@@ -212,3 +212,22 @@ def test_the_noise_ablation_reads_the_twin_runs_own_settings(tmp_path):
     assert (args.rate_rps, args.tpot_ms, args.seed_list) == (41.5, 30.0, [0, 1])
     assert args.log_dir == tmp_path / "step-logs" and args.out == tmp_path
     assert args.profile_file == twin_fidelity.DEFAULT_PROFILE
+
+
+@pytest.mark.parametrize("seeds", ["0", "0,1"])
+def test_a_held_out_prediction_is_tried_only_with_another_seed_and_fails_on_its_own(tmp_path, seeds):
+    # no step logs at all: the twin cannot be built; the plain prediction still is
+    args = twin_fidelity.parse_args(["--seeds", seeds, "--requests", "20", "--rate-rps", "40"])
+    costs = twin_fidelity.Costs(args.profile_file, args.twin_max_fit_error)
+    row = {"engine": "vllm-tuned-512", "policy": "sarathi-512", "budget": 512, "load": 1.0, "seed": 0,
+           "rate_rps": 40.0, "error": ""}  # fmt: skip
+    twin_fidelity.predict_row(row, args, costs, tmp_path)
+    assert 0.0 <= row["plain_attainment"] <= 1.0 and "twin_attainment" not in row
+    failures = row["error"].split("; ")
+    assert failures[0].startswith("prediction: FileNotFoundError")
+    if seeds == "0":  # nothing to hold out: no prediction tried, none failed
+        assert len(failures) == 1 and "heldout_attainment" not in row
+    else:
+        assert failures[1].startswith("prediction: held-out FileNotFoundError") and "seed 1" in failures[1]
+    pd.DataFrame([row]).to_csv(tmp_path / "runs.csv", index=False)  # a later --predict-only pass
+    assert twin_fidelity.real_rows(tmp_path / "runs.csv")[0]["error"] == ""
