@@ -20,45 +20,47 @@ import torch
 from sloweave.runtime.model import load_model
 
 
-def time_forward_ms(model, chunk_tokens: int, warmup: int, repeats: int) -> list[float]:
-    ids = torch.randint(0, model.config.vocab_size, (1, chunk_tokens), device="cuda")
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    with torch.no_grad():
-        for i in range(warmup + repeats):
-            start.record()
-            model(input_ids=ids, use_cache=False, logits_to_keep=1)
-            end.record()
-            torch.cuda.synchronize()
-            if i >= warmup:
-                times.append(start.elapsed_time(end))
-    return times
+WARMUP = 3
 
 
-def time_graph_ms(model, chunk_tokens: int, warmup: int, repeats: int) -> list[float]:
-    """The same forward captured once in a CUDA graph and replayed: no host launch cost, as a
-    serving engine's CUDA graphs run it."""
-    ids = torch.randint(0, model.config.vocab_size, (1, chunk_tokens), device="cuda")
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.no_grad():
-        with torch.cuda.stream(side):
-            for _ in range(warmup):
-                model(input_ids=ids, use_cache=False, logits_to_keep=1)
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            model(input_ids=ids, use_cache=False, logits_to_keep=1)
+def timed_ms(run, repeats: int) -> list[float]:
+    """``run()`` timed with CUDA events, ``WARMUP`` times unrecorded, then ``repeats`` times."""
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     times = []
-    for i in range(warmup + repeats):
+    for i in range(WARMUP + repeats):
         start.record()
-        graph.replay()
+        run()
         end.record()
         torch.cuda.synchronize()
-        if i >= warmup:
+        if i >= WARMUP:
             times.append(start.elapsed_time(end))
     return times
+
+
+def forward(model, chunk_tokens: int):
+    """One prompt's forward of ``chunk_tokens`` random tokens, as a call."""
+    ids = torch.randint(0, model.config.vocab_size, (1, chunk_tokens), device="cuda")
+    return lambda: model(input_ids=ids, use_cache=False, logits_to_keep=1)
+
+
+def time_forward_ms(model, chunk_tokens: int, repeats: int) -> list[float]:
+    return timed_ms(forward(model, chunk_tokens), repeats)
+
+
+def time_graph_ms(model, chunk_tokens: int, repeats: int) -> list[float]:
+    """The same forward captured once in a CUDA graph and replayed: no host launch cost, as a
+    serving engine's CUDA graphs run it."""
+    run = forward(model, chunk_tokens)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(WARMUP):
+            run()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run()
+    return timed_ms(graph.replay, repeats)
 
 
 def main() -> None:
@@ -73,7 +75,8 @@ def main() -> None:
     timer = time_graph_ms if args.cuda_graph else time_forward_ms
     rows = []
     for chunk in sorted(args.chunks):
-        times = pd.Series(timer(model, chunk, warmup=3, repeats=args.repeats))
+        with torch.no_grad():
+            times = pd.Series(timer(model, chunk, args.repeats))
         rows.append({"chunk_tokens": chunk, "median_ms": times.median(), "min_ms": times.min(), "max_ms": times.max()})
     frame = pd.DataFrame(rows)
     frame["ms_per_token"] = frame.median_ms / frame.chunk_tokens
@@ -87,7 +90,7 @@ def main() -> None:
         "dtype": "bfloat16",
     }
     timed = "one CUDA graph replay" if args.cuda_graph else "one eager forward"
-    meta.update(repeats=args.repeats, warmup=3, timer=f"CUDA events around {timed}")
+    meta.update(repeats=args.repeats, warmup=WARMUP, timer=f"CUDA events around {timed}")
     args.out.with_suffix(".meta.json").write_text(json.dumps(meta, indent=2) + "\n")
     print(frame.to_string(index=False))
 
