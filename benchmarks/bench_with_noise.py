@@ -29,11 +29,7 @@ SETTINGS = ("workload", "requests", "tpot_ms", "ttft_ms", "prompt_scale", "max_p
 
 def bench_args(summary: dict, noise_from: Path, bench_out: Path) -> argparse.Namespace:
     """The bench's settings as it ran; its profile is the one it was given, or the one it took."""
-    argv = ["--noise-from", str(noise_from)]
-    for name in SETTINGS:
-        if summary["settings"][name] is not None:
-            argv += ["--" + name.replace("_", "-"), str(summary["settings"][name])]
-    args = bench.parse_args(argv)
+    args = bench.parse_args(["--noise-from", str(noise_from), *bench.settings_argv(summary["settings"], SETTINGS)])
     args.profile_file = args.profile_file or bench_out / "profile.csv"
     return args
 

@@ -35,10 +35,8 @@ SETTINGS = ("requests", "seeds", "loads", "rate_rps", "tuned_budgets", "profile_
 def twin_args(twin_out: Path) -> argparse.Namespace:
     """The twin run's own settings, as its summary recorded them."""
     settings = json.loads((twin_out / "summary.json").read_text())["settings"]
-    argv = ["--out", str(twin_out), "--log-dir", settings["log_dir"] or str(twin_out / "step-logs")]
-    for name in SETTINGS:
-        argv += ["--" + name.replace("_", "-"), str(settings[name])]
-    return tf.parse_args(argv)
+    log_dir = settings["log_dir"] or str(twin_out / "step-logs")
+    return tf.parse_args(["--out", str(twin_out), "--log-dir", log_dir, *tf.bench.settings_argv(settings, SETTINGS)])
 
 
 def ablate_run(row: dict, args, costs: tf.Costs) -> dict:

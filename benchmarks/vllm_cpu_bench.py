@@ -132,6 +132,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def settings_argv(settings: dict, names) -> list[str]:
+    """The command-line options that give ``names`` the values a result's ``settings`` recorded
+    (a setting recorded as None is left to its default)."""
+    argv = []
+    for name in names:
+        if settings[name] is not None:
+            argv += ["--" + name.replace("_", "-"), str(settings[name])]
+    return argv
+
+
 def default_plugin_config(tpot_ms: float, profile_path: Path) -> dict:
     """The plug-in as served here: the TPOT target, the cost fitted to the profile, online correction."""
     return {"tpot_ms": tpot_ms, "cost": str(profile_path), "online_correction": True}
