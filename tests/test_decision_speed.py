@@ -194,11 +194,16 @@ def test_a_margin_read_from_the_prediction_halves_the_cost_queries_with_the_same
 ):
     quick, plain = SLOWeave(cost=cost, margin=margin), SLOWeave(cost=cost, margin=Opaque(margin))
     assert quick._reads_price and not plain._reads_price
-    counted.queries = 0
     decided = quick.decide(n_decodes, waiting_tokens, budget_ms)
+    assert plain.decide(n_decodes, waiting_tokens, budget_ms) == decided
+    # the queries of the safety search and the pricing: the fastest chunk's search prices
+    # without the margin, the same queries for both
+    quick, plain = (SLOWeave(cost=cost, margin=m, chunk_choice="largest") for m in (margin, Opaque(margin)))
+    counted.queries = 0
+    assert quick.decide(n_decodes, waiting_tokens, budget_ms).chunk_tokens >= decided.chunk_tokens
     priced = quick.margin_and_predicted_ms(n_decodes, decided.chunk_tokens)
     quick_queries, counted.queries = counted.queries, 0
-    assert plain.decide(n_decodes, waiting_tokens, budget_ms) == decided
+    plain.decide(n_decodes, waiting_tokens, budget_ms)
     plain_priced = plain.margin_and_predicted_ms(n_decodes, decided.chunk_tokens)
     assert [v.hex() for v in plain_priced] == [v.hex() for v in priced]
     if isinstance(cost, CalibratedCost):  # its pricer takes T(n, 0) once per search, for both policies

@@ -8,7 +8,7 @@ import pytest
 
 from sloweave.core.costs.analytic import AnalyticCost
 from sloweave.core.costs.margins import ConstantMargin
-from sloweave.core.budget import BudgetController, StepState, make_policy_for_engine
+from sloweave.core.budget import BudgetController, StepState, make_policy_for_engine, on_grid
 from sloweave.vllm_plugin.config import PluginConfig, PluginConfigError
 
 
@@ -114,7 +114,35 @@ def test_margin_and_engine_cap():
     assert plan.token_budget == 512  # the engine's own max_num_batched_tokens stays the upper bound
 
 
+def test_steps_are_rounded_down_to_the_size_grid_where_a_chunk_stays_and_prompt_tokens_wait():
+    plain, grid = controller(), controller(step_grid_tokens=32)
+    for c in (plain, grid):
+        for i in range(4):
+            c.on_token(f"r{i}", 100.0)
+    state = StepState(now_ms=100.0, decode_tokens=4, pending_prompt_tokens=10_000)
+    free, rounded = plain.plan_step(state), grid.plan_step(state)
+    assert free.token_budget % 32 and rounded.token_budget == free.token_budget - free.token_budget % 32
+    assert rounded.chunk_tokens == rounded.token_budget - 4 and rounded.policy_chunk_tokens == free.chunk_tokens
+    assert rounded.predicted_ms < free.predicted_ms  # priced as it will run: smaller, still safe
+    # the whole offer fits: it is taken as it is, no prompt token left for a step of its own
+    whole = grid.plan_step(StepState(now_ms=100.0, decode_tokens=4, pending_prompt_tokens=45))
+    assert whole.token_budget == 49
+    # decode-only steps are left alone (a step below one grid step: ``test_on_grid``)
+    late = grid.plan_step(StepState(now_ms=109.99, decode_tokens=4, pending_prompt_tokens=10_000))
+    assert late.token_budget == 4
+
+
+@pytest.mark.parametrize(
+    "step, decodes, grid, expected",
+    [(100, 4, 32, 96), (30, 4, 32, 30), (64, 64, 32, 64), (70, 64, 32, 70), (97, 90, 8, 96), (97, 96, 8, 97)],
+)
+def test_on_grid(step, decodes, grid, expected):
+    assert on_grid(step, decodes, grid) == expected
+
+
 def test_bad_controller_arguments():
+    with pytest.raises(ValueError, match="step_grid_tokens"):
+        controller(step_grid_tokens=0)
     with pytest.raises(ValueError, match="aging_ms"):
         controller(aging_ms=0)
     with pytest.raises(ValueError, match="max_budget_tokens"):

@@ -1,8 +1,8 @@
 """SLOWeave's fastest deadline-safe chunk (``sloweave.core.fastest_chunk``).
 
-Among the chunks whose T + delta fits the budget, the one with the most prompt tokens per ms of
-the step; on a cost whose rate never peaks (affine, the analytic model) the largest, with no
-extra cost query.
+Among the chunks whose T + delta fits the budget, the one with the most prompt tokens per ms the
+chunk costs (what it adds to its step plus the step of one decode, the margin left out); on a
+cost whose rate never peaks (affine, the analytic model) the largest, with no extra cost query.
 """
 
 from __future__ import annotations
@@ -10,7 +10,6 @@ from __future__ import annotations
 import bisect
 from pathlib import Path
 
-import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -37,7 +36,8 @@ class QuadraticCost:
 
 
 def rate(cost, n, c):
-    return c / cost(n, c)
+    """Prompt tokens per ms the chunk costs: c / (T(n, c) - T(n, 0) + min(T(1, 0), T(n, 0)))."""
+    return c / (cost(n, c) - cost(n, 0) + min(cost(1, 0), cost(n, 0)))
 
 
 def largest_safe(cost, n, upper, budget):
@@ -82,8 +82,8 @@ def test_the_chosen_chunk_is_safe_no_larger_no_slower_and_within_1_percent_of_th
         assert chunk == largest
         return
     assert rate(cost, n, chunk) >= rate(cost, n, largest)
-    rates = np.arange(1, largest + 1) / np.array([cost(n, c) for c in range(1, largest + 1)])
-    assert rate(cost, n, chunk) >= 0.99 * rates.max()
+    rates = [rate(cost, n, c) for c in range(1, largest + 1)]
+    assert rate(cost, n, chunk) >= 0.99 * max(rates)
     if cost.k == 0.0:  # affine: the rate only grows with the chunk
         assert chunk == largest
 
@@ -98,8 +98,9 @@ def test_a_search_asks_a_bounded_number_of_extra_queries(cost, n, budget):
     plain = cost.queries
     cost.queries = 0
     fastest.decide(n, 100_000, budget)
-    # one for the largest chunk, at most 8 ladder probes from 4,096 tokens, the refinements
-    assert cost.queries - plain <= 1 + 8 + MAX_REFINEMENTS
+    # the decode-only and one-decode steps, one for the largest chunk, at most 8 ladder probes
+    # from 4,096 tokens, the refinements
+    assert cost.queries - plain <= 2 + 1 + 8 + MAX_REFINEMENTS
     if not fastest._seeks_fastest:
         assert cost.queries == plain
 
@@ -126,6 +127,19 @@ def test_a_convex_cost_takes_the_chunk_at_its_peak_rate():
     assert make_policy("sloweave-largest", cost=cost).decide(1, 5000, 100.0).chunk_tokens == largest
 
 
+def test_the_decodes_and_the_margin_do_not_buy_a_larger_chunk():
+    """The decodes are done whatever the chunk and the margin is time kept, not spent: neither is
+    charged to the chunk. T = 4 + 0.5 n + 0.01 c + 1e-5 c^2: the rate per ms the chunk costs peaks
+    at sqrt(4.5 / 1e-5) = 671 tokens at every batch size and margin (charging the step's 104 ms of
+    200 decodes to it would put the peak at 3,225; a 20 ms margin at 2,100 with one decode)."""
+    cost = QuadraticCost(4.0, 0.5, 0.01, 1e-5)
+    for margin in (ConstantMargin(0.0), ConstantMargin(20.0)):
+        policy = SLOWeave(cost=cost, margin=margin)
+        for n in (1, 50, 200):
+            chunk = policy.decide(n, 100_000, 1_000.0).chunk_tokens
+            assert abs(chunk - 671) < 671 * (BRACKET_RATIO - 1), (margin, n, chunk)
+
+
 class TiledCost:
     """1 + 0.01 n + 0.01 (n + c) + a 2 ms ramp over the 8 tokens past every 128 (a GPU's tile step)."""
 
@@ -143,7 +157,7 @@ def tile_edge_rule(cost, n, largest):
     """The rule before the search: the largest chunk, or the one ending at the edge below if faster."""
     i = bisect.bisect_left(cost.tile_edges, n + largest)
     edge_chunk = cost.tile_edges[i - 1] - n if i else 0
-    if edge_chunk > 0 and edge_chunk * cost(n, largest) > largest * cost(n, edge_chunk):
+    if edge_chunk > 0 and rate(cost, n, edge_chunk) > rate(cost, n, largest):
         return edge_chunk
     return largest
 

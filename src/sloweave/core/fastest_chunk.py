@@ -1,11 +1,18 @@
-"""The deadline-safe chunk that prefills fastest: the most prompt tokens per millisecond of the step.
+"""The deadline-safe chunk that prefills fastest: the most prompt tokens per millisecond it costs.
 
 SLOWeave's binary search gives the largest chunk whose T + delta fits the budget. Every smaller
 chunk fits too (T is monotone in c), so any of them is deadline-safe; the question is which one
-prefills fastest, rate(c) = c / (T(n, c) + delta(n, c)), decodes included in the step time. On a
-cost whose per-token time does not rise with the chunk (T = a + b c, the analytic model) the rate
-only grows with c and the largest chunk is the answer. On a measured cost it need not be: a
-CPU's matrix products slow down per token past a cache-sized chunk, a GPU's kernels run in
+prefills fastest. Served at a steady rate, every request's decodes and prompt tokens are done
+whatever the chunk: what a chunk size changes is how many steps the prompts take, and each step
+pays a fixed part (the engine's step, one decode) again. So the time a chunk costs the prompts is
+what it adds to its step, T(n, c) - T(n, 0), plus that fixed part, F = T(1, 0); the rate is
+c / (T(n, c) - T(n, 0) + F) (``prefill_ms``). Not c / T(n, c): that would charge the decodes,
+done anyway, to the chunk and favour large chunks in a full batch. Not with delta: the margin is
+time kept, not spent (an additive margin would favour them too).
+
+On a cost whose per-token time does not rise with the chunk (T = a + b c, the analytic model)
+the rate only grows with c and the largest chunk is the answer. On a measured cost it need not
+be: a CPU's matrix products slow down per token past a cache-sized chunk, a GPU's kernels run in
 tiles, so T jumps just past each tile edge.
 
 ``rate_can_peak`` decides once, when a policy is built, whether the search is worth running;
@@ -37,18 +44,27 @@ _CHECK_POINTS = 129
 _CHECK_CONTEXTS = ((0, 8192), (131_072, 0))
 
 
-def rate_can_peak(cost: CostModel, predicted: CostModel, max_chunk_tokens: int) -> bool:
-    """Whether c / predicted(n, c) decreases anywhere on a grid of n and c in [1, C_max].
+def prefill_ms(price: CostModel, n_decodes: int, one_decode_ms: float) -> CostModel:
+    """(n, c) -> T(n, c) - T(n, 0) + F for n = ``n_decodes``: the time a chunk costs the prompts.
+    ``price`` gives T; F, the part of a step a larger chunk spreads over more prompt tokens, is
+    the step of one decode, ``one_decode_ms`` = T(1, 0) (no more than the decode-only step)."""
+    decode_only_ms = price(n_decodes, 0)
+    fixed_ms = one_decode_ms if one_decode_ms < decode_only_ms else decode_only_ms
+    offset_ms = fixed_ms - decode_only_ms
+    return lambda n, c: price(n, c) + offset_ms
+
+
+def rate_can_peak(cost: CostModel, max_chunk_tokens: int) -> bool:
+    """Whether c / ``prefill_ms`` decreases anywhere on a grid of n and c in [1, C_max].
 
     Asked once, when a policy is built (the caller makes the queries uncounted). Where it never
     decreases, the largest safe chunk prefills fastest and the search is skipped: no extra query
-    per decision. A cost that reads the KV context is checked at the context it holds (with the
-    margin) and at a few more through ``predict`` (without it: the context is not set on a model
-    an engine may be feeding); a peak only at another context goes unseen, and that cost keeps
-    the largest chunk.
+    per decision. A cost that reads the KV context is checked at the context it holds and at a
+    few more through ``predict`` (the context is not set on a model an engine may be feeding); a
+    peak only at another context goes unseen, and that cost keeps the largest chunk.
     """
     chunks = np.unique(np.linspace(1, max_chunk_tokens, _CHECK_POINTS).round().astype(int))
-    if _rate_drops(predicted, chunks):
+    if _rate_drops(cost, chunks):
         return True
     if isinstance(cost, ContextAware):
         for kv_tokens, prefix_tokens in _CHECK_CONTEXTS:
@@ -57,9 +73,10 @@ def rate_can_peak(cost: CostModel, predicted: CostModel, max_chunk_tokens: int) 
     return False
 
 
-def _rate_drops(predicted: CostModel, chunks: np.ndarray) -> bool:
+def _rate_drops(price: CostModel, chunks: np.ndarray) -> bool:
     for n in _CHECK_DECODES:
-        rates = chunks / np.array([predicted(n, int(c)) for c in chunks], dtype=float)
+        spent = prefill_ms(price, n, price(1, 0))
+        rates = chunks / np.array([spent(n, int(c)) for c in chunks], dtype=float)
         # a relative tolerance: a rate that is flat (T proportional to c) must not read as a peak
         if np.any(np.diff(rates) < -1e-9 * rates[1:]):
             return True
@@ -69,7 +86,8 @@ def _rate_drops(predicted: CostModel, chunks: np.ndarray) -> bool:
 def fastest_chunk(
     predicted: Callable[[int, int], float], n_decodes: int, largest: int, tile_edges: list[int] | None
 ) -> int:
-    """The chunk in [1, largest] that prefills fastest, ``largest`` being the largest safe one.
+    """The chunk in [1, largest] that prefills fastest, ``largest`` being the largest safe one
+    and ``predicted`` the time a chunk costs (``prefill_ms``; any cost monotone in c).
 
     A ladder of probes at ``largest * LADDER_RATIO ** (1, 2, 4, ...)`` walks down while each
     prefills faster than the best so far, which brackets the peak of a rate with one peak; a golden-section search in log c

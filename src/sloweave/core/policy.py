@@ -15,7 +15,7 @@ import re
 from dataclasses import dataclass, field
 from typing import NamedTuple, Protocol
 
-from sloweave.core.fastest_chunk import fastest_chunk, rate_can_peak
+from sloweave.core.fastest_chunk import fastest_chunk, prefill_ms, rate_can_peak
 from sloweave.core.largest_chunk import SECANT_ALLOWANCE, largest_fitting
 from sloweave.core.validate import positive_ms, positive_tokens
 from sloweave.core.costs.analytic import AnalyticCost
@@ -26,6 +26,7 @@ from sloweave.core.costs.protocols import (
     Invertible,
     Margin,
     MonotoneRepair,
+    PricesChunks,
     ReadsPrediction,
     WeighsAddedRisk,
     check_monotone_in_chunk,
@@ -80,8 +81,8 @@ class SLOWeave:
     search because T is monotone in c (``largest_fitting``), is the largest safe chunk; every
     smaller one is safe too.
     When c* < L, ``chunk_choice="fastest"`` takes the safe chunk with the highest rate
-    c / (T + delta), which is c* itself on a cost whose rate never peaks (the analytic model):
-    ``sloweave.core.fastest_chunk``. Decode-only when no prompt waits or nothing fits;
+    c / (T(n, c) - T(n, 0) + T(1, 0)), the prompt tokens per ms the chunk costs, which is c*
+    itself on a cost whose rate never peaks (the analytic model): ``sloweave.core.fastest_chunk``. Decode-only when no prompt waits or nothing fits;
     the largest chunk when nothing is decoding (no deadline to protect).
     """
 
@@ -142,8 +143,9 @@ class SLOWeave:
         seeks_fastest = self.chunk_choice == "fastest"
         if seeks_fastest and not edges:
             with uncounted(cost):
-                seeks_fastest = rate_can_peak(cost, predicted, self.max_chunk_tokens)
+                seeks_fastest = rate_can_peak(cost, self.max_chunk_tokens)
         object.__setattr__(self, "_seeks_fastest", seeks_fastest)
+        object.__setattr__(self, "_price_at", cost.chunk_pricer if isinstance(cost, PricesChunks) else None)
 
     def predicted_ms(self, n_decodes: int, chunk_tokens: int) -> float:
         return self._predicted(n_decodes, chunk_tokens)
@@ -188,7 +190,16 @@ class SLOWeave:
         chunk = self._fitting_chunk(n_decodes, upper, budget_ms, predicted, decode_only_ms)
         if not self._seeks_fastest or not chunk or chunk >= waiting_tokens:
             return _decision(Decision, (chunk, False))  # the whole prompt fits: finishing it serves TTFT best
-        return _decision(Decision, (fastest_chunk(predicted, n_decodes, chunk, self._tile_edges), False))
+        return _decision(Decision, (self._fastest_safe(n_decodes, chunk), False))
+
+    def _fastest_safe(self, n_decodes: int, largest: int) -> int:
+        """The chunk up to ``largest`` (safe) that costs the prompts least per token beside
+        ``n_decodes`` decodes (``prefill_ms``): priced without the margin, which is time kept, not
+        spent. Its queries are not counted past a profile: only ``largest``'s safety rests on them,
+        and its search counted those already."""
+        with uncounted(self.cost):
+            price = self.cost if self._price_at is None else self._price_at(n_decodes)
+            return fastest_chunk(prefill_ms(price, n_decodes, self.cost(1, 0)), n_decodes, largest, self._tile_edges)
 
     def _predicted_at(self, n_decodes: int) -> CostModel:
         """T + delta as a function of (n, c), for a search that asks this n only."""

@@ -19,8 +19,9 @@ Sources, later ones win: defaults, environment variables ``SLOWEAVE_*``, and vLL
 | step_log_max_steps | SLOWEAVE_STEP_LOG_MAX_STEPS | 1000000 | the log stops (and says so in its last line) after this many steps, about 400 bytes each |
 | online_correction | SLOWEAVE_ONLINE_CORRECTION | false | self-correction from the measured step times (`sloweave.core.costs.calibrated.self_correcting`, as the CPU runtime and the simulator): the cost is recalibrated online and the margin is the adaptive P99.7 of the corrected model's recent residuals |
 | budget_rule | SLOWEAVE_BUDGET_RULE | deadline | `deadline`: each step's token budget from the earliest next-token deadline (SLOWeave); `fixed`: vLLM's own `--max-num-batched-tokens` every step, planned, priced and logged as SLOWeave's would be (a step log and metrics of the tuned baseline, for the simulator's twin of it) |
-| chunk_choice | SLOWEAVE_CHUNK_CHOICE | fastest | among the chunks that meet the deadline, `fastest`: the one with the most prompt tokens per millisecond of the step (where the cost's per-token time rises with the chunk, as on vLLM's CPU build), `largest`: the largest (the paper's rule); the same on a cost whose per-token time does not rise |
+| chunk_choice | SLOWEAVE_CHUNK_CHOICE | fastest | among the chunks that meet the deadline, `fastest`: the one with the most prompt tokens per millisecond the chunk costs (what it adds to its step plus the step of one decode; `sloweave.core.fastest_chunk`), which differs from the largest where the cost's per-token time rises with the chunk, as on vLLM's CPU build, `largest`: the largest (the paper's rule); the same on a cost whose per-token time does not rise |
 | margin_form | SLOWEAVE_MARGIN_FORM | relative | with `online_correction`, the adaptive margin's form: `relative` (the P99.7 of measured / corrected - 1 over all recent steps, times the step's prediction) or `per-step` (milliseconds: the P99.7 of measured - corrected of recent steps of the same kind and predicted time, `sloweave.core.costs.step_margin`); `per-step` needs `online_correction` |
+| step_grid_tokens | SLOWEAVE_STEP_GRID_TOKENS | 32 | a step's token budget (decodes + chunk) is rounded down to a multiple of this where a chunk stays and prompt tokens are left for later, so that steps repeat a few sizes (vLLM's CPU build runs the first steps of a size it has not run 3-8 ms slower); `1`: no rounding; with `budget_rule: deadline` only |
 
 With ``online_correction`` the controller decides with ``SelfCorrection.cost`` (the ``cost``
 prior times the factors learned per decode-count bucket and step kind) and
@@ -113,13 +114,14 @@ class PluginConfig:
     step_log_max_steps: int = DEFAULT_MAX_STEPS
     budget_rule: str = "deadline"
     chunk_choice: str = "fastest"
+    step_grid_tokens: int = 32
 
     def __post_init__(self) -> None:
         # Numbers are kept as the checked floats: an integer past int64 (2**64 in the JSON) is a
         # fine number of milliseconds, but numpy in the cost models cannot take it as it is.
         object.__setattr__(self, "tpot_ms", _checked(tpot_target_ms, self.tpot_ms, "tpot_ms"))
-        _checked(TOKENS.check, self.max_chunk_tokens, "max_chunk_tokens")
-        _checked(TOKENS.check, self.aging_chunk_tokens, "aging_chunk_tokens")
+        for name in ("max_chunk_tokens", "aging_chunk_tokens", "step_grid_tokens"):
+            _checked(TOKENS.check, getattr(self, name), name)
         # past these a margin is no margin but another model (and 1e308 overflowed at start-up)
         for name, limits in (
             ("margin_ms", MARGIN_RANGE_MS),
