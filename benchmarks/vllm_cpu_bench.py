@@ -53,12 +53,12 @@ VLLM_CPU_DEFAULT_BUDGET = 2048  # `vllm serve`'s max_num_batched_tokens on a CPU
 VLLM_CPU_DEFAULT_SEQS = 128  # and its max_num_seqs
 # the plug-in's configurations served (besides tpot_ms, the fitted cost and online correction),
 # by engine name: the relative margin on the regression (the default), the same taking the largest
-# chunk that meets the deadline instead of the fastest, the same without rounding its steps to
-# the size grid, the per-step margin, and the per-step margin on the table fit
+# chunk that meets the deadline instead of the fastest, the default with its steps rounded to a
+# 32-token size grid, the per-step margin, and the per-step margin on the table fit
 PLUGIN_VARIANTS = {
     "sloweave": {},
     "sloweave-largest": {"chunk_choice": "largest"},
-    "sloweave-no-grid": {"step_grid_tokens": 1},
+    "sloweave-grid": {"step_grid_tokens": 32},
     "sloweave-per-step": {"margin_form": "per-step"},
     "sloweave-per-step-table": {"margin_form": "per-step", "cost_kind": "table"},
 }
