@@ -127,6 +127,13 @@ def test_steps_are_rounded_down_to_the_size_grid_where_a_chunk_stays_and_prompt_
     # the whole offer fits: it is taken as it is, no prompt token left for a step of its own
     whole = grid.plan_step(StepState(now_ms=100.0, decode_tokens=4, pending_prompt_tokens=45))
     assert whole.token_budget == 49
+    # the engine's own cap and C_max are left as they are: the deadline did not cut them
+    capped = controller(step_grid_tokens=32, max_budget_tokens=100)
+    capped.on_token("r0", 0.0)
+    assert capped.plan_step(StepState(now_ms=0.0, decode_tokens=1, pending_prompt_tokens=10_000)).token_budget == 100
+    at_c_max = controller(step_grid_tokens=32, max_chunk_tokens=50)
+    at_c_max.on_token("r0", 0.0)
+    assert at_c_max.plan_step(StepState(now_ms=0.0, decode_tokens=1, pending_prompt_tokens=10_000)).token_budget == 51
     # decode-only steps are left alone (a step below one grid step: ``test_on_grid``)
     late = grid.plan_step(StepState(now_ms=109.99, decode_tokens=4, pending_prompt_tokens=10_000))
     assert late.token_budget == 4

@@ -218,8 +218,11 @@ class BudgetController:
         # The budget always covers the decodes' demand (up to the engine's own cap): a budget
         # that starves decodes is a bug, not a choice. The prefill gets the chunk on top.
         token_budget = min(self.max_budget_tokens, state.decode_tokens + chunk)
-        if self.step_grid_tokens > 1 and chunk < state.pending_prompt_tokens and not aged:
-            token_budget = on_grid(token_budget, state.decode_tokens, self.step_grid_tokens)
+        # only a step the deadline (or the rate) cut short: the whole offer, the engine's own
+        # cap and the policy's C_max are sizes the engine is given as they are
+        if self.step_grid_tokens > 1 and not aged and token_budget < self.max_budget_tokens:
+            if chunk < min(state.pending_prompt_tokens, getattr(self.policy, "max_chunk_tokens", math.inf)):
+                token_budget = on_grid(token_budget, state.decode_tokens, self.step_grid_tokens)
         decided, chunk = chunk, max(0, token_budget - state.decode_tokens)
         margin_ms, predicted_ms = self._price(state.decode_tokens, chunk)
         base_ms = math.nan
