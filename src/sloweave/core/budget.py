@@ -144,8 +144,8 @@ class BudgetController:
         self.policy = policy
         self.tracker = DeadlineTracker(default_tpot_ms)
         self.max_budget_tokens = max_budget_tokens
-        # A step's size (decodes + chunk) is rounded down to a multiple of this, where a chunk
-        # stays and prompt tokens are left for later: an engine pays extra for the first steps
+        # A step's size (decodes + chunk) is rounded down to a multiple of this where the deadline
+        # (or the rate) cut the chunk short and a chunk stays: an engine pays extra for the first steps
         # of every size it has not run yet (measured on vLLM's CPU build: 3-8 ms for a size's
         # first step, 2-3 ms for its second and third), and a budget chosen anew every step
         # would keep finding new sizes. 1: no rounding. An aged chunk is the size asked for.
