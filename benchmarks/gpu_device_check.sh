@@ -4,7 +4,8 @@
 # then the plug-in against vLLM's fixed budgets on that profile, with energy per SLO-meeting
 # request from NVML. Without it (a machine that cannot install vLLM): profile transformers'
 # kernels on the GPU (`sloweave profile --device cuda`, the 8B model's shape with random bf16
-# weights) and fit it, then time one prompt's prefill alone by chunk size; $PYTHON (default
+# weights) and fit it, time one prompt's prefill alone by chunk size, and what a token count's
+# first forward costs (gpu_step_size_warmup.py); $PYTHON (default
 # python3) needs torch with CUDA and transformers 5.20.2.
 # Results under $OUT (or results/gpu).
 #     bash benchmarks/gpu_device_check.sh
@@ -28,4 +29,9 @@ else
         --out "$OUT/prefill_curve.csv"
     PYTHONPATH="src${PYTHONPATH:+:$PYTHONPATH}" timeout 180 "${PYTHON:-python3}" benchmarks/gpu_prefill_curve.py \
         --cuda-graph --out "$OUT/prefill_curve_graph.csv"
+    # a token count's first forward: with SDPA as torch picks it (cuDNN on Hopper) and kept off cuDNN
+    PYTHONPATH="src${PYTHONPATH:+:$PYTHONPATH}" timeout 120 "${PYTHON:-python3}" benchmarks/gpu_step_size_warmup.py \
+        --sizes 60 --occurrences 4 --out "$OUT/warmup"
+    PYTHONPATH="src${PYTHONPATH:+:$PYTHONPATH}" timeout 120 "${PYTHON:-python3}" benchmarks/gpu_step_size_warmup.py \
+        --sizes 60 --occurrences 4 --no-cudnn-attention --out "$OUT/warmup-no-cudnn"
 fi
