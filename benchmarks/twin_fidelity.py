@@ -265,15 +265,19 @@ def predict_row(row: dict, args, costs: Costs, log_dir: Path) -> None:
     """The twin's and the plain simulator's predictions for one real run, into ``row``."""
     workload = bench.workload_for(args, row["seed"], row["rate_rps"])
     is_plugin = row["engine"] == PLUGIN_ENGINE
+    # the plug-in's margin form and size grid as served (its SLOWEAVE_* variables included)
+    plugin = (
+        bench.plugin_sim_options(bench.default_plugin_config(args.tpot_ms, args.profile_file)) if is_plugin else None
+    )
     try:
-        plain = bench.simulated(workload, row["policy"], costs.profile.model, args, row["budget"])
+        plain = bench.simulated(workload, row["policy"], costs.profile.model, args, row["budget"], plugin)
         row.update({f"plain_{k}": plain[k] for k in METRICS})
         fitted, noise = twin_source(row, args, log_dir)
         machine, row["twin_fit_error"] = (
             (costs.profile.model, math.nan) if fitted == args.profile_file else costs.of_log(fitted)
         )
         twin = bench.simulated(
-            workload, row["policy"], machine, args, row["budget"],
+            workload, row["policy"], machine, args, row["budget"], plugin,
             policy_cost=costs.profile.model if is_plugin else None,
             step_noise_from=str(noise), noise_seed=row["seed"],
         )  # fmt: skip
@@ -285,7 +289,7 @@ def predict_row(row: dict, args, costs: Costs, log_dir: Path) -> None:
         try:
             other = heldout_noise_log(row, args, log_dir)
             heldout = bench.simulated(
-                workload, row["policy"], costs.profile.model, args, row["budget"],
+                workload, row["policy"], costs.profile.model, args, row["budget"], plugin,
                 step_noise_from=str(other), noise_seed=row["seed"],
             )  # fmt: skip
             row.update({f"heldout_{k}": heldout[k] for k in METRICS})
@@ -449,7 +453,10 @@ def _engine_capacity(args, s: Served, costs: Costs, combined: Path) -> tuple[flo
     machine, fit_error = costs.of_log(combined)
     base = tuple(bench.workload_for(args, seed, args.rate_rps) for seed in args.seed_list)
     source = ScaledWorkloads("mixed (bench)", base, (args.rate_rps,) * len(base), tuple(map(str, args.seed_list)))
-    options = EngineOptions(max_batch_size=bench.VLLM_CPU_DEFAULT_SEQS, correction=True, step_noise_from=str(combined))
+    plugin = bench.plugin_sim_options(s.plugin_config) if s.deadline_aware else {}
+    options = EngineOptions(
+        max_batch_size=bench.VLLM_CPU_DEFAULT_SEQS, correction=True, step_noise_from=str(combined), **plugin
+    )
     lattice = SearchLattice(attainment_target=args.target, steps_per_doubling=16, min_scale=0.25, max_scale=4.0)
     study = CapacityStudy(
         source, [s.policy], (args.tpot_ms,), args.ttft_ms, lattice, machine,

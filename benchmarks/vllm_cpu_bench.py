@@ -52,13 +52,13 @@ PLUGIN = "sloweave.vllm_plugin.SLOWeaveScheduler"  # the CPU build schedules syn
 VLLM_CPU_DEFAULT_BUDGET = 2048  # `vllm serve`'s max_num_batched_tokens on a CPU (vLLM 0.32)
 VLLM_CPU_DEFAULT_SEQS = 128  # and its max_num_seqs
 # the plug-in's configurations served (besides tpot_ms, the fitted cost and online correction),
-# by engine name: the relative margin on the regression (the default), the same taking the largest
-# chunk that meets the deadline instead of the fastest, the default with its steps rounded to a
-# 32-token size grid, the per-step margin, and the per-step margin on the table fit
+# by engine name: the relative margin on the regression with its steps on a 32-token size grid
+# (the defaults), the same taking the largest chunk that meets the deadline instead of the
+# fastest, the same off the grid, the per-step margin, and the per-step margin on the table fit
 PLUGIN_VARIANTS = {
     "sloweave": {},
     "sloweave-largest": {"chunk_choice": "largest"},
-    "sloweave-grid": {"step_grid_tokens": 32},
+    "sloweave-no-grid": {"step_grid_tokens": 1},
     "sloweave-per-step": {"margin_form": "per-step"},
     "sloweave-per-step-table": {"margin_form": "per-step", "cost_kind": "table"},
 }
@@ -203,14 +203,15 @@ def simulated(
     cost,
     args,
     max_chunk: int,
-    margin_form: str = "relative",
+    plugin: dict | None = None,
     policy_cost=None,
     step_noise_from: str | None = None,
     noise_seed: int = 0,
 ) -> dict:
     """The simulator's prediction for one engine: the same workload, the fitted cost (the machine's
     time; the policy decides with ``policy_cost``, by default the same), plus, with ``step_noise_from``,
-    the residuals of that step log or profile against ``cost`` (``EngineOptions.step_noise_from``)."""
+    the residuals of that step log or profile against ``cost`` (``EngineOptions.step_noise_from``).
+    ``plugin``: the plug-in's options the simulator shares (``plugin_sim_options``)."""
     from sloweave.core.policy import make_policy
     from sloweave.sim.metrics import evaluate
     from sloweave.sim.options import EngineOptions
@@ -219,17 +220,27 @@ def simulated(
     options = EngineOptions(
         max_batch_size=VLLM_CPU_DEFAULT_SEQS,
         correction=deadline_aware,
-        margin_form=margin_form if deadline_aware else "relative",
         step_noise_from=step_noise_from,
+        **((plugin or {}) if deadline_aware else {}),
     )
     policy = make_policy(policy_name, cost=cost if policy_cost is None else policy_cost, max_chunk_tokens=max_chunk)
     result = options.simulate(workload, policy, args.tpot_ms, args.ttft_ms, cost, noise_seed)
     return evaluate(result, args.ttft_ms, args.tpot_ms).as_dict()
 
 
+def plugin_sim_options(plugin_config: dict) -> dict:
+    """The plug-in's options that the simulator has too, as the plug-in reads them (its
+    ``SLOWEAVE_*`` environment variables included): the margin's form and the size grid."""
+    from sloweave.vllm_plugin.config import CONFIG_KEY, PluginConfig
+
+    config = PluginConfig.from_sources({CONFIG_KEY: plugin_config})
+    grid = config.step_grid_tokens if config.budget_rule == "deadline" else 1
+    return {"margin_form": config.margin_form, "step_grid_tokens": grid}
+
+
 def predicted(args, workload, budget: int, plugin_config: dict | None, resolved, seed: int) -> dict:
     """The simulated columns of one served run: vLLM's rule at ``budget`` on the profile's cost
-    (``resolved``), or the plug-in's with its configuration's cost kind and margin; with
+    (``resolved``), or the plug-in's with its configuration's cost kind, margin and size grid; with
     ``--noise-from``, that step log's residuals as the machine's noise."""
     from sloweave.core.costs.resolve import resolve_cost
 
@@ -237,7 +248,7 @@ def predicted(args, workload, budget: int, plugin_config: dict | None, resolved,
     policy = "sloweave-multi" if plugin_config else f"sarathi-{budget}"
     cost = resolve_cost(config["cost"], cost_kind=config.get("cost_kind", "regression")) if plugin_config else resolved
     return simulated(
-        workload, policy, cost.model, args, budget, config.get("margin_form", "relative"),
+        workload, policy, cost.model, args, budget, plugin_sim_options(plugin_config) if plugin_config else None,
         step_noise_from=args.noise_from and str(args.noise_from), noise_seed=seed,
     )  # fmt: skip
 

@@ -8,7 +8,9 @@ import pytest
 
 from sloweave.core.costs.analytic import AnalyticCost
 from sloweave.core.costs.margins import ConstantMargin
-from sloweave.core.budget import BudgetController, StepState, make_policy_for_engine, on_grid
+from sloweave.core.budget import BudgetController, StepState, make_policy_for_engine
+from sloweave.core.policy import make_policy
+from sloweave.core.size_grid import SizeGrid, on_grid, size_grid
 from sloweave.vllm_plugin.config import PluginConfig, PluginConfigError
 
 
@@ -122,7 +124,7 @@ def test_steps_are_rounded_down_to_the_size_grid_where_a_chunk_stays_and_prompt_
     state = StepState(now_ms=100.0, decode_tokens=4, pending_prompt_tokens=10_000)
     free, rounded = plain.plan_step(state), grid.plan_step(state)
     assert free.token_budget % 32 and rounded.token_budget == free.token_budget - free.token_budget % 32
-    assert rounded.chunk_tokens == rounded.token_budget - 4 and rounded.policy_chunk_tokens == free.chunk_tokens
+    assert rounded.chunk_tokens == rounded.policy_chunk_tokens == rounded.token_budget - 4
     assert rounded.predicted_ms < free.predicted_ms  # priced as it will run: smaller, still safe
     # the whole offer fits: it is taken as it is, no prompt token left for a step of its own
     whole = grid.plan_step(StepState(now_ms=100.0, decode_tokens=4, pending_prompt_tokens=45))
@@ -584,3 +586,27 @@ def test_the_adaptive_margin_holds_a_chunk_back_only_for_the_risk_it_adds():
     decode_only_misses = calibrator.residual_share_above(12.0 / corrected(8, 0) - 1.0)
     with_chunk_misses = calibrator.residual_share_above(12.0 / corrected(8, stalled.chunk_tokens) - 1.0)
     assert 0.04 <= decode_only_misses and with_chunk_misses <= decode_only_misses + 0.003 + 1e-12
+
+
+@pytest.mark.parametrize(
+    "chunk, decodes, waiting, expected",
+    [
+        (100, 4, 5000, 92),  # cut by the deadline: the step (104) to 96
+        (0, 4, 5000, 0),  # decode-only
+        (20, 4, 20, 20),  # the whole offer
+        (1000, 4, 5000, 1000),  # C_max
+        (1500, 600, 5000, 1500),  # the engine's cap (2,100 tokens)
+        (10, 64, 5000, 10),  # rounding would leave no chunk
+        (10, 30, 5000, 2),  # a smaller one it leaves
+    ],
+)
+def test_a_size_grid_rounds_only_a_chunk_the_deadline_cut_short(chunk, decodes, waiting, expected):
+    assert SizeGrid(32, max_chunk_tokens=1000, max_step_tokens=2100).chunk(chunk, decodes, waiting) == expected
+
+
+def test_the_size_grid_is_for_deadline_aware_policies_only():
+    deadline_aware = make_policy_for_engine(AnalyticCost(), ConstantMargin(0.0), 700)
+    assert size_grid(32, deadline_aware) == SizeGrid(32, 700) and size_grid(1, deadline_aware) is None
+    assert size_grid(32, make_policy("sarathi-256")) is None
+    with pytest.raises(ValueError, match="step_grid_tokens"):
+        size_grid(0, deadline_aware)

@@ -190,6 +190,7 @@ def test_the_analytic_cost_keeps_no_kv_limit_and_records_nothing_new():
         "bias",
         "correction",
         "margin_form",
+        "step_grid_tokens",
     ]
     assert "kv_memory" not in resolve_cost("analytic").description
     with pytest.raises(ValueError, match="kv_memory states"):

@@ -23,13 +23,14 @@ from sloweave.core.admission import (
 from sloweave.core.costs.calibrated import CalibratedCost, ContextFreeCost, OnlineCalibrator
 from sloweave.core.costs.context_analytic import ContextAnalyticCost
 from sloweave.core.costs.analytic import AnalyticCost
-from sloweave.core.policy import Aging, SLOWeave, make_policy
+from sloweave.core.policy import Aging, SLOWeave, decide_step, make_policy
+from sloweave.core.size_grid import SizeGrid
 from sloweave.core.slo import SLOException
 from sloweave.sim.arrivals import AdmissionGate, AdmitAll, Arrivals
 from sloweave.sim.batch import DecodeBatch
 from sloweave.sim.clock import IterationClock
 from sloweave.sim.deadline_source import CumulativeTargets, PerRequestTargets, SharedTarget, TrackedDeadlines
-from sloweave.sim.decide import AgingDecider, chunk_decider
+from sloweave.sim.decide import StepDecider, chunk_decider
 from sloweave.sim.engine import build_engine, simulate
 from sloweave.sim.workloads import get_workload_spec
 from sloweave.sim.memory import KVCapacity, KVLedger, UnlimitedKV
@@ -289,7 +290,7 @@ def test_plain_decision_is_the_policy_and_aging_records_a_core_slo_exception():
     policy = SLOWeave()
     assert chunk_decider(policy, None, policy.predicted_ms) == policy.decide
     decider = chunk_decider(policy, Aging(50.0, 64), policy.predicted_ms)
-    assert isinstance(decider, AgingDecider)
+    assert isinstance(decider, StepDecider)
     r = requests([200], arrival_ms=[0.0])
     queue = PrefillQueue(r)
     queue.append(0)
@@ -483,3 +484,32 @@ def test_a_chunk_spread_over_prompts_is_priced_piece_by_piece_for_the_decision_a
         pieces = [(int(t), 0) for t in result.prefill_tokens[result.prefill_iter == k]]
         pieces[0] = (pieces[0][0], head_prefix)
         assert took[k] == pytest.approx(cost.predict_pieces(int(result.iter_decodes[k]), kv, pieces), rel=1e-9)
+
+
+def test_a_size_grid_rounds_the_steps_the_deadline_cut_short_and_nothing_else():
+    """``step_grid_tokens``: the simulator rounds a deadline-aware step (decodes + chunk) down to the
+    grid where the deadline cut the chunk short, as the plug-in's controller does (core/size_grid.py);
+    deadlines still hold, and a static rule's chunks are its own."""
+    wl = WORKLOADS["mixed"].generate(300, seed=3, rate_scale=4.0)
+    policy = SLOWeave(max_chunk_tokens=1024)
+    free, grid = (simulate(wl, policy, 8.0, step_grid_tokens=g) for g in (1, 32))
+    decodes, chunks = grid.iter_decodes, grid.iter_chunk_tokens
+    cut = (chunks > 0) & (chunks < 1024) & np.isfinite(grid.iter_budget_ms)
+    on = (decodes + chunks) % 32 == 0
+    # off the grid: a chunk that took a prompt's whole rest, or could not round and keep a chunk
+    free_cut = (free.iter_chunk_tokens > 0) & (free.iter_chunk_tokens < 1024)
+    free_on = (free.iter_decodes + free.iter_chunk_tokens) % 32 == 0
+    assert cut.sum() > 500 and on[cut].mean() > 0.5 and free_on[free_cut].mean() < 0.1
+    took = grid.iter_end_ms - grid.iter_start_ms
+    decided = np.isfinite(grid.iter_budget_ms) & ~grid.iter_infeasible
+    assert np.all(took[decided] <= grid.iter_budget_ms[decided] + 1e-9)
+    assert free.num_iterations != grid.num_iterations
+    # the core's rule, one decision at a time: an aged chunk is the size asked for
+    grid_of = SizeGrid(32, policy.max_chunk_tokens)
+    assert decide_step(policy, 4, 5000, 5.0, grid=grid_of).chunk_tokens % 32 == 28
+    assert decide_step(policy, 4, 5000, 0.1, Aging(1.0, 100), 5.0, grid=grid_of) == (100, True, True)
+    fixed = make_policy("sarathi-300")
+    plain, rounded = (simulate(wl, fixed, 25.0, step_grid_tokens=g) for g in (1, 32))
+    assert plain.iter_chunk_tokens.tolist() == rounded.iter_chunk_tokens.tolist()
+    with pytest.raises(ValueError, match="step_grid_tokens"):
+        simulate(wl, policy, 25.0, step_grid_tokens=0)

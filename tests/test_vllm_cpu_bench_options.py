@@ -42,3 +42,13 @@ def test_a_finished_bench_run_is_simulated_again_with_its_own_settings(tmp_path)
     )
     with pytest.raises(ValueError, match="'sloweave-largest' is neither a plug-in variant of this run"):
         bench_with_noise.engine_of("sloweave-largest", summary)
+
+
+def test_the_simulated_plugin_shares_the_margin_form_and_size_grid_the_plugin_serves_with(monkeypatch):
+    config = vllm_cpu_bench.default_plugin_config(60.0, Path("benchmarks/results-vllm-cpu/tight-epyc/profile.csv"))
+    assert vllm_cpu_bench.plugin_sim_options(config)["step_grid_tokens"] == 32  # the plug-in's default
+    assert vllm_cpu_bench.plugin_sim_options(config | {"budget_rule": "fixed"})["step_grid_tokens"] == 1
+    variant = config | vllm_cpu_bench.PLUGIN_VARIANTS["sloweave-no-grid"]
+    assert vllm_cpu_bench.plugin_sim_options(variant)["step_grid_tokens"] == 1
+    monkeypatch.setenv("SLOWEAVE_MARGIN_FORM", "per-step")
+    assert vllm_cpu_bench.plugin_sim_options(config)["margin_form"] == "per-step"  # as the plug-in reads it

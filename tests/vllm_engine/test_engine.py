@@ -37,13 +37,14 @@ def test_greedy_outputs_are_token_identical_to_vllms_default_scheduler(release):
 class StepLog:
     """Records, around the real scheduler, each plan with its inputs and each token's real time.
 
-    Beside each plan it keeps the model's prediction for one token more than the chunk, taken
-    right after planning (online correction changes the model once the step's time is back).
+    Beside each plan it keeps the model's prediction for one size more than the chunk (one token,
+    or one step of the size grid: the chunk is the policy's rounded down to it), taken right
+    after planning (online correction changes the model once the step's time is back).
     """
 
     def __init__(self, scheduler) -> None:
         self.scheduler, self.plans, self.last_token_ms, self.targets = scheduler, [], {}, {}
-        self.one_more_ms = []  # T(n, c + 1) + delta(n, c + 1) of each plan, as the policy saw it
+        self.one_more_ms = []  # T(n, c + g) + delta(n, c + g) of each plan (g: the grid), as the policy saw it
         # when the call that returned each request's last token began: the plug-in stamps the
         # token somewhere inside that call, so its time lies in [call start, last_token_ms]
         self.token_call_start_ms = {}
@@ -52,11 +53,14 @@ class StepLog:
         self.ran, self.observed = [], []
         controller = scheduler.sloweave
         plan_step, update = controller.plan_step, scheduler.update_from_output
+        grid_tokens = controller.grid.grid_tokens if controller.grid is not None else 1
 
         def logged_plan(state):
             plan = plan_step(state)
             self.plans.append((state, plan, dict(self.last_token_ms), dict(self.token_call_start_ms)))
-            self.one_more_ms.append(controller.policy.predicted_ms(state.decode_tokens, plan.chunk_tokens + 1))
+            self.one_more_ms.append(
+                controller.policy.predicted_ms(state.decode_tokens, plan.chunk_tokens + grid_tokens)
+            )
             for request_id in state.decoding_ids:
                 self.targets.setdefault(request_id, self.requested_target_ms(request_id))
             return plan
@@ -126,7 +130,7 @@ class StepLog:
                 continue
             assert plan.predicted_ms <= plan.budget_ms + 1e-9  # the chunk fits the deadline...
             if plan.chunk_tokens < min(state.pending_prompt_tokens, cap_tokens - state.decode_tokens):
-                assert one_more_ms > plan.budget_ms  # ...and is the largest that does
+                assert one_more_ms > plan.budget_ms  # ...and is the largest that does (on the grid)
                 held_back += 1
         return checked, held_back
 

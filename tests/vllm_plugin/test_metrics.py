@@ -32,7 +32,12 @@ def value(registry, name, **labels):
 @pytest.mark.parametrize("cls, overlap", [(SLOWeaveScheduler, False), (SLOWeaveAsyncScheduler, True)])
 def test_decisions_and_step_times_are_exported(cls, overlap):
     eng, registry = engine_with_registry(
-        cls, overlap, step_ms=lambda d, p: COST(d, p) + (SLOW_PREFILL_MS if p else 0.0), tpot_ms=10.0, aging_ms=0
+        cls,
+        overlap,
+        step_ms=lambda d, p: COST(d, p) + (SLOW_PREFILL_MS if p else 0.0),
+        tpot_ms=10.0,
+        aging_ms=0,
+        step_grid_tokens=1,
     )
     eng.add(make_request(6000, 30))  # alone: the whole C_max = 4096 chunk, no deadline
     eng.step()

@@ -35,7 +35,7 @@ def test_scheduler_cls_resolves_from_a_dotted_path():
 
 
 def test_budget_follows_the_deadline():
-    eng = engine(tpot_ms=10.0)
+    eng = engine(tpot_ms=10.0, step_grid_tokens=1)  # the rule itself: the largest safe chunk, not on a grid
     # no decodes: the largest chunk (C_max = 4096)
     eng.add(make_request(6000, 20))
     first = eng.step()
@@ -103,16 +103,21 @@ def test_async_scheduling_accounts_for_the_step_in_flight():
     assert sum(s.prefill_tokens for s in steps) > 3000
 
 
-def test_decisions_match_the_simulator():
-    """Same requests, same cost: vLLM with the plug-in and the simulator take the same steps."""
+@pytest.mark.parametrize("grid", [1, 32])
+def test_decisions_match_the_simulator(grid):
+    """Same requests, same cost: vLLM with the plug-in and the simulator take the same steps (with
+    the size grid too: the simulator rounds a step as the plug-in does)."""
     prompts = [3000, 500, 2000, 100, 4000, 800, 6000, 300]
     outputs = [20, 40, 10, 30, 25, 5, 12, 50]
-    eng = engine(tpot_ms=10.0, aging_ms=0)
+    eng = engine(tpot_ms=10.0, aging_ms=0, step_grid_tokens=grid)
     for p, o in zip(prompts, outputs):
         eng.add(make_request(p, o))
     eng.run()
     workload = Workload("same", np.zeros(len(prompts)), np.array(prompts), np.array(outputs))
-    sim = simulate(workload, SLOWeave(cost=COST, max_prefills=None), tpot_ms=10.0, max_batch_size=128)
+    policy = SLOWeave(cost=COST, max_prefills=None)
+    sim = simulate(workload, policy, tpot_ms=10.0, max_batch_size=128, step_grid_tokens=grid)
+    cut = [s.decode_tokens + s.prefill_tokens for s in eng.steps if 0 < s.prefill_tokens < 4096]
+    assert grid == 1 or np.mean(np.array(cut) % grid == 0) > 0.5
     assert len(eng.steps) == sim.num_iterations
     assert [s.decode_tokens for s in eng.steps] == sim.iter_decodes.tolist()
     assert [s.prefill_tokens for s in eng.steps] == sim.iter_chunk_tokens.tolist()
@@ -176,7 +181,7 @@ def test_aborted_and_preempted_requests_release_their_deadline():
 def test_requests_stopping_on_a_stop_token_leave_no_deadline_behind(cls, overlap):
     """vLLM's async scheduler has the next step scheduled, holding a request, when its stop token
     comes back: once gone, its deadline must not return and pin every budget at 0 ms."""
-    eng = engine(cls, overlap=overlap, tpot_ms=10.0)
+    eng = engine(cls, overlap=overlap, tpot_ms=10.0, step_grid_tokens=1)
     stopping = [make_request(50, 100, stop_on_sampled_token=True) for _ in range(4)]
     decoding = make_request(50, 200)
     for request in (*stopping, decoding):
@@ -311,7 +316,7 @@ def test_profile_file_as_the_cost_model(tmp_path):
     path = write_grid_profile(tmp_path / "profile.csv", lambda n, c, kv: COST(n, c) + 0.0002 * kv)
     fitted = fit_profile_file(path).cost("regression")
 
-    eng = engine(tpot_ms=10.0, cost=path)
+    eng = engine(tpot_ms=10.0, cost=path, step_grid_tokens=1)
     for _ in range(4):
         eng.add(make_request(500, 30))
     eng.step()
@@ -339,7 +344,7 @@ def test_where_a_token_costs_more_in_a_large_chunk_the_plugin_takes_the_fastest_
     fitted = fit_profile_file(path).cost("regression")
     chunks = {}
     for choice in ("fastest", "largest"):
-        eng = engine(tpot_ms=60.0, cost=path, chunk_choice=choice)
+        eng = engine(tpot_ms=60.0, cost=path, chunk_choice=choice, step_grid_tokens=1)
         for _ in range(4):
             eng.add(make_request(500, 30))
         eng.step()

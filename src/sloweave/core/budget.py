@@ -37,6 +37,7 @@ from sloweave.core.costs.protocols import Calibrated, ContextFeed, CostModel, Ma
 from sloweave.core.deadlines import DeadlineTracker, budget_until
 from sloweave.core.policy import Aging, SLOWeave, decide_step
 from sloweave.core.slo import SLOException
+from sloweave.core.size_grid import size_grid
 from sloweave.core.validate import whole_number
 
 
@@ -77,7 +78,7 @@ class StepPlan:
     prefill_prefix_tokens: int = 0
     margin_ms: float = 0.0  # delta(n, c), included in predicted_ms
     pending_prompt_tokens: int = 0  # prompt tokens on offer (what the chunk could have been)
-    policy_chunk_tokens: int = 0  # the decision's chunk (policy, then aging) before the engine's cap
+    policy_chunk_tokens: int = 0  # the decision's chunk (policy, aging, size grid) before the engine's cap
     deadline_ms: float = math.inf  # the earliest next-token deadline budget_ms counts to (+inf: none)
     # (prompt tokens on offer, tokens of it already computed) per prompt, in the engine's order
     offer: tuple[tuple[int, int], ...] = ()
@@ -109,13 +110,6 @@ class _InFlightStep:
     observed: tuple[int, int, float] | None = None
 
 
-def on_grid(step_tokens: int, decode_tokens: int, grid_tokens: int) -> int:
-    """``step_tokens`` rounded down to a multiple of ``grid_tokens`` where that keeps a chunk
-    beside the ``decode_tokens`` (a smaller chunk: still deadline-safe); else unchanged."""
-    rounded = step_tokens - step_tokens % grid_tokens
-    return rounded if rounded > decode_tokens else step_tokens
-
-
 class BudgetController:
     def __init__(
         self,
@@ -129,7 +123,6 @@ class BudgetController:
         step_grid_tokens: int = 1,
     ) -> None:
         whole_number(max_budget_tokens, "max_budget_tokens")
-        whole_number(step_grid_tokens, "step_grid_tokens", minimum=1)
         if correction is not None and not (
             isinstance(policy.cost, Calibrated) and policy.cost.calibrator is correction
         ):
@@ -144,12 +137,8 @@ class BudgetController:
         self.policy = policy
         self.tracker = DeadlineTracker(default_tpot_ms)
         self.max_budget_tokens = max_budget_tokens
-        # A step's size (decodes + chunk) is rounded down to a multiple of this where the deadline
-        # (or the rate) cut the chunk short and a chunk stays: an engine pays extra for the first steps
-        # of every size it has not run yet (measured on vLLM's CPU build: 3-8 ms for a size's
-        # first step, 2-3 ms for its second and third), and a budget chosen anew every step
-        # would keep finding new sizes. 1: no rounding. An aged chunk is the size asked for.
-        self.step_grid_tokens = step_grid_tokens
+        # the engine's own cap is a size it is given as it is (core/size_grid.py)
+        self.grid = size_grid(step_grid_tokens, policy, max_budget_tokens)
         self.stats = ControllerStats()
         # a request's own TPOT target (None: the default), asked once, when tracking starts
         self._tpot_ms_of = tpot_ms_of or (lambda request_id: None)
@@ -214,15 +203,11 @@ class BudgetController:
             budget_ms,
             self.aging,
             state.oldest_prompt_waiting_ms,
+            grid=self.grid,
         )
         # The budget always covers the decodes' demand (up to the engine's own cap): a budget
         # that starves decodes is a bug, not a choice. The prefill gets the chunk on top.
         token_budget = min(self.max_budget_tokens, state.decode_tokens + chunk)
-        # only a step the deadline (or the rate) cut short: the whole offer, the engine's own
-        # cap and the policy's C_max are sizes the engine is given as they are
-        if self.step_grid_tokens > 1 and not aged and token_budget < self.max_budget_tokens:
-            if chunk < min(state.pending_prompt_tokens, getattr(self.policy, "max_chunk_tokens", math.inf)):
-                token_budget = on_grid(token_budget, state.decode_tokens, self.step_grid_tokens)
         decided, chunk = chunk, max(0, token_budget - state.decode_tokens)
         margin_ms, predicted_ms = self._price(state.decode_tokens, chunk)
         base_ms = math.nan

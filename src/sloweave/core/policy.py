@@ -17,6 +17,7 @@ from typing import NamedTuple, Protocol
 
 from sloweave.core.fastest_chunk import fastest_chunk, prefill_ms, rate_can_peak
 from sloweave.core.largest_chunk import SECANT_ALLOWANCE, largest_fitting
+from sloweave.core.size_grid import SizeGrid
 from sloweave.core.validate import positive_ms, positive_tokens
 from sloweave.core.costs.analytic import AnalyticCost
 from sloweave.core.costs.margins import ConstantMargin, ZeroMargin, chunk_pricer_plus_margin, plus_margin
@@ -337,18 +338,22 @@ def decide_step(
     aging: Aging | None = None,
     waited_ms: float = 0.0,
     decision: Decision | None = None,
+    grid: SizeGrid | None = None,
 ) -> StepDecision:
-    """One step's chunk: the policy's decision, then the aging rule.
+    """One step's chunk: the policy's decision, then the aging rule, then the size grid.
 
     Every body decides through here (the simulator, the vLLM plug-in's ``BudgetController``),
-    so a prompt starves, or is rescued, the same way everywhere. ``decision`` is a decision
-    already taken another way (the simulator's lookahead); ``waited_ms`` is how long the
-    oldest prompt has gone without progress.
+    so a prompt starves, or is rescued, and a step is rounded the same way everywhere.
+    ``decision`` is a decision already taken another way (the simulator's lookahead);
+    ``waited_ms`` is how long the oldest prompt has gone without progress; an aged chunk is the
+    size asked for, never rounded.
     """
     chunk, infeasible = policy.decide(n_decodes, waiting_tokens, budget_ms) if decision is None else decision
-    if aging is None:
-        return StepDecision(chunk, infeasible, False)
-    chunk, aged = aging.apply(chunk, waiting_tokens, waited_ms)
+    aged = False
+    if aging is not None:
+        chunk, aged = aging.apply(chunk, waiting_tokens, waited_ms)
+    if grid is not None and not aged:
+        chunk = grid.chunk(chunk, n_decodes, waiting_tokens)
     return StepDecision(chunk, infeasible, aged)
 
 

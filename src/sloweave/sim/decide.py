@@ -1,8 +1,8 @@
-"""The decision of one iteration: the policy's chunk, the lookahead view, and aging.
+"""The decision of one iteration: the policy's chunk, the lookahead view, aging and the size grid.
 
-Without aging or lookahead the policy decides alone (``policy.decide``). With aging the
+Without aging, lookahead or a size grid the policy decides alone (``policy.decide``). Else the
 chunk goes through the core's ``decide_step``, the same path as a real engine's
-``BudgetController``; each forced chunk is an SLO exception naming the running requests
+``BudgetController``; each chunk aging forces is an SLO exception naming the running requests
 the iteration is predicted to make late.
 """
 
@@ -10,19 +10,21 @@ from __future__ import annotations
 
 from sloweave.core.policy import Aging, Decision, decide_step
 from sloweave.core.slo import SLOException
+from sloweave.core.size_grid import SizeGrid
 
 
-def chunk_decider(policy, aging: Aging | None, predicted_ms):
+def chunk_decider(policy, aging: Aging | None, predicted_ms, grid: SizeGrid | None = None):
     """A callable (n_decodes, waiting_tokens, budget_ms) -> (chunk, infeasible)."""
-    if aging is None and not getattr(policy, "lookahead", False):
+    if aging is None and grid is None and not getattr(policy, "lookahead", False):
         return policy.decide
-    return AgingDecider(policy, aging, predicted_ms)
+    return StepDecider(policy, aging, predicted_ms, grid)
 
 
-class AgingDecider:
-    def __init__(self, policy, aging: Aging | None, predicted_ms) -> None:
+class StepDecider:
+    def __init__(self, policy, aging: Aging | None, predicted_ms, grid: SizeGrid | None = None) -> None:
         self.policy = policy
         self.aging = aging
+        self.grid = grid
         self.predicted_ms = predicted_ms
         self.lookahead = getattr(policy, "lookahead", False)
         self.exceptions: list[SLOException] = []
@@ -37,7 +39,7 @@ class AgingDecider:
         decision = self._lookahead(engine, n, waiting_tokens, budget_ms, head) if self.lookahead else None
         waited_ms = engine.now_ms - engine.requests.progress_ms[head] if head is not None else 0.0
         chunk, infeasible, aged = decide_step(
-            self.policy, n, waiting_tokens, budget_ms, self.aging, waited_ms, decision
+            self.policy, n, waiting_tokens, budget_ms, self.aging, waited_ms, decision, self.grid
         )
         if aged:
             self._record(engine, head, chunk, budget_ms)

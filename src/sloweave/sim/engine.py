@@ -53,6 +53,7 @@ from sloweave.sim.batch import DecodeBatch
 from sloweave.sim.clock import IterationClock
 from sloweave.sim.deadline_source import CumulativeTargets, PerRequestTargets, SharedTarget, TrackedDeadlines
 from sloweave.sim.decide import chunk_decider
+from sloweave.core.size_grid import size_grid
 from sloweave.sim.memory import KVCapacity, KVLedger, UnlimitedKV
 from sloweave.sim.queue import FcfsPrompts, OnePrompt, PrefillQueue
 from sloweave.sim.recorder import Recorder
@@ -238,6 +239,7 @@ def simulate(
     ttft_ms: float | np.ndarray | None = None,
     kv_capacity_tokens: int | None = None,
     correction: OnlineCalibrator | None = None,
+    step_grid_tokens: int = 1,
 ) -> SimResult:
     """Run ``workload`` under ``policy`` until every request finished (or ``horizon_s``).
 
@@ -251,8 +253,9 @@ def simulate(
 
     Beyond the paper (docs/beyond-paper.md): ``deadline_form``, ``aging``, ``admission``
     (its TTFT check needs ``ttft_ms``, one target or one per request),
-    ``kv_capacity_tokens``, and ``correction`` (online correction of a ``CalibratedCost``).
-    Every option works with every policy.
+    ``kv_capacity_tokens``, ``correction`` (online correction of a ``CalibratedCost``), and
+    ``step_grid_tokens`` (a deadline-aware policy's steps rounded to a size grid where the deadline
+    cut them short, as the vLLM plug-in's; ``core/size_grid.py``). Every option works with every policy.
     """
     return build_engine(
         workload,
@@ -268,6 +271,7 @@ def simulate(
         ttft_ms=ttft_ms,
         kv_capacity_tokens=kv_capacity_tokens,
         correction=correction,
+        step_grid_tokens=step_grid_tokens,
     ).run()
 
 
@@ -286,6 +290,7 @@ def build_engine(
     ttft_ms=None,
     kv_capacity_tokens=None,
     correction=None,
+    step_grid_tokens=1,
 ) -> Engine:
     """The engine for ``simulate``'s options, each option turned into its part."""
     tpot_ms = positive_ms(tpot_ms, "tpot_ms")
@@ -321,7 +326,7 @@ def build_engine(
         memory,
         deadlines,
         clock,
-        chunk_decider(policy, aging, predicted),
+        chunk_decider(policy, aging, predicted, size_grid(step_grid_tokens, policy)),
         math.inf if max_batch_size is None else max_batch_size,
         math.inf if horizon_s is None else horizon_s * 1000.0,
     )

@@ -97,6 +97,13 @@ class EngineOptions:
         "times the prediction) or per-step (milliseconds, the quantile of steps of the same kind and predicted time)",
         values=MARGIN_FORMS,
     )
+    step_grid_tokens: int = setting(
+        1,
+        "deadline-aware policies round a step (decodes + chunk) the deadline cut short down to a multiple of this, "
+        "as the vLLM plug-in's step_grid_tokens (1: no rounding)",
+        values=TOKENS,
+        flag="--step-grid",
+    )
     kv_memory: KVMemory | None = None  # how kv_capacity_tokens was obtained (no flag: the command line sets it)
 
     def __post_init__(self) -> None:
@@ -111,6 +118,7 @@ class EngineOptions:
         positive_tokens(self.aging_chunk_tokens, "aging_chunk_tokens")
         if self.kv_capacity_tokens is not None:
             TOKENS.check(self.kv_capacity_tokens, "kv_capacity_tokens")
+        TOKENS.check(self.step_grid_tokens, "step_grid_tokens")
         if self.deadline_form not in DEADLINE_FORMS:
             raise ValueError(f"deadline_form must be one of {', '.join(DEADLINE_FORMS)}, got {self.deadline_form!r}")
         NOISE_SIGMA.check(self.noise_sigma, "noise_sigma")
@@ -213,6 +221,7 @@ class EngineOptions:
             ttft_ms=ttft_ms,
             kv_capacity_tokens=self.kv_capacity_tokens,
             correction=calibrator,
+            step_grid_tokens=self.step_grid_tokens,
         )
 
 

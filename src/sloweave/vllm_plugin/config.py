@@ -21,7 +21,7 @@ Sources, later ones win: defaults, environment variables ``SLOWEAVE_*``, and vLL
 | budget_rule | SLOWEAVE_BUDGET_RULE | deadline | `deadline`: each step's token budget from the earliest next-token deadline (SLOWeave); `fixed`: vLLM's own `--max-num-batched-tokens` every step, planned, priced and logged as SLOWeave's would be (a step log and metrics of the tuned baseline, for the simulator's twin of it) |
 | chunk_choice | SLOWEAVE_CHUNK_CHOICE | fastest | among the chunks that meet the deadline, `fastest`: the one with the most prompt tokens per millisecond the chunk costs (what it adds to its step plus the step of one decode; `sloweave.core.fastest_chunk`), which differs from the largest where the cost's per-token time rises with the chunk, as on vLLM's CPU build, `largest`: the largest (the paper's rule); the same on a cost whose per-token time does not rise |
 | margin_form | SLOWEAVE_MARGIN_FORM | relative | with `online_correction`, the adaptive margin's form: `relative` (the P99.7 of measured / corrected - 1 over all recent steps, times the step's prediction) or `per-step` (milliseconds: the P99.7 of measured - corrected of recent steps of the same kind and predicted time, `sloweave.core.costs.step_margin`); `per-step` needs `online_correction` |
-| step_grid_tokens | SLOWEAVE_STEP_GRID_TOKENS | 1 | a step's token budget (decodes + chunk) is rounded down to a multiple of this where the deadline (or the chunk's rate) cut the chunk short of the prompts on offer, the engine's budget and `max_chunk_tokens`, and a chunk stays, so that steps repeat a few sizes (vLLM's CPU build runs the first steps of a size it has not run 3-8 ms slower: 32 there is worth 16-24 % of capacity); `1`: no rounding; with `budget_rule: deadline` only |
+| step_grid_tokens | SLOWEAVE_STEP_GRID_TOKENS | 32 | a step's token budget (decodes + chunk) is rounded down to a multiple of this where the deadline (or the chunk's rate) cut the chunk short of the prompts on offer, the engine's budget and `max_chunk_tokens`, and a chunk stays, so that steps repeat a few sizes (vLLM's CPU build runs the first steps of a size it has not run 3-8 ms slower: 32 there is worth 16-24 % of capacity; the simulator rounds the same way with `--step-grid`); `1`: no rounding; with `budget_rule: deadline` only |
 
 With ``online_correction`` the controller decides with ``SelfCorrection.cost`` (the ``cost``
 prior times the factors learned per decode-count bucket and step kind) and
@@ -114,7 +114,7 @@ class PluginConfig:
     step_log_max_steps: int = DEFAULT_MAX_STEPS
     budget_rule: str = "deadline"
     chunk_choice: str = "fastest"
-    step_grid_tokens: int = 1
+    step_grid_tokens: int = 32
 
     def __post_init__(self) -> None:
         # Numbers are kept as the checked floats: an integer past int64 (2**64 in the JSON) is a
