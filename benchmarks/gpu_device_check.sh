@@ -34,4 +34,7 @@ else
         --sizes 60 --occurrences 4 --out "$OUT/warmup"
     PYTHONPATH="src${PYTHONPATH:+:$PYTHONPATH}" timeout 120 "${PYTHON:-python3}" benchmarks/gpu_step_size_warmup.py \
         --sizes 60 --occurrences 4 --no-cudnn-attention --out "$OUT/warmup-no-cudnn"
+    # the same through the CPU runtime's engine (transformers' continuous batching, paged attention)
+    PYTHONPATH="src${PYTHONPATH:+:$PYTHONPATH}" timeout 150 "${PYTHON:-python3}" benchmarks/gpu_step_size_warmup.py \
+        --engine runtime --sizes 60 --occurrences 4 --out "$OUT/warmup-runtime"
 fi

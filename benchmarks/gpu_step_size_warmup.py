@@ -7,7 +7,9 @@ token counts (half multiples of ``--grid``, half not), each run ``--occurrences`
 shuffled order, every forward timed alone (wall clock, the device synchronised before and
 after). Each forward's residual is its time less the median of its size's later runs (the
 4th and on), grouped by occurrence; the later medians, fitted by a quadratic in the size, say
-whether sizes on the grid run below the curve and sizes off it above.
+whether sizes on the grid run below the curve and sizes off it above. ``--engine runtime``
+times a step of the CPU runtime's engine instead (transformers' continuous batching, paged KV:
+a fresh prompt prefilled whole, as ``sloweave profile`` times one).
 
     python3 benchmarks/gpu_step_size_warmup.py --out results/gpu/warmup
 
@@ -58,14 +60,39 @@ def run_order(sizes: np.ndarray, occurrences: int, seed: int) -> np.ndarray:
     return order
 
 
-def time_forward_ms(model, tokens: int, device: str) -> float:
-    ids = torch.randint(0, model.config.vocab_size, (1, tokens), device=device)
+def forward_timer(model, device: str):
+    """``tokens -> ms``: one prompt's eager forward, timed alone (the device synchronised around it)."""
     sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
-    sync()
-    start = time.perf_counter()
-    model(input_ids=ids, use_cache=False, logits_to_keep=1)
-    sync()
-    return (time.perf_counter() - start) * 1e3
+
+    def timed_ms(tokens: int) -> float:
+        ids = torch.randint(0, model.config.vocab_size, (1, tokens), device=device)
+        sync()
+        start = time.perf_counter()
+        model(input_ids=ids, use_cache=False, logits_to_keep=1)
+        sync()
+        return (time.perf_counter() - start) * 1e3
+
+    return timed_ms
+
+
+def runtime_timer(model, high_tokens: int, seed: int):
+    """``tokens -> ms``: one step of the CPU runtime's engine (transformers' continuous batching,
+    paged KV) prefilling a fresh prompt of that many tokens whole, as ``sloweave profile`` times it."""
+    from sloweave.runtime.engine import TransformersEngine, blocks_needed
+    from sloweave.runtime.runner import synthetic_prompt
+
+    most = max(high_tokens, PRIMING_TOKENS)
+    engine = TransformersEngine(model, max_batch_tokens=most, num_blocks=blocks_needed(2 * most, 4))
+    rng, ids = np.random.default_rng(seed), iter(range(1 << 30))
+
+    def timed_ms(tokens: int) -> float:
+        engine.add(f"p{next(ids)}", synthetic_prompt(rng, tokens, engine.vocab_size), 1)
+        record = engine.step(lambda shape, start_ms: min(tokens, shape.waiting_tokens))
+        if record is None or record.ran_chunk_tokens != tokens:
+            raise RuntimeError(f"the runtime's step did not prefill the {tokens}-token prompt whole: {record}")
+        return record.step_ms
+
+    return timed_ms
 
 
 def tables(steps: pd.DataFrame, grid: int) -> tuple[pd.DataFrame, pd.DataFrame]:
@@ -109,6 +136,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--grid", type=int, default=64)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-cudnn-attention", action="store_true", help="keep SDPA off its cuDNN backend")
+    parser.add_argument(
+        "--engine",
+        choices=("forward", "runtime"),
+        default="forward",
+        help="forward: the model's eager forward alone; runtime: a step of the CPU runtime's engine (continuous batching)",
+    )
     parser.add_argument("--out", type=Path, default=Path("results/gpu/warmup"))
     args = parser.parse_args(argv)
     if args.no_cudnn_attention:
@@ -121,13 +154,16 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(str(error))
     order = run_order(sizes, args.occurrences, args.seed)
     model = load_model(args.model, seed=args.seed, dtype=args.dtype, device=args.device)
+    timed_ms = (
+        forward_timer(model, args.device) if args.engine == "forward" else runtime_timer(model, args.high, args.seed)
+    )
     started = time.perf_counter()
     with torch.no_grad():
         for _ in range(PRIMING_RUNS):
-            time_forward_ms(model, PRIMING_TOKENS, args.device)
+            timed_ms(PRIMING_TOKENS)
         times = []
         for i, tokens in enumerate(order.tolist()):
-            times.append(time_forward_ms(model, tokens, args.device))
+            times.append(timed_ms(tokens))
             if (i + 1) % 100 == 0:
                 print(f"{i + 1}/{order.size} forwards, {time.perf_counter() - started:.0f} s", flush=True)
     steps = pd.DataFrame({"tokens": order, "ms": times})

@@ -38,10 +38,14 @@ def test_a_first_run_made_slower_and_sizes_on_the_grid_made_cheaper_show_in_thei
     assert on < -0.03 and off > 0.03
 
 
-def test_it_runs_a_model_on_the_cpu_and_writes_its_tables(tmp_path):
+@pytest.mark.parametrize("engine", ["forward", "runtime"])
+def test_it_runs_a_model_on_the_cpu_and_writes_its_tables(tmp_path, engine):
     out = tmp_path / "out"
     argv = ["--model", "tiny", "--device", "cpu", "--dtype", "float32", "--sizes", "8", "--occurrences", "4"]
-    assert warmup.main([*argv, "--low", "16", "--high", "128", "--grid", "16", "--out", str(out)]) == 0
+    argv += ["--engine", engine, "--low", "16", "--high", "128", "--grid", "16", "--out", str(out)]
+    assert warmup.main(argv) == 0
     summary = json.loads((out / "summary.json").read_text())
     assert [row["forwards"] for row in summary["by_occurrence"]] == [8, 8, 8, 8]
-    assert summary["settings"]["device_name"] == "cpu" and len(pd.read_csv(out / "steps.csv")) == 32
+    assert summary["settings"]["device_name"] == "cpu" and summary["settings"]["engine"] == engine
+    steps = pd.read_csv(out / "steps.csv")
+    assert len(steps) == 32 and (steps.ms > 0).all()

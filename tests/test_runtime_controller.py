@@ -277,6 +277,24 @@ def test_every_request_is_accounted_for(engine, handoffs, policy_name):
     assert all(predicted == AnalyticCost()(n, c) for n, c, predicted in decided)
 
 
+def test_the_runtime_rounds_a_step_the_deadline_cut_short_to_the_size_grid(engine, handoffs):
+    """``step_grid_tokens`` reaches the runtime's controller: a prompt token priced at 10 ms against a
+    1 s target cuts every chunk beside decodes to about 99 tokens, however fast the machine is,
+    and each such step (decodes + chunk) is rounded down to a multiple of 8."""
+    policy = make_policy("sloweave", AnalyticCost(prefill_per_token_ms=10.0), None, 256)
+    run = run_requests(engine, mixed_requests(), policy, 1000.0, progress=False, step_grid_tokens=8)
+    [controller] = {call.controller for call in handoffs}
+    states = [call.args[0] for call in handoffs if call.name == "plan_step"]
+    cut = [
+        (state, plan)
+        for state, plan in zip(states, plans_of(handoffs))
+        if state.decode_tokens and 0 < plan.chunk_tokens < min(state.pending_prompt_tokens, 256) and not plan.aged
+    ]
+    assert controller.grid.grid_tokens == 8 and len(cut) >= 2
+    assert all((state.decode_tokens + plan.chunk_tokens) % 8 == 0 for state, plan in cut)
+    assert all(plan.chunk_tokens > 85 for _, plan in cut) and (run.requests["status"] == "finished").all()
+
+
 def test_a_static_rule_without_a_model_predicts_nothing(engine):
     run = run_requests(engine, mixed_requests(), make_policy("fixed-64"), 40.0, progress=False)
     assert run.steps["predicted_ms"].isna().all() and (run.steps["margin_ms"] == 0).all()
@@ -323,6 +341,8 @@ def test_run_command_ages_and_writes_the_decision_metrics(profile_path, tmp_path
         "500",
         "--aging-chunk-tokens",
         "64",
+        "--step-grid",
+        "8",
         "--out",
         str(out_dir),
         "--monotone-tolerance-ms",
@@ -337,3 +357,8 @@ def test_run_command_ages_and_writes_the_decision_metrics(profile_path, tmp_path
         decisions = json.loads((out_dir / f"decision_metrics-{tag}.json").read_text())
         assert decisions["source"] == "cpu-runtime" and decisions["metrics"]["sloweave_steps_total"] == len(steps)
         assert decisions["metrics"]["sloweave_slo_exceptions_total"] == int(steps["aged"].sum())
+    # --step-grid reaches SLOWeave's controller: a step the deadline cut short is on the grid
+    steps = pd.read_csv(out_dir / "steps-sloweave_margin_calib-seed0.csv")
+    cut = (steps.n_decodes > 0) & (steps.chunk_tokens > 0) & ~steps.aged
+    cut &= steps.chunk_tokens < np.minimum(steps.waiting_tokens, 256)
+    assert ((steps.n_decodes + steps.chunk_tokens)[cut] % 8 == 0).all()

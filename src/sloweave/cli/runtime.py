@@ -280,6 +280,16 @@ controller_options = stacked(
         show_default=True,
         help="the chunk aging forces",
     ),
+    click.option(
+        "--step-grid",
+        "step_grid_tokens",
+        type=ranged(TOKENS),
+        default=1,
+        show_default=True,
+        help="SLOWeave rounds a step (decodes + chunk) the deadline cut short down to a multiple of this, as "
+        "the vLLM plug-in's step_grid_tokens (32 there): an engine that pays for each new step size runs few "
+        "(transformers on a GPU with cuDNN attention: 70-80 ms a size); 1: no rounding",
+    ),
 )
 
 

@@ -103,6 +103,7 @@ class ControllerSettings:
     aging_chunk_tokens: int
     horizon_s: float | None
     margin_form: str = DEFAULT_MARGIN_FORM  # SLOWeave's adaptive margin (core.costs.calibrated.MARGIN_FORMS)
+    step_grid_tokens: int = 1  # SLOWeave's size grid (core/size_grid.py; 1: none)
 
     def __post_init__(self) -> None:
         if self.margin_form != DEFAULT_MARGIN_FORM and not self.calibrate:
@@ -191,6 +192,7 @@ def _serve_seed(model_obj, fit, workload, policies, seed, settings, ttft_ms, thr
             aging_ms=settings.aging_ms,
             aging_chunk_tokens=settings.aging_chunk_tokens,
             margin_form=settings.margin_form,
+            step_grid_tokens=settings.step_grid_tokens,
         )
         row.update(seed=seed, workload=workload.name, tpot_target_ms=settings.tpot_ms, ttft_target_ms=ttft_ms)
         rows.append(row)

@@ -120,12 +120,15 @@ def simulated_metrics(
     use_margin: bool = True,
     max_chunk_tokens: int = 1024,
     aging: Aging | None = None,
+    step_grid_tokens: int = 1,
 ) -> dict:
     """The simulator's prediction of the same run, on the fitted cost at the workload's mean context."""
     cost = FixedContextCost(fit.cost(cost_kind), mean_context_tokens(workload))
     margin = ResidualMargin(cost, fit.margin_fractions) if use_margin else None
     policy = make_policy(name, cost, margin if make_policy(name).uses_deadlines else None, max_chunk_tokens)
-    result = simulate(workload, policy, tpot_ms=tpot_ms, actual_cost=cost, aging=aging)
+    result = simulate(
+        workload, policy, tpot_ms=tpot_ms, actual_cost=cost, aging=aging, step_grid_tokens=step_grid_tokens
+    )
     return evaluate(result, ttft_ms, tpot_ms).as_dict()
 
 
@@ -147,10 +150,12 @@ def measure_policy(
     aging_ms: float | None = None,
     aging_chunk_tokens: int = 256,
     margin_form: str = DEFAULT_MARGIN_FORM,
+    step_grid_tokens: int = 1,
 ) -> tuple[dict, MeasuredRun]:
     """One measured run; returns a flat summary row and the full run.
 
-    ``aging_ms`` (None: off) applies to every policy, in the run and in the simulated one."""
+    ``aging_ms`` (None: off) applies to every policy, in the run and in the simulated one;
+    ``step_grid_tokens`` (1: off) to the deadline-aware ones, in both too."""
     setup = build_policy_setup(name, fit, cost_kind, use_margin, calibrate, max_chunk_tokens, stale_factor, margin_form)
     run = run_requests(
         engine,
@@ -165,6 +170,7 @@ def measure_policy(
         label=name,
         aging_ms=aging_ms,
         aging_chunk_tokens=aging_chunk_tokens,
+        step_grid_tokens=step_grid_tokens,
     )
     measured = run.metrics(ttft_ms).as_dict()
     row = {"policy": setup.policy.name if name != "sloweave" else _sloweave_label(use_margin, calibrate, stale_factor)}
@@ -174,7 +180,9 @@ def measure_policy(
     row["aged_steps"] = len(run.slo_exceptions)
     if math.isfinite(tpot_ms):
         aging = Aging(aging_ms, aging_chunk_tokens) if aging_ms is not None else None
-        sim = simulated_metrics(workload, name, fit, tpot_ms, ttft_ms, cost_kind, use_margin, max_chunk_tokens, aging)
+        sim = simulated_metrics(
+            workload, name, fit, tpot_ms, ttft_ms, cost_kind, use_margin, max_chunk_tokens, aging, step_grid_tokens
+        )
         row.update({f"simulated_{k}": sim[k] for k in ("goodput_rps", "attainment", "p99_tpot_ms", "p99_ttft_ms")})
     return row, run
 

@@ -140,6 +140,7 @@ def run_requests(
     aging_ms: float | None = None,
     aging_chunk_tokens: int = 256,
     recorder: DecisionRecorder | None = None,
+    step_grid_tokens: int = 1,
 ) -> MeasuredRun:
     """Serve ``spec`` on ``engine`` under ``policy``, each step planned by a ``BudgetController``.
 
@@ -150,9 +151,12 @@ def run_requests(
     correction, the calibrator of the policy's ``CalibratedCost``; the controller feeds it every
     step's measured time. ``aging_ms`` (None: off): after this wait without progress the
     oldest prompt gets ``aging_chunk_tokens``. ``recorder`` gets the controller's decisions too.
+    ``step_grid_tokens``: SLOWeave's size grid, as the plug-in's (1: none).
     """
     positive_ms(tpot_ms, "tpot_ms")
-    controller = runtime_controller(engine, spec, policy, tpot_ms, cost, calibrator, aging_ms, aging_chunk_tokens)
+    controller = runtime_controller(
+        engine, spec, policy, tpot_ms, cost, calibrator, aging_ms, aging_chunk_tokens, step_grid_tokens
+    )
     summary = DecisionSummary()
     controller.recorder = summary if recorder is None else Recorders(summary, recorder)
     run = RuntimeRun(engine, spec, controller, np.random.default_rng(seed))
@@ -178,6 +182,7 @@ def runtime_controller(
     calibrator: OnlineCalibrator | None = None,
     aging_ms: float | None = None,
     aging_chunk_tokens: int = 256,
+    step_grid_tokens: int = 1,
 ) -> BudgetController:
     """The plug-in's controller for this engine: the budget capped at its ``max_batch_tokens``."""
     if cost is not None and not getattr(policy, "uses_deadlines", True) and getattr(policy, "cost", None) is not cost:
@@ -190,6 +195,7 @@ def runtime_controller(
         aging_chunk_tokens=aging_chunk_tokens,
         tpot_ms_of=spec.target_of(),
         correction=calibrator,
+        step_grid_tokens=step_grid_tokens,
     )
 
 
