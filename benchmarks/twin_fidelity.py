@@ -475,6 +475,14 @@ def _engine_capacity(args, s: Served, costs: Costs, combined: Path) -> tuple[flo
     return rps, notes
 
 
+def engine_described(s: Served) -> dict:
+    """An engine as served, and the plug-in's options its twin shares, as the plug-in read them."""
+    described = {"policy": s.policy, "budget": s.budget, "plugin_config": s.plugin_config}
+    if s.deadline_aware:
+        described["simulated_with"] = bench.plugin_sim_options(s.plugin_config)
+    return described
+
+
 def logs_described(log_dir: Path) -> dict:
     """Each measured run's step log: its steps and sha256 (the twin's machine and noise)."""
     import hashlib
@@ -572,7 +580,7 @@ def main(argv: list[str] | None = None) -> None:
         "settings": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
         "versions": versions(), "machine_load": load_summary(runs, load_start, os.getloadavg()),
         "wall_s": time.time() - started, "real_runs_s": real_s, "rate_rps": args.rate_rps,
-        "engines": {s.name: {"policy": s.policy, "budget": s.budget, "plugin_config": s.plugin_config} for s in served},
+        "engines": {s.name: engine_described(s) for s in served},
         "twin": {"machine": "regression fitted to the plug-in's step log of the same load and seed"
                  + (" (static engines: to the profile)" if args.static_twin_cost == "profile" else ""),
                  "noise": "EngineOptions.step_noise_from: the same step log", "plain": f"{args.profile_file.name}, no noise",

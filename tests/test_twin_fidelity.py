@@ -231,3 +231,16 @@ def test_a_held_out_prediction_is_tried_only_with_another_seed_and_fails_on_its_
         assert failures[1].startswith("prediction: held-out FileNotFoundError") and "seed 1" in failures[1]
     pd.DataFrame([row]).to_csv(tmp_path / "runs.csv", index=False)  # a later --predict-only pass
     assert twin_fidelity.real_rows(tmp_path / "runs.csv")[0]["error"] == ""
+
+
+def test_the_summary_records_the_plugin_options_its_twin_shares():
+    config = twin_fidelity.bench.default_plugin_config(
+        60.0, Path(__file__).resolve().parents[1] / "benchmarks/results-vllm-cpu/tight-epyc/profile.csv"
+    )
+    plugin = twin_fidelity.Served("sloweave", 2048, config)
+    assert twin_fidelity.engine_described(plugin)["simulated_with"] == {
+        "margin_form": "relative",
+        "step_grid_tokens": 32,
+    }
+    static = twin_fidelity.engine_described(twin_fidelity.Served("vllm-tuned-768", 768, None))
+    assert static == {"policy": "sarathi-768", "budget": 768, "plugin_config": None}
