@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import re
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import NamedTuple, Protocol
 
@@ -23,6 +24,7 @@ from sloweave.core.costs.analytic import AnalyticCost
 from sloweave.core.costs.margins import ConstantMargin, ZeroMargin, chunk_pricer_plus_margin, plus_margin
 from sloweave.core.costs.protocols import (
     CostModel,
+    CountsQueries,
     HasTileEdges,
     Invertible,
     Margin,
@@ -147,6 +149,7 @@ class SLOWeave:
                 seeks_fastest = rate_can_peak(cost, self.max_chunk_tokens)
         object.__setattr__(self, "_seeks_fastest", seeks_fastest)
         object.__setattr__(self, "_price_at", cost.chunk_pricer if isinstance(cost, PricesChunks) else None)
+        object.__setattr__(self, "_uncounted", cost.uncounted if isinstance(cost, CountsQueries) else nullcontext)
 
     def predicted_ms(self, n_decodes: int, chunk_tokens: int) -> float:
         return self._predicted(n_decodes, chunk_tokens)
@@ -198,7 +201,7 @@ class SLOWeave:
         ``n_decodes`` decodes (``prefill_ms``): priced without the margin, which is time kept, not
         spent. Its queries are not counted past a profile: only ``largest``'s safety rests on them,
         and its search counted those already."""
-        with uncounted(self.cost):
+        with self._uncounted():
             price = self.cost if self._price_at is None else self._price_at(n_decodes)
             return fastest_chunk(prefill_ms(price, n_decodes, self.cost(1, 0)), n_decodes, largest, self._tile_edges)
 
@@ -342,11 +345,10 @@ def decide_step(
 ) -> StepDecision:
     """One step's chunk: the policy's decision, then the aging rule, then the size grid.
 
-    Every body decides through here (the simulator, the vLLM plug-in's ``BudgetController``),
-    so a prompt starves, or is rescued, and a step is rounded the same way everywhere.
-    ``decision`` is a decision already taken another way (the simulator's lookahead);
-    ``waited_ms`` is how long the oldest prompt has gone without progress; an aged chunk is the
-    size asked for, never rounded.
+    Every body decides through here (the simulator, the vLLM plug-in's ``BudgetController``), so a
+    prompt starves, or is rescued, and a step is rounded the same way everywhere. ``decision``: one
+    taken another way (the simulator's lookahead); ``waited_ms``: how long the oldest prompt has
+    gone without progress. An aged chunk is the size asked for, never rounded.
     """
     chunk, infeasible = policy.decide(n_decodes, waiting_tokens, budget_ms) if decision is None else decision
     aged = False
