@@ -46,6 +46,7 @@ from sloweave.core.costs.empirical_noise import EmpiricalNoiseCost
 from sloweave.core.costs.noisy import NoisyCost
 from sloweave.core.costs.protocols import CostModel
 from sloweave.core.policy import Aging, Policy
+from sloweave.core.size_grid import size_grid
 from sloweave.core.slo import SLOException
 from sloweave.core.validate import positive_ms, whole_number
 from sloweave.sim.arrivals import AdmissionGate, AdmitAll, Arrivals
@@ -53,7 +54,6 @@ from sloweave.sim.batch import DecodeBatch
 from sloweave.sim.clock import IterationClock
 from sloweave.sim.deadline_source import CumulativeTargets, PerRequestTargets, SharedTarget, TrackedDeadlines
 from sloweave.sim.decide import chunk_decider
-from sloweave.core.size_grid import size_grid
 from sloweave.sim.memory import KVCapacity, KVLedger, UnlimitedKV
 from sloweave.sim.queue import FcfsPrompts, OnePrompt, PrefillQueue
 from sloweave.sim.recorder import Recorder

@@ -126,7 +126,8 @@ class SLOWeaveSchedulerMixin:
             # online_correction: the core's SelfCorrection (its cost and adaptive margin decide,
             # its calibrator learns from the measured step times)
             correction=decision.correction.calibrator if decision.correction is not None else None,
-            step_grid_tokens=config.step_grid_tokens if config.budget_rule == "deadline" else 1,
+            # budget_rule fixed: a static rule, whose steps the size grid never rounds (core/size_grid.py)
+            step_grid_tokens=config.step_grid_tokens,
         )
         self.sloweave_correction = decision.correction
         # Decisions as Prometheus metrics on the default registry (vLLM's /metrics), and in
