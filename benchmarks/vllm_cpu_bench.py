@@ -52,14 +52,16 @@ PLUGIN = "sloweave.vllm_plugin.SLOWeaveScheduler"  # the CPU build schedules syn
 VLLM_CPU_DEFAULT_BUDGET = 2048  # `vllm serve`'s max_num_batched_tokens on a CPU (vLLM 0.32)
 VLLM_CPU_DEFAULT_SEQS = 128  # and its max_num_seqs
 # the plug-in's configurations served (besides tpot_ms, the fitted cost and online correction),
-# by engine name: the relative margin on the regression with its steps on a 32-token size grid
+# by engine name: the per-step margin on the regression with its steps on a 32-token size grid
 # (the defaults), the same taking the largest chunk that meets the deadline instead of the
-# fastest, the same off the grid, the per-step margin, and the per-step margin on the table fit
+# fastest, the same off the grid, the per-step margin named (the default), the relative
+# margin, and the per-step margin on the table fit
 PLUGIN_VARIANTS = {
     "sloweave": {},
     "sloweave-largest": {"chunk_choice": "largest"},
     "sloweave-no-grid": {"step_grid_tokens": 1},
     "sloweave-per-step": {"margin_form": "per-step"},
+    "sloweave-relative": {"margin_form": "relative"},
     "sloweave-per-step-table": {"margin_form": "per-step", "cost_kind": "table"},
 }
 
@@ -235,7 +237,8 @@ def plugin_sim_options(plugin_config: dict) -> dict:
 
     config = PluginConfig.from_sources({CONFIG_KEY: plugin_config})
     grid = config.step_grid_tokens if config.budget_rule == "deadline" else 1
-    return {"margin_form": config.margin_form, "step_grid_tokens": grid}
+    form = {"margin_form": config.margin_form} if config.margin_form else {}  # None: no adaptive margin
+    return form | {"step_grid_tokens": grid}
 
 
 def predicted(args, workload, budget: int, plugin_config: dict | None, resolved, seed: int) -> dict:

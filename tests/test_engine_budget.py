@@ -492,6 +492,7 @@ def test_plugin_online_correction_decides_with_the_cores_self_correction(tmp_pat
     from sloweave.core.costs.calibrated import DEFAULT_MARGIN_QUANTILE, AdaptiveMargin, SelfCorrection
     from sloweave.core.costs.fitted import ResidualMargin
     from sloweave.core.costs.profile_fit import fit_profile_file
+    from sloweave.core.costs.step_margin import StepMargin
 
     # analytic prior: no fallback until the window fills; margin_ms / margin_fraction add on top
     decision = PluginConfig(online_correction=True).build_decision()
@@ -501,7 +502,9 @@ def test_plugin_online_correction_decides_with_the_cores_self_correction(tmp_pat
         and decision.cost is correction.cost
         and decision.margin is correction.margin
     )
-    assert isinstance(decision.margin, AdaptiveMargin) and decision.margin.quantile == DEFAULT_MARGIN_QUANTILE
+    # the per-step form by default, which stands on the relative one until it has seen enough steps
+    assert isinstance(decision.margin, StepMargin) and decision.margin.quantile == DEFAULT_MARGIN_QUANTILE
+    assert isinstance(decision.margin.relative, AdaptiveMargin)
     assert decision.margin(4, 512) == 0.0
     stacked = PluginConfig(online_correction=True, margin_ms=0.5, margin_fraction=0.1).build_decision()
     for _ in range(60):  # 1.25x slower, with a 2 % spread
@@ -514,7 +517,7 @@ def test_plugin_online_correction_decides_with_the_cores_self_correction(tmp_pat
     # a step-time profile file: the profile's residual margin is the fallback, read through the corrected cost
     path = _step_time_profile(tmp_path)
     decision = PluginConfig(cost=str(path), online_correction=True).build_decision()
-    fallback = decision.correction.margin.fallback
+    fallback = decision.correction.margin.relative.fallback
     assert isinstance(fallback, ResidualMargin) and fallback.cost is decision.cost
     np.testing.assert_array_equal(fallback.fractions, fit_profile_file(path).margin_fractions)
     assert (

@@ -1682,9 +1682,8 @@ def config_problems(values: dict, profile_file: str) -> set[str]:
             ok = v in ("regression", "table") and isinstance(v, str)
         elif key == "analytic":
             ok = isinstance(v, dict)
-        elif key == "margin_form":  # a form other than relative needs online_correction
-            ok = isinstance(v, str) and v in ("relative", "per-step")
-            ok = ok and (v == "relative" or values.get("online_correction") is True)
+        elif key == "margin_form":  # a form given needs online_correction
+            ok = isinstance(v, str) and v in ("relative", "per-step") and values.get("online_correction") is True
         else:  # profile_margin, online_correction
             ok = isinstance(v, bool)
         if not ok:
@@ -1793,8 +1792,11 @@ def test_plugin_configuration_is_taken_as_given_or_refused_naming_the_key(step_p
         return
     assert not problems, f"took a bad configuration (bad: {sorted(problems)}): {values}"
     event("taken")
+    # with online_correction and no form given, the plug-in's own form
+    defaults = {"margin_form": "per-step" if values.get("online_correction") is True else None}
     for key, f in CONFIG_FIELDS.items():
-        want = values.get(key, f.default if f.default_factory is MISSING else f.default_factory())
+        default = defaults.get(key, f.default if f.default_factory is MISSING else f.default_factory())
+        want = values.get(key, default)
         got = getattr(config, key)
         assert got == want or (is_real(want) and isinstance(got, float) and got == float(want)), (
             key

@@ -287,7 +287,9 @@ def test_plugin_config_takes_the_margin_form_only_with_online_correction():
 
     decision = PluginConfig(online_correction=True, margin_form="per-step").build_decision()
     assert isinstance(decision.margin, StepMargin) and decision.coverage == pytest.approx(0.997)
-    assert isinstance(PluginConfig(online_correction=True).build_decision().margin, AdaptiveMargin)
+    assert isinstance(PluginConfig(online_correction=True).build_decision().margin, StepMargin)  # the default
+    relative = PluginConfig(online_correction=True, margin_form="relative").build_decision()
+    assert isinstance(relative.margin, AdaptiveMargin)
     assert (
         PluginConfig.from_sources(
             {}, environ={"SLOWEAVE_MARGIN_FORM": "per-step", "SLOWEAVE_ONLINE_CORRECTION": "1"}
@@ -298,5 +300,7 @@ def test_plugin_config_takes_the_margin_form_only_with_online_correction():
         PluginConfig(online_correction=True, margin_form="ms")
     with pytest.raises(PluginConfigError, match="margin_form must be one of relative, per-step, got 1"):
         PluginConfig.from_sources({"sloweave": {"margin_form": 1, "online_correction": True}}, environ={})
-    with pytest.raises(PluginConfigError, match="margin_form 'per-step' needs online_correction"):
-        PluginConfig(margin_form="per-step")
+    for form in ("per-step", "relative"):
+        with pytest.raises(PluginConfigError, match=f"margin_form '{form}' needs online_correction"):
+            PluginConfig(margin_form=form)
+    assert PluginConfig().margin_form is None  # no online correction: no adaptive margin to shape

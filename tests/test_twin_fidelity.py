@@ -239,7 +239,7 @@ def test_the_summary_records_the_plugin_options_its_twin_shares():
     )
     plugin = twin_fidelity.Served("sloweave", 2048, config)
     assert twin_fidelity.engine_described(plugin)["simulated_with"] == {
-        "margin_form": "relative",
+        "margin_form": "per-step",
         "step_grid_tokens": 32,
     }
     static = twin_fidelity.engine_described(twin_fidelity.Served("vllm-tuned-768", 768, None))

@@ -230,11 +230,28 @@ def test_profile_margin_with_online_correction_fails_at_start_up(tmp_path):
     [
         ({"online_correction": True, "margin_form": "ms"}, "margin_form must be one of relative, per-step"),
         ({"margin_form": "per-step"}, "margin_form 'per-step' needs online_correction"),
+        ({"margin_form": "relative"}, "margin_form 'relative' needs online_correction"),
     ],
 )
 def test_bad_margin_form_fails_at_start_up(config, message):
     with pytest.raises(PluginConfigError, match=message):
         build_scheduler(SLOWeaveScheduler, additional_config={"sloweave": config})
+
+
+def test_margin_form_is_per_step_with_online_correction_unless_relative_is_asked_for():
+    """The plug-in's default form is the per-step one, with online_correction only (without it
+    there is no adaptive margin to shape); `relative` still gives the core's AdaptiveMargin."""
+    from sloweave.core.costs.calibrated import AdaptiveMargin
+    from sloweave.core.costs.step_margin import StepMargin
+    from sloweave.vllm_plugin.config import PluginConfig
+
+    assert PluginConfig(online_correction=True).margin_form == "per-step"
+    assert PluginConfig().margin_form is None
+    forms = {None: StepMargin, "per-step": StepMargin, "relative": AdaptiveMargin}
+    for form, margin_type in forms.items():
+        config = {"tpot_ms": 10.0, "online_correction": True} | ({"margin_form": form} if form else {})
+        scheduler = build_scheduler(SLOWeaveScheduler, additional_config={"sloweave": config})
+        assert type(scheduler.sloweave.policy.margin) is margin_type, form
 
 
 def test_margin_form_per_step_learns_from_the_steps_vllm_ran():
@@ -427,10 +444,11 @@ def _biased_run(cls, overlap, online_correction, steps=90, bias=1.25, **schedule
 def test_online_correction_self_corrects_with_the_adaptive_margin_inside_vllms_scheduler(cls, overlap):
     """online_correction: the controller decides with the core's SelfCorrection. The steps vLLM
     runs take 1.25x the model (and up to 5 % noise); the calibrator learns the bias from the
-    measured step times, the adaptive margin is zero until 50 steps were measured (analytic
-    prior: no fallback) and positive after, and the chunks shrink below the uncorrected
-    plug-in's until the real step fits the deadline again."""
-    from sloweave.core.costs.calibrated import DEFAULT_MARGIN_QUANTILE, AdaptiveMargin, SelfCorrection
+    measured step times, the adaptive margin (the per-step form, the plug-in's default) is zero
+    until 50 steps were measured (analytic prior: no fallback) and positive after, and the
+    chunks shrink below the uncorrected plug-in's until the real step fits the deadline again."""
+    from sloweave.core.costs.calibrated import DEFAULT_MARGIN_QUANTILE, SelfCorrection
+    from sloweave.core.costs.step_margin import StepMargin
 
     scheduler, steps, planned = _biased_run(cls, overlap, online_correction=True)
     correction = scheduler.sloweave_correction
@@ -438,7 +456,7 @@ def test_online_correction_self_corrects_with_the_adaptive_margin_inside_vllms_s
     controller = scheduler.sloweave
     assert controller.policy.cost is correction.cost and controller.policy.margin is correction.margin
     assert controller.correction is correction.calibrator
-    assert isinstance(correction.margin, AdaptiveMargin) and correction.margin.quantile == DEFAULT_MARGIN_QUANTILE
+    assert isinstance(correction.margin, StepMargin) and correction.margin.quantile == DEFAULT_MARGIN_QUANTILE
     assert correction.calibrator.factor(4, True) == pytest.approx(1.25 * 1.025, rel=0.03)
     # the margin: none before min_steps measured steps, positive after; the plan is T' + delta
     min_steps = correction.margin.min_steps

@@ -20,13 +20,13 @@ Sources, later ones win: defaults, environment variables ``SLOWEAVE_*``, and vLL
 | online_correction | SLOWEAVE_ONLINE_CORRECTION | false | self-correction from the measured step times (`sloweave.core.costs.calibrated.self_correcting`, as the CPU runtime and the simulator): the cost is recalibrated online and the margin is the adaptive P99.7 of the corrected model's recent residuals |
 | budget_rule | SLOWEAVE_BUDGET_RULE | deadline | `deadline`: each step's token budget from the earliest next-token deadline (SLOWeave); `fixed`: vLLM's own `--max-num-batched-tokens` every step, planned, priced and logged as SLOWeave's would be (a step log and metrics of the tuned baseline, for the simulator's twin of it) |
 | chunk_choice | SLOWEAVE_CHUNK_CHOICE | fastest | among the chunks that meet the deadline, `fastest`: the one with the most prompt tokens per millisecond the chunk costs (what it adds to its step plus the step of one decode; `sloweave.core.fastest_chunk`), which differs from the largest where the cost's per-token time rises with the chunk, as on vLLM's CPU build, `largest`: the largest (the paper's rule); the same on a cost whose per-token time does not rise |
-| margin_form | SLOWEAVE_MARGIN_FORM | relative | with `online_correction`, the adaptive margin's form: `relative` (the P99.7 of measured / corrected - 1 over all recent steps, times the step's prediction) or `per-step` (milliseconds: the P99.7 of measured - corrected of recent steps of the same kind and predicted time, `sloweave.core.costs.step_margin`); `per-step` needs `online_correction` |
+| margin_form | SLOWEAVE_MARGIN_FORM | per-step (with `online_correction`) | the adaptive margin's form: `per-step` (milliseconds: the P99.7 of measured - corrected of recent steps of the same kind and predicted time, `sloweave.core.costs.step_margin`; on vLLM's CPU build it served more than `relative` at both targets measured, docs/vllm-plugin.md) or `relative` (the P99.7 of measured / corrected - 1 over all recent steps, times the step's prediction: the simulator's and the CPU runtime's default); a form given needs `online_correction` |
 | step_grid_tokens | SLOWEAVE_STEP_GRID_TOKENS | 32 | a step's token budget (decodes + chunk) is rounded down to a multiple of this where the deadline (or the chunk's rate) cut the chunk short of the prompts on offer, the engine's budget and `max_chunk_tokens`, and a chunk stays, so that steps repeat a few sizes (vLLM's CPU build runs the first steps of a size it has not run 3-8 ms slower: 32 there is worth 16-24 % of capacity; the simulator rounds the same way with `--step-grid`); `1`: no rounding; with `budget_rule: deadline` only |
 
 With ``online_correction`` the controller decides with ``SelfCorrection.cost`` (the ``cost``
 prior times the factors learned per decode-count bucket and step kind) and
-``SelfCorrection.margin`` (``AdaptiveMargin``: ``DEFAULT_MARGIN_QUANTILE`` of the relative
-residuals of the corrected model over the last 1000 steps, once 50 steps are in). Before that
+``SelfCorrection.margin`` (``StepMargin``, the ``per-step`` form: ``DEFAULT_MARGIN_QUANTILE`` of the
+corrected model's residuals in ms of recent steps like the one it guards, once 50 steps are in). Before that
 the margin is the profile's P99 residual table when ``cost`` is a step-time profile file (it
 has a fit), and zero for the analytic model, a preset or an operator-profile folder. Every
 step vLLM ran feeds ``SelfCorrection.calibrator`` its measured time against the base
@@ -54,6 +54,9 @@ if TYPE_CHECKING:
     from sloweave.core.costs.calibrated import SelfCorrection
 
 CONFIG_KEY = "sloweave"
+# The plug-in's margin form with online_correction: on vLLM's CPU build the relative form's one
+# quantile, multiplied onto the large steps, held chunks back where the steps had slack
+DEFAULT_PLUGIN_MARGIN_FORM = "per-step"
 # deadline: SLOWeave's budget; fixed: vLLM's own budget every step, planned and logged the same way
 BUDGET_RULES = ("deadline", "fixed")
 REQUEST_TPOT_KEY = "sloweave_tpot_ms"
@@ -109,7 +112,7 @@ class PluginConfig:
     aging_ms: float = 2000.0
     aging_chunk_tokens: int = 256
     online_correction: bool = False
-    margin_form: str = "relative"
+    margin_form: str | None = None  # None: ``DEFAULT_PLUGIN_MARGIN_FORM`` with online_correction
     step_log: str = ""
     step_log_max_steps: int = DEFAULT_MAX_STEPS
     budget_rule: str = "deadline"
@@ -161,7 +164,7 @@ class PluginConfig:
                 "the margin is the adaptive P99.7 of the measured residuals, which starts from the profile's margin "
                 "by itself; drop profile_margin"
             )
-        _check_margin_form(self.margin_form, self.online_correction)
+        object.__setattr__(self, "margin_form", _margin_form(self.margin_form, self.online_correction))
         if not isinstance(self.analytic, dict):
             raise PluginConfigError(
                 f"sloweave config: analytic must be an object of coefficients, got {self.analytic!r}"
@@ -337,11 +340,12 @@ def _check_step_log(path) -> None:
         )
 
 
-def _check_margin_form(margin_form, online_correction: bool) -> None:
-    """One of the core's margin forms; any but the default shapes the adaptive margin, so it needs
-    ``online_correction`` (refused rather than ignored). The core is imported only then."""
-    if margin_form == "relative":
-        return
+def _margin_form(margin_form, online_correction: bool) -> str | None:
+    """The adaptive margin's form: one of the core's, the default with ``online_correction``,
+    none without. A form shapes the adaptive margin, so one given needs ``online_correction``
+    (refused rather than ignored). The core is imported only then."""
+    if margin_form is None:
+        return DEFAULT_PLUGIN_MARGIN_FORM if online_correction else None
     from sloweave.core.costs.calibrated import MARGIN_FORMS
 
     if not isinstance(margin_form, str) or margin_form not in MARGIN_FORMS:
@@ -352,6 +356,7 @@ def _check_margin_form(margin_form, online_correction: bool) -> None:
         raise PluginConfigError(
             f"sloweave config: margin_form {margin_form!r} needs online_correction (it shapes the adaptive margin)"
         )
+    return margin_form
 
 
 def step_log_path(path: str, data_parallel_rank: int) -> str:
