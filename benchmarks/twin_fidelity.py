@@ -89,6 +89,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--tolerance", type=float, default=0.1, help="|twin - real| attainment counted a hit")
     parser.add_argument("--capacity-tolerance", type=float, default=0.15)
     parser.add_argument("--no-capacity-study", action="store_true", help="skip the twin's CapacityStudy")
+    parser.add_argument(
+        "--noise-block-steps", type=int, default=0,
+        help="draw the step logs' residuals along their timeline in blocks of this many steps (0: independently)",
+    )  # fmt: skip
     parser.add_argument("--tpot-ms", type=float, default=40.0)
     parser.add_argument("--ttft-ms", type=float, default=1000.0)
     parser.add_argument("--target", type=float, default=0.9, help="attainment a capacity keeps")
@@ -107,6 +111,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.load_list = [float(x) for x in args.loads.split(",")]
     if any(x <= 0 for x in args.load_list) or args.requests < 1 or not 0 < args.target <= 1:
         parser.error("--loads must be positive multiples, --requests at least 1, --target in (0, 1]")
+    if args.noise_block_steps < 0:
+        parser.error(f"--noise-block-steps must be 0 or more steps, got {args.noise_block_steps}")
     return args
 
 
@@ -455,7 +461,11 @@ def _engine_capacity(args, s: Served, costs: Costs, combined: Path) -> tuple[flo
     source = ScaledWorkloads("mixed (bench)", base, (args.rate_rps,) * len(base), tuple(map(str, args.seed_list)))
     plugin = bench.plugin_sim_options(s.plugin_config) if s.deadline_aware else {}
     options = EngineOptions(
-        max_batch_size=bench.VLLM_CPU_DEFAULT_SEQS, correction=True, step_noise_from=str(combined), **plugin
+        max_batch_size=bench.VLLM_CPU_DEFAULT_SEQS,
+        correction=True,
+        step_noise_from=str(combined),
+        step_noise_block_steps=args.noise_block_steps,
+        **plugin,
     )
     lattice = SearchLattice(attainment_target=args.target, steps_per_doubling=16, min_scale=0.25, max_scale=4.0)
     study = CapacityStudy(

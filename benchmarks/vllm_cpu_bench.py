@@ -212,7 +212,8 @@ def simulated(
 ) -> dict:
     """The simulator's prediction for one engine: the same workload, the fitted cost (the machine's
     time; the policy decides with ``policy_cost``, by default the same), plus, with ``step_noise_from``,
-    the residuals of that step log or profile against ``cost`` (``EngineOptions.step_noise_from``).
+    the residuals of that step log or profile against ``cost`` (``EngineOptions.step_noise_from``),
+    drawn along its timeline in blocks of ``args.noise_block_steps`` steps where that is set.
     ``plugin``: the plug-in's options the simulator shares (``plugin_sim_options``)."""
     from sloweave.core.policy import make_policy
     from sloweave.sim.metrics import evaluate
@@ -223,6 +224,7 @@ def simulated(
         max_batch_size=VLLM_CPU_DEFAULT_SEQS,
         correction=deadline_aware,
         step_noise_from=step_noise_from,
+        step_noise_block_steps=getattr(args, "noise_block_steps", 0) if step_noise_from else 0,
         **((plugin or {}) if deadline_aware else {}),
     )
     policy = make_policy(policy_name, cost=cost if policy_cost is None else policy_cost, max_chunk_tokens=max_chunk)

@@ -240,3 +240,71 @@ def test_simulate_with_a_step_log_as_cost_and_noise_runs_end_to_end(step_log):
     assert refused.exit_code == 2 and "replaces noise_sigma and bias" in refused.output
     absent = CliRunner().invoke(main, ["simulate", "--requests", "10", "--step-noise-from", "no-such.jsonl"])
     assert absent.exit_code == 2 and "step noise source no-such.jsonl: cannot read it" in absent.output
+
+
+# ---------------------------------------------------------------- blocks of the source's timeline
+
+
+def slow_minute_noise():
+    """One bucket of 1,000 steps: residual 0 ms, but steps 400-599 (a slow minute) +10 ms."""
+    measured = np.full(1000, 5.0)
+    measured[400:600] += 10.0
+    return residual_buckets(np.full(1000, 5.0), measured)
+
+
+def slow_runs(times: list[float]) -> list[int]:
+    """The lengths of the runs of consecutive slow steps."""
+    runs, length = [], 0
+    for slow in np.array(times) > 10.0:
+        if slow:
+            length += 1
+        elif length:
+            runs, length = [*runs, length], 0
+    return runs + ([length] if length else [])
+
+
+def test_blocks_of_the_timeline_keep_a_slow_minute_a_run_of_slow_steps():
+    """Drawn independently, the slow fifth of the source's steps is scattered (runs of a step or
+    two); in blocks of its timeline it comes back as runs of 200 steps and more, still about a fifth of
+    all steps, every time one of the source's residuals, and the same seed gives the same times."""
+    noise = slow_minute_noise()
+    assert noise.positions == (tuple(range(1000)),)
+    cost = lambda n, c: 5.0  # noqa: E731 - one predicted time: one bucket
+    drawn = {block: EmpiricalNoiseCost(cost, noise, seed=3, block_steps=block) for block in (0, 500)}
+    independent, blocked = ([sampler(1, 0) for _ in range(20_000)] for sampler in drawn.values())
+    assert max(slow_runs(independent)) < 10 and max(slow_runs(blocked)) >= 200
+    for times in (independent, blocked):
+        assert set(times) == {5.0, 15.0} and np.mean(np.array(times) > 10.0) == pytest.approx(0.2, abs=0.03)
+    again = EmpiricalNoiseCost(cost, noise, seed=3, block_steps=500)
+    assert [again(1, 0) for _ in range(20_000)] == blocked
+
+
+def test_a_step_takes_the_residual_of_its_buckets_step_nearest_in_time():
+    """Two buckets whose steps alternate in the source: a step of either size reads its own
+    bucket's step nearest to its place on the timeline."""
+    predicted = np.array([2.0, 8.0] * 100)
+    measured = predicted + np.arange(200) / 100.0  # each residual says where in the source it was
+    noise = residual_buckets(predicted, measured)
+    sampler = EmpiricalNoiseCost(lambda n, c: 2.0 if c == 0 else 8.0, noise, seed=0, block_steps=200)
+    start = None
+    for k in range(50):
+        chunk = k % 3  # sizes in another order than the source's
+        actual = sampler(1, chunk)
+        place = round((actual - (2.0 if chunk == 0 else 8.0)) * 100)
+        assert place % 2 == (0 if chunk == 0 else 1)  # its own bucket's step
+        start = place - k if start is None else start
+        assert abs(place - (start + k) % 200) <= 1 or abs(place - (start + k) % 200) == 199  # the nearest, wrapping
+
+
+def test_the_block_option_needs_the_source_and_a_whole_count(step_log):
+    options = EngineOptions(step_noise_from=str(step_log), step_noise_block_steps=300)
+    assert options.describe()["step_noise_block_steps"] == 300
+    assert "step_noise_block_steps" not in DEFAULT_OPTIONS.describe()
+    assert (
+        isinstance(options.actual_cost(COST, 0), EmpiricalNoiseCost) and options.actual_cost(COST, 0).block_steps == 300
+    )
+    with pytest.raises(ValueError, match="step_noise_block_steps draws the residuals of step_noise_from"):
+        EngineOptions(step_noise_block_steps=300)
+    for bad in (-1, 2.5, True):
+        with pytest.raises(ValueError, match="step_noise_block_steps"):
+            EngineOptions(step_noise_from=str(step_log), step_noise_block_steps=bad)

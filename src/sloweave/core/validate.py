@@ -78,6 +78,7 @@ class Range:
 TOKENS = Range(1, MAX_TOKENS, " of tokens", whole=True)  # a chunk, a budget, a KV capacity, a length limit
 TOKEN_COUNT = Range(0, MAX_TOKENS, " of tokens", whole=True)  # tokens waiting, a context, a profile's counts
 REQUEST_COUNT = Range(0, MAX_TOKENS, " of requests", whole=True)  # running requests, a batch cap
+STEP_COUNT = Range(0, MAX_TOKENS, " of steps", whole=True)  # a block of engine steps
 DURATION_MS = Range(0, MAX_MS, " of milliseconds", low_open=True)  # a target, an aging threshold
 MARGIN_MS = Range(0, MAX_MS, " of milliseconds")  # a margin, a tolerance, a step time (0 allowed)
 TIME_S = Range(0, MAX_SECONDS, " of seconds")  # an arrival time, a window's start

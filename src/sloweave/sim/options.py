@@ -35,6 +35,7 @@ from sloweave.core.validate import (
     DURATION_MS,
     NOISE_SIGMA,
     SCALE,
+    STEP_COUNT,
     TOKENS,
     positive_ms,
     positive_tokens,
@@ -87,6 +88,13 @@ class EngineOptions:
         "file's steps of about its predicted time, every prediction the run's --cost model's (normally fitted to "
         "the same file)",
     )
+    step_noise_block_steps: int = setting(
+        0,
+        "with step_noise_from: draw its residuals along its own timeline in blocks of this many steps, from a "
+        "seeded start each (a slow minute of the machine stays a run of slow steps); 0: each step independently",
+        values=STEP_COUNT,
+        flag="--noise-block-steps",
+    )
     correction: bool = setting(
         False,
         "deadline-aware policies correct the model online and keep an adaptive P99.7 margin (no hand-set margin)",
@@ -123,8 +131,11 @@ class EngineOptions:
             raise ValueError(f"deadline_form must be one of {', '.join(DEADLINE_FORMS)}, got {self.deadline_form!r}")
         NOISE_SIGMA.check(self.noise_sigma, "noise_sigma")
         SCALE.check(self.bias, "bias")  # 1 = the model is exact
+        STEP_COUNT.check(self.step_noise_block_steps, "step_noise_block_steps")
         if self.step_noise_from is not None:
             self._check_step_noise()
+        elif self.step_noise_block_steps:
+            raise ValueError("step_noise_block_steps draws the residuals of step_noise_from: give that file too")
         if not isinstance(self.correction, bool):
             raise ValueError(f"correction must be true or false, got {self.correction!r}")
         if self.margin_form not in MARGIN_FORMS:
@@ -159,14 +170,15 @@ class EngineOptions:
         return self.noise_sigma == 0 and self.bias == 1.0 and self.step_noise_from is None
 
     def describe(self, cost: CostModel | None = None) -> dict:
-        """Every option; ``kv_memory`` and ``step_noise_from`` only when set (a run without them records
+        """Every option; ``kv_memory`` and ``step_noise_from`` (with its block) only when set (a run without them records
         what it always has). The noise source is described by its file (the same whatever the cost);
         given the run's ``cost``, with its residual buckets against that cost too."""
-        described = {k: v for k, v in asdict(self).items() if k not in ("kv_memory", "step_noise_from")}
+        noise_keys = ("step_noise_from", "step_noise_block_steps")
+        described = {k: v for k, v in asdict(self).items() if k != "kv_memory" and k not in noise_keys}
         if self.kv_memory is not None:
             described["kv_memory"] = self.kv_memory.describe()
         if self.step_noise_from is not None:
-            described["step_noise_from"] = self.step_noise_from
+            described |= {k: getattr(self, k) for k in noise_keys}
             noise = (
                 read_step_samples(self.step_noise_from)
                 if cost is None
@@ -187,7 +199,8 @@ class EngineOptions:
             return cost
         seed = NOISE_SEED_OFFSET + noise_seed
         if self.step_noise_from is not None:
-            return EmpiricalNoiseCost(cost, step_noise_from_file(self.step_noise_from, cost), seed)
+            noise = step_noise_from_file(self.step_noise_from, cost)
+            return EmpiricalNoiseCost(cost, noise, seed, self.step_noise_block_steps)
         return NoisyCost(cost, self.noise_sigma, seed=seed, bias=self.bias)
 
     def simulate(

@@ -18,6 +18,10 @@ about 5 ms), which no single lognormal sigma has. Here the noise is the machine'
 - each simulated iteration (``EmpiricalNoiseCost``) takes its predicted time p, draws one
   residual of p's bucket uniformly (a bootstrap, from a seeded numpy Generator built fresh per
   run, so the same seed gives the same times, bit for bit) and lasts max(p + residual, floor);
+- or, with ``block_steps``, in the source's time order: a real machine's slow minute is a run
+  of slow steps, which independent draws scatter. Iteration k reads the source's timeline at
+  t = start + (k mod block_steps) (wrapping at its end; ``start`` drawn uniformly, seeded, at each
+  block's first iteration) and takes the residual of the step of p's bucket nearest to t;
 - the floor is the smallest step time measured in the file: the machine never ran a faster
   step, and a residual drawn from a bucket's slower steps onto a prediction at the bucket's
   low end cannot make a step faster than that (or negative). A relative floor (0.1 p) would let
@@ -39,6 +43,7 @@ import numpy as np
 
 from sloweave.core.costs.protocols import ContextAware, CostModel, uncounted
 from sloweave.core.costs.step_profiles import ProfileError, read_profile
+from sloweave.core.validate import STEP_COUNT
 
 MIN_STEPS_PER_BUCKET = 50
 MAX_NOISE_BUCKETS = 16
@@ -181,6 +186,7 @@ class EmpiricalStepNoise:
     steps: int
     upper_edges_ms: tuple[float, ...]  # bucket i: predicted below upper_edges_ms[i]; the last is open
     residuals_ms: tuple[tuple[float, ...], ...]  # per bucket, in the source's step order
+    positions: tuple[tuple[int, ...], ...]  # per bucket, each residual's step index in the source
     predicted_seen_ms: tuple[tuple[float, float], ...]  # per bucket: the smallest and largest prediction in it
     floor_ms: float
 
@@ -240,6 +246,7 @@ def residual_buckets(predicted_ms, measured_ms, source: str = "given steps") -> 
         int(predicted_ms.size),
         tuple(edges.tolist()),
         tuple(tuple(residuals[m].tolist()) for m in members),
+        tuple(tuple(m.tolist()) for m in members),
         tuple((float(predicted_ms[m].min()), float(predicted_ms[m].max())) for m in members),
         float(measured_ms.min()),
     )
@@ -265,29 +272,56 @@ def step_noise_from_file(path: str | Path, cost: CostModel) -> EmpiricalStepNois
 
 class EmpiricalNoiseCost:
     """The simulator's "actual" iteration time: the cost's prediction plus a residual the machine
-    showed at that predicted time (a seeded bootstrap), never below the floor. Stateful: build one
-    per run (``sloweave.sim.options.EngineOptions.actual_cost`` does)."""
+    showed at that predicted time (a seeded bootstrap, or with ``block_steps`` > 0 blocks of the
+    source's timeline), never below the floor. Stateful: build one per run
+    (``sloweave.sim.options.EngineOptions.actual_cost`` does)."""
 
-    __slots__ = ("cost", "noise", "seed", "_rng", "_uniform", "_next", "_edges", "_residuals", "_floor")
+    __slots__ = (
+        "cost", "noise", "seed", "block_steps", "_rng", "_uniform", "_next", "_edges", "_residuals", "_floor",
+        "_step", "_start",
+    )  # fmt: skip
 
-    def __init__(self, cost: CostModel, noise: EmpiricalStepNoise, seed: int) -> None:
+    def __init__(self, cost: CostModel, noise: EmpiricalStepNoise, seed: int, block_steps: int = 0) -> None:
         if not isinstance(noise, EmpiricalStepNoise):
             raise StepNoiseError(f"noise must be an EmpiricalStepNoise, got {type(noise).__name__}")
-        self.cost, self.noise, self.seed = cost, noise, seed
+        STEP_COUNT.check(block_steps, "block_steps")
+        self.cost, self.noise, self.seed, self.block_steps = cost, noise, seed, block_steps
         self._rng = np.random.default_rng(seed)
         self._uniform: list[float] = []
         self._next = 0
         self._edges, self._residuals, self._floor = noise.upper_edges_ms, noise.residuals_ms, noise.floor_ms
+        self._step = self._start = 0
 
-    def __call__(self, n_decodes: int, chunk_tokens: int) -> float:
-        predicted_ms = self.cost(n_decodes, chunk_tokens)
+    def _draw(self) -> float:
+        """The next seeded uniform in [0, 1)."""
         i = self._next
         if i == len(self._uniform):
             self._uniform, i = self._rng.random(_UNIFORM_BLOCK).tolist(), 0
         self._next = i + 1
-        residuals = self._residuals[bisect.bisect_right(self._edges, predicted_ms)]
-        actual_ms = predicted_ms + residuals[int(self._uniform[i] * len(residuals))]
+        return self._uniform[i]
+
+    def __call__(self, n_decodes: int, chunk_tokens: int) -> float:
+        predicted_ms = self.cost(n_decodes, chunk_tokens)
+        bucket = bisect.bisect_right(self._edges, predicted_ms)
+        residuals = self._residuals[bucket]
+        if self.block_steps:
+            residual_ms = residuals[self._nearest_in_time(bucket)]
+        else:
+            residual_ms = residuals[int(self._draw() * len(residuals))]
+        actual_ms = predicted_ms + residual_ms
         return actual_ms if actual_ms > self._floor else self._floor
+
+    def _nearest_in_time(self, bucket: int) -> int:
+        """The index, in ``bucket``, of its source step nearest to this iteration's place on the timeline."""
+        if self._step % self.block_steps == 0:
+            self._start = int(self._draw() * self.noise.steps)
+        t = (self._start + self._step % self.block_steps) % self.noise.steps
+        self._step += 1
+        positions = self.noise.positions[bucket]
+        j = bisect.bisect_left(positions, t)
+        if j == len(positions) or (j > 0 and t - positions[j - 1] <= positions[j] - t):
+            return j - 1
+        return j
 
     def describe(self) -> dict:
         return self.noise.describe()
