@@ -285,7 +285,7 @@ def predict_row(row: dict, args, costs: Costs, log_dir: Path) -> None:
         twin = bench.simulated(
             workload, row["policy"], machine, args, row["budget"], plugin,
             policy_cost=costs.profile.model if is_plugin else None,
-            step_noise_from=str(noise), noise_seed=row["seed"],
+            step_noise_from=str(noise), noise_seed=row["seed"], noise_block_steps=args.noise_block_steps,
         )  # fmt: skip
         row.update({f"twin_{k}": twin[k] for k in METRICS})
         row["twin_cost"], row["twin_noise"] = fitted.name, noise.name
@@ -296,7 +296,7 @@ def predict_row(row: dict, args, costs: Costs, log_dir: Path) -> None:
             other = heldout_noise_log(row, args, log_dir)
             heldout = bench.simulated(
                 workload, row["policy"], costs.profile.model, args, row["budget"], plugin,
-                step_noise_from=str(other), noise_seed=row["seed"],
+                step_noise_from=str(other), noise_seed=row["seed"], noise_block_steps=args.noise_block_steps,
             )  # fmt: skip
             row.update({f"heldout_{k}": heldout[k] for k in METRICS})
             row["heldout_noise"] = other.name

@@ -209,11 +209,12 @@ def simulated(
     policy_cost=None,
     step_noise_from: str | None = None,
     noise_seed: int = 0,
+    noise_block_steps: int = 0,
 ) -> dict:
     """The simulator's prediction for one engine: the same workload, the fitted cost (the machine's
     time; the policy decides with ``policy_cost``, by default the same), plus, with ``step_noise_from``,
     the residuals of that step log or profile against ``cost`` (``EngineOptions.step_noise_from``),
-    drawn along its timeline in blocks of ``args.noise_block_steps`` steps where that is set.
+    drawn along its timeline in blocks of ``noise_block_steps`` steps (0: each step independently).
     ``plugin``: the plug-in's options the simulator shares (``plugin_sim_options``)."""
     from sloweave.core.policy import make_policy
     from sloweave.sim.metrics import evaluate
@@ -224,7 +225,7 @@ def simulated(
         max_batch_size=VLLM_CPU_DEFAULT_SEQS,
         correction=deadline_aware,
         step_noise_from=step_noise_from,
-        step_noise_block_steps=getattr(args, "noise_block_steps", 0) if step_noise_from else 0,
+        step_noise_block_steps=noise_block_steps,
         **((plugin or {}) if deadline_aware else {}),
     )
     policy = make_policy(policy_name, cost=cost if policy_cost is None else policy_cost, max_chunk_tokens=max_chunk)
