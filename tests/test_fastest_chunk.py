@@ -78,11 +78,18 @@ def test_the_chosen_chunk_is_safe_no_larger_no_slower_and_within_1_percent_of_th
         assert (chunk, infeasible) == (0, True)
         return
     assert not infeasible and cost(n, chunk) <= budget and chunk <= largest
-    if largest in (0, waiting):  # nothing fits, or the whole prompt does: finishing it serves TTFT
+    # several prompts on offer: the whole offer is weighed like any chunk
+    multi = SLOWeave(cost=cost, max_chunk_tokens=max_chunk, max_prefills=None).decide(n, waiting, budget)
+    assert multi.chunk_tokens <= largest and cost(n, multi.chunk_tokens) <= budget
+    if largest == 0:  # nothing fits
+        assert chunk == multi.chunk_tokens == 0
+        return
+    rates = [rate(cost, n, c) for c in range(1, largest + 1)]
+    assert rate(cost, n, multi.chunk_tokens) >= max(rate(cost, n, largest), 0.99 * max(rates))
+    if largest == waiting:  # one prompt's rest fits: it is finished
         assert chunk == largest
         return
     assert rate(cost, n, chunk) >= rate(cost, n, largest)
-    rates = [rate(cost, n, c) for c in range(1, largest + 1)]
     assert rate(cost, n, chunk) >= 0.99 * max(rates)
     if cost.k == 0.0:  # affine: the rate only grows with the chunk
         assert chunk == largest
@@ -123,7 +130,12 @@ def test_a_convex_cost_takes_the_chunk_at_its_peak_rate():
     largest = policy._largest_fitting(1, 5000, 100.0).chunk_tokens
     chunk = policy.decide(1, 5000, 100.0).chunk_tokens
     assert largest > 2000 and abs(chunk - 632) < 632 * (BRACKET_RATIO - 1)
-    assert policy.decide(1, 1500, 100.0).chunk_tokens == 1500  # the whole prompt fits: finished
+    assert policy.decide(1, 1500, 100.0).chunk_tokens == 1500  # one prompt's rest fits: finished
+    # several prompts' whole offer past the peak is cut at it too (one large step would prefill
+    # them slower; the rest joins the next step's prompts); one below the peak is taken whole
+    multi = SLOWeave(cost=cost, max_prefills=None)
+    assert abs(multi.decide(1, 1500, 100.0).chunk_tokens - 632) < 632 * (BRACKET_RATIO - 1)
+    assert multi.decide(1, 400, 100.0).chunk_tokens == 400
     assert make_policy("sloweave-largest", cost=cost).decide(1, 5000, 100.0).chunk_tokens == largest
 
 

@@ -272,8 +272,13 @@ def test_on_a_tiled_cost_the_chunk_that_prefills_fastest_is_taken_not_the_larges
     assert policy.decide(8, 5000, 3.41) == (120, False)
     # far from an edge the largest chunk is the fastest too
     assert policy.decide(8, 5000, 2.2) == policy._largest_fitting(8, 5000, 2.2)
-    # the whole remaining prompt fits: it is finished, whatever the rate
+    # one prompt's whole rest fits: it is finished, whatever the rate
     assert policy.decide(8, 124, 3.41) == (124, False)
+    # several prompts' whole offer just past an edge is cut there (its last 4 tokens join the
+    # next step's prompts); one that ends below the edge is taken whole
+    multi = SLOWeave(cost=cost, max_prefills=None)
+    assert multi.decide(8, 124, 3.41) == (120, False)
+    assert multi.decide(8, 100, 3.41) == (100, False)
     # never past the deadline, never larger than the largest fitting chunk, never slower than it
     for n in (1, 8, 60, 120, 200):
         for budget in (3.5, 5.0, 6.5, 8.0, 9.9):

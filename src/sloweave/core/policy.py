@@ -81,11 +81,10 @@ class SLOWeave:
     """The prefill chunk that meets the earliest deadline and prefills fastest.
 
     c* = max { c in [0, min(C_max, L)] : T(n, c) + delta(n, c) <= B }, found by a bracketing
-    search because T is monotone in c (``largest_fitting``), is the largest safe chunk; every
-    smaller one is safe too.
-    When c* < L, ``chunk_choice="fastest"`` takes the safe chunk with the highest rate
-    c / (T(n, c) - T(n, 0) + T(1, 0)), the prompt tokens per ms the chunk costs, which is c*
-    itself on a cost whose rate never peaks (the analytic model): ``sloweave.core.fastest_chunk``. Decode-only when no prompt waits or nothing fits;
+    search because T is monotone in c (``largest_fitting``), is the largest safe chunk; every smaller one is safe too. ``chunk_choice="fastest"`` takes the safe chunk with the highest
+    rate c / (T(n, c) - T(n, 0) + T(1, 0)), prompt tokens per ms the chunk costs (of several
+    prompts, even when all of L fits): c* itself on a cost whose rate never peaks (the analytic
+    model; ``sloweave.core.fastest_chunk``). Decode-only when no prompt waits or nothing fits;
     the largest chunk when nothing is decoding (no deadline to protect).
     """
 
@@ -192,8 +191,9 @@ class SLOWeave:
         if upper <= 0:
             return _DECODE_ONLY
         chunk = self._fitting_chunk(n_decodes, upper, budget_ms, predicted, decode_only_ms)
-        if not self._seeks_fastest or not chunk or chunk >= waiting_tokens:
-            return _decision(Decision, (chunk, False))  # the whole prompt fits: finishing it serves TTFT best
+        # several prompts' whole offer is weighed too; one prompt's last piece is finished (cut, its rest steps alone)
+        if not self._seeks_fastest or not chunk or (chunk >= waiting_tokens and self.max_prefills == 1):
+            return _decision(Decision, (chunk, False))
         return _decision(Decision, (self._fastest_safe(n_decodes, chunk), False))
 
     def _fastest_safe(self, n_decodes: int, largest: int) -> int:
