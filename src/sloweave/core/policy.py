@@ -80,12 +80,12 @@ def _check_max_prefills(value: int | None) -> None:
 class SLOWeave:
     """The prefill chunk that meets the earliest deadline and prefills fastest.
 
-    c* = max { c in [0, min(C_max, L)] : T(n, c) + delta(n, c) <= B }, found by a bracketing
-    search because T is monotone in c (``largest_fitting``), is the largest safe chunk; every smaller one is safe too. ``chunk_choice="fastest"`` takes the safe chunk with the highest
-    rate c / (T(n, c) - T(n, 0) + T(1, 0)), prompt tokens per ms the chunk costs (of several
-    prompts, even when all of L fits): c* itself on a cost whose rate never peaks (the analytic
-    model; ``sloweave.core.fastest_chunk``). Decode-only when no prompt waits or nothing fits;
-    the largest chunk when nothing is decoding (no deadline to protect).
+    c* = max { c in [0, min(C_max, L)] : T(n, c) + delta(n, c) <= B }, found by a bracketing search because T
+    is monotone in c (``largest_fitting``), is the largest safe chunk; every smaller one is safe too.
+    ``chunk_choice="fastest"`` takes the safe chunk with the highest rate c / (T(n, c) - T(n, 0) + T(1, 0)),
+    prompt tokens per ms the chunk costs (of several prompts, even when all of L fits): c* itself on a cost
+    whose rate never peaks (the analytic model; ``sloweave.core.fastest_chunk``). Decode-only when no prompt
+    waits or nothing fits; the largest chunk when nothing is decoding (no deadline to protect).
     """
 
     cost: CostModel = field(default_factory=AnalyticCost)
