@@ -17,7 +17,9 @@ margin form: the plug-in as the real-engine benchmark runs it), with the analyti
 ones as yardsticks: REV's ``src/`` is extracted with ``git archive`` and both trees are timed in
 their own processes, interleaved (before, after, before, ...) so both see the same machine load;
 medians of ``--runs`` runs, the load average, and whether the two trees took the same decisions
-and counted the same queries past the profile.
+and counted the same queries past the profile. It also times, per margin form, a serving step of
+the correction (one step observed, then one decision): its mean holds what the margin rebuilds
+from the steps every few steps, which one decision's time does not.
 
     .venv/bin/python benchmarks/decision_cost.py [--before REV] [--runs 3]
 """
@@ -81,6 +83,26 @@ def time_decisions(active: int, decide, tpot_ms: float = 25.0, decisions: list |
     return samples
 
 
+def time_steps(active: int, correction, fitted, tpot_ms: float, decisions: list) -> np.ndarray:
+    """Microseconds per serving step of the plug-in's correction: one step observed (its base
+    prediction and a seeded measured time), then one decision. Unlike ``time_decisions`` this
+    includes what the margin rebuilds from the steps it has seen, every few steps: its mean is
+    the figure (the median misses the rebuilds)."""
+    rng = np.random.default_rng(active)
+    decide = SLOWeave(cost=correction.cost, margin=correction.margin).decide
+    samples = np.empty(DECISIONS)
+    clock = time.perf_counter_ns
+    for k in range(DECISIONS):
+        chunk = int(rng.choice([0, rng.integers(1, 2048)]))
+        measured_ms = float(rng.uniform(0.9, 1.4))
+        start = clock()
+        predicted_ms = fitted.predict(active, chunk, active * 1025, 0)
+        correction.calibrator.observe(active, chunk, predicted_ms, predicted_ms * measured_ms + 0.3)
+        decisions.append(tuple(decide(active, 3000, tpot_ms)))
+        samples[k] = (clock() - start) / 1000.0
+    return samples
+
+
 def fitted_costs():
     """Table and regression fitted from a synthetic profile: analytic cost + KV-context read."""
     import pandas as pd  # only here: ``--before`` imports this file against another revision's src
@@ -135,15 +157,15 @@ def corrected_costs() -> dict:
 
     fitted = resolve_cost(str(REPO / CPU_PROFILE), cost_kind="regression").model
     rng = np.random.default_rng(0)
-    costs = {}
+    corrections = {}
     for form in MARGIN_FORMS:
         correction = self_correcting(fitted, margin_form=form)
         for _ in range(600):
             n, c = int(rng.integers(1, 64)), int(rng.choice([0, rng.integers(1, 2048)]))
             predicted_ms = fitted.predict(n, c, n * 1025, 0)
             correction.calibrator.observe(n, c, predicted_ms, predicted_ms * float(rng.uniform(0.9, 1.4)) + 0.3)
-        costs[form] = correction.cost, correction.margin
-    return costs
+        corrections[form] = correction
+    return fitted, corrections
 
 
 def profile_decisions() -> dict:
@@ -157,8 +179,12 @@ def profile_decisions() -> dict:
     for preset in PRESETS:
         cost = profile_cost(preset)
         kinds[f"sloweave, {preset}"] = (SLOWeave(cost=cost).decide, cost)
-    for form, (cost, margin) in corrected_costs().items():
-        kinds[f"sloweave, CPU fit, corrected, {form}"] = (SLOWeave(cost=cost, margin=margin).decide, cost)
+    fitted, corrections = corrected_costs()
+    for form, correction in corrections.items():
+        kinds[f"sloweave, CPU fit, corrected, {form}"] = (
+            SLOWeave(cost=correction.cost, margin=correction.margin).decide,
+            correction.cost,
+        )
     digest, timings = hashlib.sha256(), {}
     for active in ACTIVE:
         for name, (decide, cost) in kinds.items():
@@ -166,16 +192,27 @@ def profile_decisions() -> dict:
             if cost is not None:
                 cost.set_context(decode_kv_tokens=active * 1025, prefill_prefix_tokens=0)
                 tpot = cost(active, 0) + 50.0
-            reps, decisions = [], []
-            for _ in range(REPEATS):
-                reps.append(time_decisions(active, decide, tpot, decisions))
+            decisions = []
+            reps = [time_decisions(active, decide, tpot, decisions) for _ in range(REPEATS)]
             digest.update(repr(decisions).encode())
-            median = statistics.median(float(np.median(r)) for r in reps)
-            timings[f"{active} {name}"] = (median, statistics.median(float(np.percentile(r, 99)) for r in reps))
+            timings[f"{active} {name}"] = summary(reps)
+        for form, correction in corrections.items():
+            decisions = []
+            tpot = correction.cost(active, 0) + 50.0
+            reps = [time_steps(active, correction, fitted, tpot, decisions) for _ in range(REPEATS)]
+            digest.update(repr(decisions).encode())
+            timings[f"{active} step: observe + decide, {form}"] = summary(reps)
     for name, (_, cost) in kinds.items():
         if hasattr(cost, "out_of_range"):
             digest.update(repr(sorted(cost.out_of_range.items())).encode())
     return {"timings": timings, "digest": digest.hexdigest()}
+
+
+def summary(reps: list[np.ndarray]) -> tuple[float, float, float]:
+    """Median, P99 and mean microseconds, each the median over the repetitions."""
+    return tuple(
+        statistics.median(float(f(r)) for r in reps) for f in (np.median, lambda r: np.percentile(r, 99), np.mean)
+    )
 
 
 def time_tree(src: Path) -> dict:
@@ -201,14 +238,18 @@ def compare(before_rev: str, runs: int) -> None:
     )
     print(f"same decisions and out-of-range counts in both trees: {'yes' if len(digests) == 1 else 'NO'}")
     print(
-        f"{'active':>6} {'decision':<32} {'before_us':>10} {'after_us':>9} {'before_p99':>10} {'after_p99':>9} {'speed-up':>9}"
+        f"{'active':>6} {'decision':<38} {'before_us':>10} {'after_us':>9} {'before_p99':>10} {'after_p99':>9}"
+        f" {'speed-up':>9} {'before_mean':>11} {'after_mean':>10} {'mean speed-up':>13}"
     )
     for key in results["after"][0]["timings"]:
-        (b, bp), (a, ap) = (
-            [statistics.median(r["timings"][key][i] for r in results[tree]) for i in (0, 1)] for tree in trees
+        (b, bp, bm), (a, ap, am) = (
+            [statistics.median(r["timings"][key][i] for r in results[tree]) for i in (0, 1, 2)] for tree in trees
         )
         active, name = key.split(" ", 1)
-        print(f"{active:>6} {name:<32} {b:>10.2f} {a:>9.2f} {bp:>10.2f} {ap:>9.2f} {b / a:>8.2f}x")
+        print(
+            f"{active:>6} {name:<38} {b:>10.2f} {a:>9.2f} {bp:>10.2f} {ap:>9.2f} {b / a:>8.2f}x"
+            f" {bm:>11.2f} {am:>10.2f} {bm / am:>12.2f}x"
+        )
 
 
 def main() -> None:

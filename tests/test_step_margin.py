@@ -20,6 +20,7 @@ from sloweave.core.costs.fitted import ContextualCost
 from sloweave.core.costs.step_margin import (
     DECODE_ONLY,
     PREDICTED_MS_EDGES,
+    TABLE_REFRESH_STEPS,
     WITH_CHUNK,
     StepMargin,
     StepResiduals,
@@ -135,11 +136,11 @@ def test_one_slow_step_does_not_keep_chunks_from_running_behind_its_margin():
         residuals.add(True, float(predicted), float(predicted) + float(rng.uniform(-1.0, 1.0)))
     residuals.add(True, 48.0, 154.0)  # the slow step
     residuals.add(True, 2.5, 30.0)  # and one among small steps, whose bucket floors every larger one
-    additive, _, floors = margin_table(residuals.windows(), WITH_CHUNK, 99.7, relative_fraction=0.5)
+    additive, _, floors = margin_table(residuals.windows(), WITH_CHUNK, 99.7, relative_fraction=lambda: 0.5)
     for predicted in (6.0, 12.0):  # the noise of steps this size, not a slow step
         bucket = predicted_bucket(predicted)
         assert additive[bucket] <= 1.0 and floors[bucket] <= predicted + 1.0
-    decode_only, _, _ = margin_table(residuals.windows(), DECODE_ONLY, 99.7, relative_fraction=0.5)
+    decode_only, _, _ = margin_table(residuals.windows(), DECODE_ONLY, 99.7, relative_fraction=lambda: 0.5)
     assert decode_only[predicted_bucket(6.0)] <= 1.0
 
 
@@ -162,7 +163,7 @@ def test_a_burst_of_stalls_is_forgotten_once_it_is_past_the_horizon():
         for quiet in range(3000):  # after it only decode-only steps run (the margin holds chunks back)
             residuals.add(False, 3.0, 3.0 + float(rng.uniform(-1.0, 1.0)))
             if quiet % 1000 == 999:
-                additive, _, _ = margin_table(residuals.windows(), WITH_CHUNK, 99.7, relative_fraction=0.5)
+                additive, _, _ = margin_table(residuals.windows(), WITH_CHUNK, 99.7, relative_fraction=lambda: 0.5)
                 margins.append(additive[predicted_bucket(20.0)])
         return margins
 
@@ -171,6 +172,39 @@ def test_a_burst_of_stalls_is_forgotten_once_it_is_past_the_horizon():
     forgotten = chunk_margins_after_a_burst(horizon_steps=2000)
     assert forgotten[0] >= 149.0  # within the horizon the burst still counts
     assert all(margin <= 1.0 for margin in forgotten[2:])  # 2,000 steps past it: the machine's noise
+
+
+def test_the_tables_are_rebuilt_once_per_refresh_and_the_relative_window_read_only_when_needed(monkeypatch):
+    """Rebuilding the tables was the largest part of the plug-in's scheduling inside vLLM: they are
+    rebuilt once every ``TABLE_REFRESH_STEPS`` observed steps however many chunks a decision
+    prices, and the relative margin's window (a sort of its own) is read only for a bucket
+    with too few steps."""
+    import sloweave.core.costs.step_margin as step_margin
+
+    correction = self_correcting(LinearCost(), margin_form="per-step")
+    rng = np.random.default_rng(0)
+
+    def observe(steps: int) -> None:
+        for _ in range(steps):
+            n, c = int(rng.integers(1, 17)), int(rng.choice([0, 1500]))
+            predicted = correction.cost(n, c)
+            correction.calibrator.observe(n, c, predicted, predicted + float(rng.normal(0.0, 1.0)))
+            for chunk in (0, 10, 500, 1500, 2000):  # a decision prices several chunks between steps
+                correction.margin(n, chunk)
+
+    observe(200)  # fewer steps than P99.7 needs: every bucket takes the relative fraction
+    rebuilt, relative_reads = [], []
+    monkeypatch.setattr(step_margin, "margin_table", lambda *a, **k: rebuilt.append(1) or margin_table(*a, **k))
+    window_fraction = correction.margin.relative.window_fraction
+    monkeypatch.setattr(
+        correction.margin.relative, "window_fraction", lambda: relative_reads.append(1) or window_fraction()
+    )
+    observe(TABLE_REFRESH_STEPS)
+    assert len(rebuilt) == 2 and len(relative_reads) == 2  # one table per step kind, each with thin buckets
+    observe(2000)
+    rebuilt.clear(), relative_reads.clear()
+    observe(10 * TABLE_REFRESH_STEPS)
+    assert len(rebuilt) == 2 * 10 and not relative_reads
 
 
 LINEAR_COSTS = st.builds(

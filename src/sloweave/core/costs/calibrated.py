@@ -23,7 +23,7 @@ import numpy as np
 
 from sloweave.core.costs.protocols import CostModel, OfferAware
 from sloweave.core.costs.fitted import N_BUCKET_EDGES, ContextualCost, ResidualMargin
-from sloweave.core.costs.step_margin import StepMargin, StepResiduals
+from sloweave.core.costs.step_margin import TABLE_REFRESH_STEPS, StepMargin, StepResiduals
 from sloweave.core.validate import finite_number, whole_number
 
 
@@ -349,6 +349,6 @@ def self_correcting(
     if margin_form == "per-step":
         calibrator.step_residuals = StepResiduals()
         margin = StepMargin(
-            corrected, calibrator.step_residuals, margin, quantile, max(min_steps, 1), QUANTILE_REFRESH_STEPS
+            corrected, calibrator.step_residuals, margin, quantile, max(min_steps, 1), TABLE_REFRESH_STEPS
         )
     return SelfCorrection(calibrator, corrected, margin)
