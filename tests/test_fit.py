@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import json
 import subprocess
 import sys
@@ -17,6 +19,7 @@ from sloweave.core.costs.fitted import (
     LookupTableCost,
     RegressionCost,
     ResidualMargin,
+    nnls,
     regression_features,
 )
 from sloweave.core.costs.profile_fit import fit_profile
@@ -26,29 +29,30 @@ from sloweave.core.policy import SLOWeave, make_policy
 from sloweave.sim.engine import simulate
 from sloweave.sim.workloads import WORKLOADS
 
-TRUE_COEF = np.array([1.0, 0.5, 0.05, 0.3, 0.02, 0.4, 0.8, 0.0])
+TRUE_COEF = np.array([1.0, 0.5, 0.05, 0.3, 0.02, 0.4, 0.8, 0.0, 0.0])
 
 
 def synthetic_profile(
-    noise: float = 0.03, seed: int = 0, repeats: int = 3, coef: np.ndarray = TRUE_COEF
+    noise: float = 0.03, seed: int = 0, repeats: int = 3, coef: np.ndarray = TRUE_COEF, prefixes=(0,)
 ) -> pd.DataFrame:
-    """A grid profile: the regression's own form times one-sided lognormal noise (contention only adds time)."""
+    """A grid profile: the regression's own form times one-sided lognormal noise (contention only
+    adds time); its chunks at each of ``prefixes`` (0: a prompt's first chunk)."""
     rng = np.random.default_rng(seed)
     rows = []
     for context in (64, 256, 1024):
         for n in (0, 1, 4, 8, 16, 32):
-            for c in (0, 16, 64, 128, 256, 512, 1024):
-                if n == 0 and c == 0:
+            for c, p in itertools.product((0, 16, 64, 128, 256, 512, 1024), prefixes):
+                if (n == 0 and c == 0) or (c == 0 and p > 0):
                     continue
                 for r in range(repeats):
                     d = n * (context + 1)
-                    t = float(regression_features(n, c, d, 0) @ coef) * float(np.exp(abs(rng.normal(0, noise))))
+                    t = float(regression_features(n, c, d, p) @ coef) * float(np.exp(abs(rng.normal(0, noise))))
                     rows.append(
                         dict(
                             n_decodes=n,
                             chunk_tokens=c,
                             decode_kv_tokens=d,
-                            prefill_prefix_tokens=0,
+                            prefill_prefix_tokens=p,
                             step_ms=t,
                             context_tokens=context,
                             repeat=r,
@@ -93,7 +97,7 @@ def test_the_regression_learns_that_a_token_costs_more_in_a_large_chunk_and_the_
     """An engine whose chunk costs grow as c^2 (vLLM's CPU build): the chunk's pairs of tokens,
     c^2 / 2, are a term of their own, fitted, held out within 5 %, and the policy deciding on the
     fit takes the chunk the true model prefills fastest."""
-    per_sequence = np.array([1.0, 0.5, 0.05, 0.3, 0.01, 0.4, 0.0, 12.0])
+    per_sequence = np.array([1.0, 0.5, 0.05, 0.3, 0.01, 0.4, 0.0, 12.0, 0.0])
     result = fit_profile(synthetic_profile(coef=per_sequence))
     fitted = dict(zip(REGRESSION_TERMS, result.regression.coefficients))
     assert fitted["per_1m_chunk_pairs_ms"] == pytest.approx(12.0, rel=0.1)
@@ -104,6 +108,28 @@ def test_the_regression_learns_that_a_token_costs_more_in_a_large_chunk_and_the_
     best = max(range(1, 4097), key=lambda c: c / truth(8, c) if truth(8, c) <= 60.0 else 0.0)
     assert truth(8, chunk) <= 60.0 and chunk < policy._largest_fitting(8, 8000, 60.0).chunk_tokens
     assert chunk / truth(8, chunk) >= 0.99 * best / truth(8, best)
+
+
+def test_a_profile_with_later_chunks_fits_their_attention_over_the_prefix_and_one_without_leaves_it_out():
+    """vLLM's CPU build (AVX-512): a 512-token chunk took 8.0 ms as a prompt's first and 22.1 ms
+    after 2,048 tokens of it: attention over the prefix, about as dear per pair as the chunk's own
+    pairs. A profile with later chunks fits that term; one with first chunks only has an all-zero
+    column for it, and its fit is the fit without the column, coefficient for coefficient."""
+    causal = np.array([1.0, 0.5, 0.05, 0.3, 0.01, 0.0, 0.0, 14.0, 14.0])
+    with_prefix = fit_profile(synthetic_profile(coef=causal, prefixes=(0, 512, 1536)))
+    fitted = dict(zip(REGRESSION_TERMS, with_prefix.regression.coefficients))
+    assert fitted["per_1m_prefix_pairs_ms"] == pytest.approx(14.0, rel=0.1)
+    assert fitted["per_1m_chunk_pairs_ms"] == pytest.approx(14.0, rel=0.1)
+    late = with_prefix.regression.predict(8, 512, 8 * 257, 2048)
+    assert late == pytest.approx(RegressionCost(causal).predict(8, 512, 8 * 257, 2048), rel=0.05)
+
+    first_only = synthetic_profile(coef=causal)
+    without = fit_profile(first_only).regression.coefficients
+    assert without[-1] == 0.0
+    fit_rows = first_only[first_only["split"] == "fit"]
+    x = regression_features(*(fit_rows[k] for k in ("n_decodes", "chunk_tokens", "decode_kv_tokens")), 0)[:, :-1]
+    w = 1.0 / fit_rows["step_ms"].to_numpy()
+    np.testing.assert_array_equal(without[:-1], nnls(x * w[:, None], fit_rows["step_ms"].to_numpy() * w))
 
 
 def test_fitted_costs_are_monotone_in_chunk_and_usable_by_the_policy():
@@ -228,7 +254,7 @@ def test_table_needs_a_full_grid_but_the_regression_does_not():
 
 def test_regression_rejects_negative_coefficients():
     with pytest.raises(ProfileError):
-        RegressionCost(np.array([1, 1, 1, 1, -0.1, 1, 1, 1.0]))
+        RegressionCost(np.array([1, 1, 1, 1, -0.1, 1, 1, 1.0, 1.0]))
 
 
 def test_simulator_runs_on_a_profiled_cost():
@@ -294,7 +320,7 @@ def test_regression_predict_matches_its_design_matrix():
     from sloweave.core.costs.fitted import RegressionCost, regression_features
 
     rng = np.random.default_rng(5)
-    cost = RegressionCost(rng.uniform(0.0, 2.0, 8))
+    cost = RegressionCost(rng.uniform(0.0, 2.0, 9))
     for _ in range(200):
         n, c, d, p = (int(v) for v in rng.integers(0, 5000, 4))
         expected = float(regression_features(n, c, d, p) @ cost.coefficients)

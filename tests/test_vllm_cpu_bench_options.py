@@ -52,3 +52,12 @@ def test_the_simulated_plugin_shares_the_margin_form_and_size_grid_the_plugin_se
     assert vllm_cpu_bench.plugin_sim_options(variant)["step_grid_tokens"] == 1
     monkeypatch.setenv("SLOWEAVE_MARGIN_FORM", "per-step")
     assert vllm_cpu_bench.plugin_sim_options(config)["margin_form"] == "per-step"  # as the plug-in reads it
+
+
+def test_profile_prefixes_are_token_counts(capsys):
+    assert vllm_cpu_bench.parse_args([]).profile_prefixes == (0, 512, 1536)
+    assert vllm_cpu_bench.parse_args(["--profile-prefixes", "1536,0,512,0"]).profile_prefixes == (0, 512, 1536)
+    for bad in ("0,-512", "0,half", ""):
+        with pytest.raises(SystemExit):
+            vllm_cpu_bench.parse_args(["--profile-prefixes", bad])
+        assert "--profile-prefixes" in capsys.readouterr().err

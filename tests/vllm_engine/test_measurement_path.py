@@ -7,6 +7,7 @@ consistent with what vLLM scheduled in it, times finite and ordered.
 
 import numpy as np
 import pandas as pd
+import pytest
 from click.testing import CliRunner
 
 from sloweave.cli import main
@@ -175,6 +176,32 @@ def test_profile_steps_measures_the_steps_it_names_in_the_profile_format_fit_rea
     result = CliRunner().invoke(main, ["fit", str(path), "--out", str(tmp_path / "fit.json")])
     assert result.exit_code == 0, result.output
     assert (tmp_path / "fit.json").stat().st_size > 0
+
+
+def test_profile_steps_measures_later_chunks_after_a_cached_prefix_and_refuses_an_engine_without_the_cache(release):
+    """A chunk that starts p tokens into its prompt: the prefix runs first as a prompt of its own,
+    and the timed step computes exactly the c new tokens (vLLM reports the p before them as
+    cached, which ``profile_steps`` checks). Without prefix caching the point is refused."""
+    engine = cpu_engine(max_num_batched_tokens=512, enable_prefix_caching=True)
+    release(engine)
+    spy = Spy(engine)
+    profile = profile_steps(engine, VOCAB, (0, 2), (0, 64), (32,), repeats=1, seed=0, warmup_steps=0, prefixes=(0, 256))
+    assert list(zip(profile["n_decodes"], profile["chunk_tokens"], profile["prefill_prefix_tokens"])) == [
+        (0, 64, 0), (2, 0, 0), (2, 64, 0), (0, 64, 256), (2, 64, 256)
+    ]  # fmt: skip
+    assert np.isfinite(profile["step_ms"]).all() and (profile["step_ms"] > 0).all()
+    # the later chunks' steps: their prompts were the prefix plus 64 tokens, and only the 64 ran
+    later = [i for i, event in enumerate(spy.events) if event[0] == "add" and event[2] == 256 + 64]
+    assert len(later) == 2
+    for i in later:
+        request_id = spy.events[i][1]
+        _, ran, out, _ = next(event for event in spy.events[i:] if event[0] == "step")
+        assert ran[request_id] == 64 and out[request_id] == (1, True)
+
+    uncached = cpu_engine(max_num_batched_tokens=512)
+    release(uncached)
+    with pytest.raises(ValueError, match="0 cached prefix token"):
+        profile_steps(uncached, VOCAB, (0, 1), (64,), (32,), repeats=1, seed=0, warmup_steps=0, prefixes=(256,))
 
 
 def measured_steps(spy: Spy) -> list[tuple[dict, int, set]]:

@@ -40,7 +40,11 @@ def make_engine(
     logits_processors: list[str] | None = None,
     dtype: str = "bfloat16",
     tensor_parallel_size: int = 1,
+    enable_prefix_caching: bool = False,
 ):
+    """An in-process vLLM engine on ``model_dir`` (dummy weights, no tokenizer). Prefix caching is
+    off unless asked for: the served prompts are random and share nothing, so it would only add
+    work; ``profile_steps`` needs it for chunks that start past a prompt's first token."""
     from vllm.engine.arg_utils import EngineArgs
     from vllm.v1.engine.llm_engine import LLMEngine
 
@@ -53,7 +57,7 @@ def make_engine(
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens,
         enable_chunked_prefill=True,
-        enable_prefix_caching=False,  # random prompts share nothing; keep step cost honest
+        enable_prefix_caching=enable_prefix_caching,
         enforce_eager=enforce_eager,  # minutes of graph capture would not fit the time limit
         scheduler_cls=scheduler_cls,
         additional_config=additional_config or {},
@@ -171,7 +175,8 @@ class _StepTimer:
         self.rng = np.random.default_rng(seed)
         self._request_ids = itertools.count()
 
-    def add_prompt(self, prompt_tokens: int, max_tokens: int, tag: str) -> str:
+    def add_prompt(self, prompt_tokens: int, max_tokens: int, tag: str, prefix: list[int] | None = None) -> str:
+        """Add a prompt of ``prompt_tokens`` random tokens, after ``prefix`` when given."""
         from vllm.inputs import TokensPrompt
         from vllm.sampling_params import RequestOutputKind, SamplingParams
 
@@ -179,9 +184,21 @@ class _StepTimer:
         params = SamplingParams(
             max_tokens=max_tokens, ignore_eos=True, output_kind=RequestOutputKind.DELTA, detokenize=False
         )
-        prompt = self.rng.integers(10, self.vocab_size - 10, prompt_tokens).tolist()
+        prompt = (prefix or []) + self.rng.integers(10, self.vocab_size - 10, prompt_tokens).tolist()
         self.engine.add_request(request_id, TokensPrompt(prompt_token_ids=prompt), params)
         return request_id
+
+    def cached_prefix(self, prefix_tokens: int, tag: str) -> list[int]:
+        """Run a prompt of ``prefix_tokens`` random tokens to its end, so that its KV blocks stay
+        in the prefix cache; returns its tokens."""
+        prefix = self.rng.integers(10, self.vocab_size - 10, prefix_tokens).tolist()
+        self.add_prompt(0, 1, tag, prefix)
+        self.drain()
+        return prefix
+
+    def drain(self) -> None:
+        while self.engine.has_unfinished_requests():
+            self.engine.step()
 
     def start_decodes(self, n_decodes: int, context_tokens: int, tag: str) -> None:
         """Add ``n_decodes`` requests and step until each has its first token: their prompts run
@@ -191,16 +208,25 @@ class _StepTimer:
         while started != background:
             started |= {o.request_id for o in self.engine.step() if o.outputs and o.outputs[0].token_ids}
 
-    def step_ms(self, n_decodes: int, chunk_tokens: int, context_tokens: int, tag: str) -> float:
+    def step_ms(
+        self, n_decodes: int, chunk_tokens: int, context_tokens: int, tag: str, prefix_tokens: int = 0
+    ) -> float:
         """The wall time of one step of that shape; the engine is drained after it."""
+        prefix = self.cached_prefix(prefix_tokens, tag) if prefix_tokens else None
         self.start_decodes(n_decodes, context_tokens, tag)
-        if chunk_tokens:
-            self.add_prompt(chunk_tokens, 1, tag)
+        chunk_id = self.add_prompt(chunk_tokens, 1, tag, prefix) if chunk_tokens else None
         start = time.perf_counter()
-        self.engine.step()
+        outputs = self.engine.step()
         elapsed_ms = (time.perf_counter() - start) * 1000.0
-        while self.engine.has_unfinished_requests():  # drain before the next point
-            self.engine.step()
+        if prefix is not None:
+            cached = [o.num_cached_tokens for o in outputs if o.request_id == chunk_id]
+            if cached != [prefix_tokens]:
+                raise ValueError(
+                    f"profile: a {chunk_tokens}-token chunk after a {prefix_tokens}-token prefix found "
+                    f"{cached[0] if cached else 'no'} cached prefix token(s) in vLLM, not {prefix_tokens}: a later "
+                    "chunk's step needs the engine's prefix caching on and a prefix that is a multiple of its block size"
+                )
+        self.drain()  # before the next point
         return elapsed_ms
 
 
@@ -213,12 +239,19 @@ def profile_steps(
     repeats: int = 3,
     seed: int = 0,
     warmup_steps: int = 2,
+    prefixes=(0,),
 ) -> pd.DataFrame:
-    """Measure steps of ``n`` decodes at ``context`` tokens each plus one ``c``-token chunk.
+    """Measure steps of ``n`` decodes at ``context`` tokens each plus one ``c``-token chunk that
+    starts ``p`` tokens into its prompt, for p in ``prefixes``.
 
     For each grid point: start ``n`` requests with ``context``-token prompts and let them
     reach decode, then add one prompt of ``c`` tokens; with ``max_num_batched_tokens``
-    large enough the next step holds exactly n decodes and the c-token chunk. Writes the
+    large enough the next step holds exactly n decodes and the c-token chunk. A prefix p > 0 is
+    run first as a prompt of its own, and the chunk's prompt is that prefix plus c new tokens:
+    the engine (``make_engine(enable_prefix_caching=True)``) finds the prefix in its cache and
+    the step computes the c tokens, attending to the p before them, as a long prompt's later
+    chunk does. Such a point is measured only when vLLM reports the whole prefix as cached (a
+    ValueError otherwise: no caching, or a p that is not a multiple of the block size). Writes the
     profile format of ``sloweave.core.costs.step_profiles`` (``n_decodes, chunk_tokens, decode_kv_tokens,
     prefill_prefix_tokens, step_ms``). First, ``warmup_steps`` untimed steps of the grid's largest
     point (requests ``w*``): an engine's first steps run slow (allocations, kernel caches), and a
@@ -232,8 +265,8 @@ def profile_steps(
             "n_decodes": n,
             "chunk_tokens": c,
             "decode_kv_tokens": n * (context + 2),
-            "prefill_prefix_tokens": 0,
-            "step_ms": timer.step_ms(n, c, context, "p"),
+            "prefill_prefix_tokens": p,
+            "step_ms": timer.step_ms(n, c, context, "p", p),
             "context_tokens": context,
             "repeat": repeat,
         }
@@ -241,8 +274,9 @@ def profile_steps(
         # points, not on every repeat of one, and the fastest repeat the checks take can escape it
         for repeat in range(repeats)
         for context in contexts
+        for p in prefixes
         for n in decode_counts
         for c in chunk_sizes
-        if n or c  # an empty step is not a step
+        if (n or c) and (c or not p)  # an empty step is not a step, a prefix needs a chunk
     ]
     return pd.DataFrame(rows)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-from sloweave.core.costs.fitted import REGRESSION_TERMS, ContextualCost, RegressionCost
+from sloweave.core.costs.fitted import REGRESSION_TERMS, ContextualCost, RegressionCost, regression_terms_fitted
 from sloweave.core.costs.protocols import CostModelError, check_monotone_in_chunk
 from sloweave.core.costs.step_profiles import ProfileError
 from sloweave.core.validate import Range
@@ -43,7 +43,9 @@ def distinct_steps(rows: pd.DataFrame) -> int:
 def enough_steps(kind: str, fit_rows: pd.DataFrame, where: str = "profile") -> int:
     """Rule 1 of ``accept_fit``: the distinct steps a kind needs; returns how many there are."""
     found = distinct_steps(fit_rows)
-    need = len(REGRESSION_TERMS) if kind == "regression" else 1  # the table: a full grid, checked as it is built
+    need = (
+        regression_terms_fitted(fit_rows) if kind == "regression" else 1
+    )  # the table: a full grid, checked as it is built
     if found < need:
         raise ProfileError(
             f"{where}: {found} distinct fit step(s) in {len(fit_rows)} row(s); the {kind} fit needs at least {need} "

@@ -79,14 +79,19 @@ def regression_features(n, c, d, p) -> np.ndarray:
     """Design matrix of ``RegressionCost``; every column is non-decreasing in c.
 
     Columns: 1, 1[n>0], n, 1[c>0], c, KV read / 1e3, (query tokens x KV read) / 1e6,
-    (pairs of chunk tokens, c^2 / 2) / 1e6. The seventh is the attention over a packed batch
-    with a dense mask: n + c query rows against every KV token of the step (decodes' contexts,
-    the chunk's prefix and itself). The last makes a token dearer in a large chunk than in a
-    small one, as on vLLM's CPU build (about 18 us a token at 512, 25 at 2,048), so the prefill
-    rate c / T can peak below the largest chunk; the other columns are affine in c. It leaves
-    the chunk's prefix out on purpose: c x (p + c / 2), fitted to the same profile (whose chunks
-    all start at prefix 0), priced a long prompt's later chunks far above what the served engine
-    ran (the simulator put tuned 512 at attainment 0.25-0.43 where the engine attained 0.67-1.00).
+    (pairs of chunk tokens, c^2 / 2) / 1e6, (chunk tokens x prefix tokens) / 1e6. The seventh is
+    the attention over a packed batch with a dense mask: n + c query rows against every KV token
+    of the step (decodes' contexts, the chunk's prefix and itself). The eighth makes a token
+    dearer in a large chunk than in a small one, as on vLLM's CPU build (about 18 us a token at
+    512, 25 at 2,048), so the prefill rate c / T can peak below the largest chunk; the other
+    columns are affine in c. The last is a later chunk's attention over its prompt's prefix, a
+    column of its own so that only a profile with such chunks sets it (``profile_steps``'
+    ``prefixes``): on vLLM's CPU build with AVX-512 the two pair terms came out alike (about
+    14 ms per million pairs: the causal attention c x (p + c / 2)), while a pair term read from
+    first chunks alone and applied to the prefix had priced later chunks far above what another
+    machine's served engine ran (the simulator put tuned 512 at attainment 0.25-0.43 where the
+    engine attained 0.67-1.00). With no prefix in the profile the column is all zero and left out
+    of the fit (``nnls``): the other coefficients are those of the fit without it.
     """
     n = np.asarray(n, dtype=float)
     c = np.asarray(c, dtype=float)
@@ -94,7 +99,7 @@ def regression_features(n, c, d, p) -> np.ndarray:
     p = np.asarray(p, dtype=float)
     kv = d + np.where(c > 0, p + c, 0.0)
     columns = [np.ones_like(n), (n > 0).astype(float), n, (c > 0).astype(float), c, kv / 1e3, (n + c) * kv / 1e6]
-    return np.stack([*columns, c * c / 2e6], axis=-1)
+    return np.stack([*columns, c * c / 2e6, c * p / 1e6], axis=-1)
 
 
 REGRESSION_TERMS = (
@@ -106,19 +111,29 @@ REGRESSION_TERMS = (
     "per_1k_kv_ms",
     "per_query_x_1m_kv_ms",
     "per_1m_chunk_pairs_ms",
+    "per_1m_prefix_pairs_ms",
 )
+
+
+def regression_terms_fitted(rows: pd.DataFrame) -> int:
+    """How many of ``REGRESSION_TERMS`` a fit to ``rows`` has to set: all, or all but the prefix
+    pairs when no chunk in them starts past its prompt's first token (that column is all zero)."""
+    later_chunks = (rows["chunk_tokens"].to_numpy() > 0) & (rows["prefill_prefix_tokens"].to_numpy() > 0)
+    return len(REGRESSION_TERMS) - (0 if later_chunks.any() else 1)
 
 
 def nnls(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     """Exact non-negative least squares for a handful of columns, by trying every support.
 
     The optimum is the unconstrained solution on its own support, so the best feasible
-    support over all 2^k subsets is the answer (k = 8 here: 255 small solves).
+    support over all 2^k subsets is the answer (k = 9 here: 511 small solves). A column that is
+    all zero (a term the data never exercises) gets 0 and is left out of every support.
     """
     k = a.shape[1]
     best, best_err = np.zeros(k), float(np.sum(b * b))
-    for size in range(1, k + 1):
-        for support in itertools.combinations(range(k), size):
+    exercised = [j for j in range(k) if np.any(a[:, j])]
+    for size in range(1, len(exercised) + 1):
+        for support in itertools.combinations(exercised, size):
             cols = list(support)
             x, *_ = np.linalg.lstsq(a[:, cols], b, rcond=None)
             if np.all(x >= 0):
@@ -157,11 +172,21 @@ class RegressionCost(ContextualCost):
     def predict(self, n_decodes: int, chunk_tokens: int, decode_kv_tokens: int, prefill_prefix_tokens: int) -> float:
         # Plain float arithmetic (the same terms as regression_features): the policy calls
         # this a dozen times per decision, and numpy's per-call overhead would dominate.
-        base, decode_base, per_decode, prefill_base, per_chunk_token, per_1k_kv, per_query_kv, per_pair = self._coef
+        (
+            base,
+            decode_base,
+            per_decode,
+            prefill_base,
+            per_chunk_token,
+            per_1k_kv,
+            per_query_kv,
+            per_pair,
+            per_prefix_pair,
+        ) = self._coef
         kv = decode_kv_tokens + (prefill_prefix_tokens + chunk_tokens if chunk_tokens > 0 else 0)
         t = base + per_decode * n_decodes + per_chunk_token * chunk_tokens + per_1k_kv * kv / 1e3
         t += per_query_kv * (n_decodes + chunk_tokens) * kv / 1e6
-        t += per_pair * chunk_tokens * chunk_tokens / 2e6
+        t += per_pair * chunk_tokens * chunk_tokens / 2e6 + per_prefix_pair * chunk_tokens * prefill_prefix_tokens / 1e6
         if n_decodes > 0:
             t += decode_base
         if chunk_tokens > 0:

@@ -22,11 +22,11 @@ from sloweave.core.costs.fit_acceptance import (
 from sloweave.core.costs.fitted import (
     C_BUCKET_EDGES,
     N_BUCKET_EDGES,
-    REGRESSION_TERMS,
     ContextualCost,
     LookupTableCost,
     RegressionCost,
     ResidualMargin,
+    regression_terms_fitted,
 )
 from sloweave.core.costs.step_grid import check_monotone_steps, check_tolerances
 from sloweave.core.costs.step_profiles import ProfileError, read_profile, validate_profile
@@ -194,7 +194,7 @@ def _margin_fractions(
         train, test = fit_rows[fold != f], fit_rows[fold == f]
         if len(test) == 0:
             continue
-        model = RegressionCost.fit(train) if len(train) >= len(REGRESSION_TERMS) else regression
+        model = RegressionCost.fit(train) if len(train) >= regression_terms_fitted(train) else regression
         oof[fold == f] = model.predict_frame(test)
     y_fit = fit_rows["step_ms"].to_numpy()
     relative = y_fit / oof - 1.0
