@@ -15,9 +15,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sloweave.core.costs.analytic import AnalyticCost
+from sloweave.core.costs.fitted import RegressionCost
 from sloweave.core.costs.margins import ConstantMargin
 from sloweave.core.costs.profile_fit import fit_profile_file
-from sloweave.core.fastest_chunk import BRACKET_RATIO, MAX_REFINEMENTS
+from sloweave.core.fastest_chunk import BRACKET_RATIO, MAX_REFINEMENTS, fastest_chunk, prefill_ms
 from sloweave.core.policy import SLOWeave, make_policy
 
 CPU_PROFILE = Path(__file__).resolve().parent.parent / "benchmarks" / "results-vllm-cpu" / "at-load" / "profile.csv"
@@ -204,6 +205,94 @@ def test_on_the_cpu_engines_profile_both_fitted_models_take_a_smaller_faster_chu
             assert cost(n, chunk) <= 39.0 and chunk < largest, kind
             assert rate(cost, n, chunk) > 1.1 * rate(cost, n, largest), kind
     assert fit.cost("regression").as_dict()["coefficients"]["per_1m_chunk_pairs_ms"] > 0
+
+
+def attention_cost(chunk_pairs_ms: float, prefix_pairs_ms: float, base_ms: float = 3.0) -> RegressionCost:
+    """A fitted CPU cost (the coefficients of vLLM's CPU build, rounded) with its two pair terms
+    set: a chunk's own token pairs c^2 / 2 and its pairs with the prefix c p, in ms per million."""
+    return RegressionCost([base_ms, 0.55, 0.033, 0.92, 0.0098, 0.0, 0.0, chunk_pairs_ms, prefix_pairs_ms])
+
+
+def held_rate(cost, n, c, largest):
+    """``rate`` with the chunk's prefix moved to p + (largest - c) / 2 (its tokens where largest's are)."""
+    kv, prefix = cost.decode_kv_tokens, cost.prefill_prefix_tokens
+    return rate(lambda n_, c_: cost.predict(n_, c_, kv, prefix + (largest - c) / 2), n, c)
+
+
+@settings(max_examples=200, deadline=None, derandomize=True)
+@given(
+    chunk_pairs_ms=st.one_of(st.just(0.0), st.floats(0.5, 40.0)),
+    prefix_pairs_ms=st.one_of(st.just(0.0), st.floats(0.5, 40.0)),
+    base_ms=st.floats(0.1, 10.0),
+    n=st.integers(1, 200),
+    prefix=st.integers(0, 6000),
+    budget=st.floats(1.0, 200.0),
+    max_prefills=st.sampled_from([1, None]),
+)
+def test_a_cost_that_reads_the_prefix_is_weighed_with_the_tokens_where_the_largest_safe_chunks_are(
+    chunk_pairs_ms, prefix_pairs_ms, base_ms, n, prefix, budget, max_prefills
+):
+    """Attention is paid by a token's position, however the prompt is cut: the rate weighs a
+    candidate chunk with its prefix at p + (C - c) / 2. The chunk stays safe and no larger than
+    the largest safe one C, is within 1 % of the fastest so weighed, and where the prefix pairs
+    cost at least the chunk's own (causal attention: vLLM's CPU build fitted 14.0 against 13.0)
+    nothing is saved by cutting, and C is taken."""
+    cost = attention_cost(chunk_pairs_ms, prefix_pairs_ms, base_ms)
+    cost.set_context(n * 300, prefix)
+    policy = SLOWeave(cost=cost, max_prefills=max_prefills)
+    chunk = policy.decide(n, 8000, budget).chunk_tokens
+    largest = largest_safe(cost, n, 4096, budget)
+    if not largest:
+        assert chunk == 0
+        return
+    assert chunk <= largest and cost(n, chunk) <= budget
+    rates = [held_rate(cost, n, c, largest) for c in range(1, largest + 1)]
+    assert held_rate(cost, n, chunk, largest) >= 0.99 * max(rates)
+    if prefix_pairs_ms >= chunk_pairs_ms:
+        assert chunk == largest
+
+
+def prompt_prefill(cost, choose, prompt_tokens: int, n: int, budget_ms: float) -> tuple[float, int]:
+    """(ms, steps) one long prompt takes to prefill beside n decodes, step by step at ``budget_ms``:
+    each step's chunk is ``choose(largest safe chunk)`` at the prefix reached."""
+    spent_ms, prefix, steps = 0.0, 0, 0
+    while prefix < prompt_tokens:
+        cost.set_context(n * 300, prefix)
+        largest = largest_safe(cost, n, min(4096, prompt_tokens - prefix), budget_ms)
+        chunk = choose(largest)
+        spent_ms += cost(n, chunk)
+        prefix += chunk
+        steps += 1
+    return spent_ms, steps
+
+
+def held_and_as_cut(cost: RegressionCost) -> tuple[tuple[float, int], tuple[float, int]]:
+    """``prompt_prefill`` of a 2,048-token prompt (the longest the CPU bench serves) beside 16 decodes at a 60 ms budget, chunks chosen
+    by the policy (held positions) and by the rate of each step as cut."""
+    policy = SLOWeave(cost=cost, max_prefills=None)
+    one_decode_ms = cost(1, 0)
+
+    def held(largest: int) -> int:
+        return policy.decide(16, largest, 60.0).chunk_tokens
+
+    def as_cut(largest: int) -> int:
+        return fastest_chunk(prefill_ms(cost, 16, one_decode_ms), 16, largest, None)
+
+    return prompt_prefill(cost, held, 2048, 16, 60.0), prompt_prefill(cost, as_cut, 2048, 16, 60.0)
+
+
+@pytest.mark.parametrize("prefix_pairs_ms", [13.0, 14.0])
+def test_held_positions_prefill_a_long_prompt_in_fewer_steps_than_the_rate_of_each_step_as_cut(prefix_pairs_ms):
+    """On vLLM's CPU build's fit, weighing each step's rate as cut (the prefix where the step
+    starts) takes chunks of about 700 tokens, and the tokens it leaves pay the same attention a
+    step later: held positions take the largest safe chunk, and the prompt is prefilled in half
+    the steps or fewer (its first token that much sooner when other work shares the steps) and
+    in less time (a step's fixed part paid fewer times). Without prefix pairs (a cost that prices
+    only a prompt's first chunks) the two rules agree."""
+    (held_ms, held_steps), (as_cut_ms, as_cut_steps) = held_and_as_cut(attention_cost(13.0, prefix_pairs_ms))
+    assert held_steps <= as_cut_steps / 2 and held_ms < as_cut_ms
+    held, as_cut = held_and_as_cut(attention_cost(13.0, 0.0))
+    assert held == as_cut
 
 
 def test_the_choice_is_named_and_checked():

@@ -22,6 +22,7 @@ from sloweave.core.costs.fitted import (
     nnls,
     regression_features,
 )
+from sloweave.core.costs.calibrated import self_correcting
 from sloweave.core.costs.profile_fit import fit_profile
 from sloweave.core.costs.step_profiles import ProfileError, read_profile, write_profile
 from sloweave.sim.metrics import evaluate
@@ -130,6 +131,32 @@ def test_a_profile_with_later_chunks_fits_their_attention_over_the_prefix_and_on
     x = regression_features(*(fit_rows[k] for k in ("n_decodes", "chunk_tokens", "decode_kv_tokens")), 0)[:, :-1]
     w = 1.0 / fit_rows["step_ms"].to_numpy()
     np.testing.assert_array_equal(without[:-1], nnls(x * w[:, None], fit_rows["step_ms"].to_numpy() * w))
+
+
+def test_a_chunk_spread_over_the_prompts_on_offer_pays_each_pieces_attention_not_the_first_prompts():
+    """A 1,536-token chunk that finishes a document (512 tokens left after 1,536) and starts the
+    next: each piece attends within its own prompt. Priced as one piece at the first's prefix it
+    would cost 2.5 times the attention; the corrected cost, the policy's, prices the offer too, and
+    a profile's rows are each one piece whatever offer a step set last."""
+    cost = RegressionCost(np.array([1.6, 0.55, 0.033, 0.92, 0.0098, 0.0, 0.0, 13.0, 14.0]))
+    cost.set_context(16 * 300, 1536)
+    one_piece = cost(16, 1536)
+    cost.set_offer([(512, 1536), (2048, 0)])
+    spread = cost(16, 1536)
+    linear = cost.predict(16, 0, 16 * 300, 0) + 0.92 + 0.0098 * 1536
+    assert spread == pytest.approx(linear + 13.0 * (512**2 / 2 + 1024**2 / 2) / 1e6 + 14.0 * 512 * 1536 / 1e6)
+    assert one_piece - linear > 2.4 * (spread - linear)
+    assert cost(16, 512) == cost.predict(16, 512, 16 * 300, 1536)  # within the first prompt: one piece
+    cost.set_offer([(512, 1536)])  # more than the offer holds: as one piece, as before
+    assert cost(16, 1536) == one_piece
+    cost.set_offer([(512, 1536), (2048, 0)])
+    frame = pd.DataFrame([dict(n_decodes=16, chunk_tokens=1536, decode_kv_tokens=4800, prefill_prefix_tokens=1536)])
+    assert cost.predict_frame(frame)[0] == one_piece and cost(16, 1536) == spread
+
+    correction = self_correcting(cost)
+    correction.cost.set_context(16 * 300, 1536)
+    correction.cost.set_offer([(512, 1536), (2048, 0)])
+    assert correction.cost(16, 1536) == spread  # no steps seen: no correction yet
 
 
 def test_fitted_costs_are_monotone_in_chunk_and_usable_by_the_policy():

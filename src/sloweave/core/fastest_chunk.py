@@ -15,6 +15,15 @@ the rate only grows with c and the largest chunk is the answer. On a measured co
 be: a CPU's matrix products slow down per token past a cache-sized chunk, a GPU's kernels run in
 tiles, so T jumps just past each tile edge.
 
+Not every rise is one a smaller chunk saves. A token's attention reads every token before it in
+its prompt, however the prompt is cut: a chunk of c tokens at prefix p pays k c (p + c / 2), and
+the tokens a smaller chunk leaves pay theirs in the next step, at a larger prefix (measured on
+vLLM's CPU build: a 512-token chunk 8.1 ms as a prompt's first, 18.4 ms after 1,536 of it). So a
+cost that reads the prefix (``at_held_positions``) is asked for every candidate with its tokens
+centred where the largest safe chunk's are, at prefix p + (C - c) / 2: the rate then weighs only
+what cutting changes (the step's fixed part, a rise in the matrix products), not where in the
+prompt the tokens sit.
+
 ``rate_can_peak`` decides once, when a policy is built, whether the search is worth running;
 ``fastest_chunk`` is the search, a bounded number of extra cost queries per decision.
 """
@@ -52,6 +61,21 @@ def prefill_ms(price: CostModel, n_decodes: int, one_decode_ms: float) -> CostMo
     fixed_ms = one_decode_ms if one_decode_ms < decode_only_ms else decode_only_ms
     offset_ms = fixed_ms - decode_only_ms
     return lambda n, c: price(n, c) + offset_ms
+
+
+def reads_positions(cost: CostModel) -> bool:
+    """Whether ``at_held_positions`` applies: a cost that prices a chunk at any prefix it is given,
+    in plain arithmetic, with the prompts on offer (``prices_any_prefix``: the fitted regression and
+    its corrected form). An operator profile re-reads its rows per prefix and prices the offer only
+    at the context set: it keeps the rate as cut."""
+    return getattr(cost, "prices_any_prefix", False)
+
+
+def at_held_positions(cost, largest: int) -> CostModel:
+    """(n, c) -> T(n, c) at the context set, with the chunk's prefix moved to p + (``largest`` - c) / 2:
+    every candidate chunk up to ``largest`` priced with its tokens centred where ``largest``'s are."""
+    kv, prefix, predict = cost.decode_kv_tokens, cost.prefill_prefix_tokens, cost.predict
+    return lambda n, c: predict(n, c, kv, prefix + (largest - c) / 2)
 
 
 def rate_can_peak(cost: CostModel, max_chunk_tokens: int) -> bool:

@@ -16,7 +16,7 @@ from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import NamedTuple, Protocol
 
-from sloweave.core.fastest_chunk import fastest_chunk, prefill_ms, rate_can_peak
+from sloweave.core.fastest_chunk import at_held_positions, fastest_chunk, prefill_ms, rate_can_peak, reads_positions
 from sloweave.core.largest_chunk import SECANT_ALLOWANCE, largest_fitting
 from sloweave.core.size_grid import SizeGrid
 from sloweave.core.validate import positive_ms, positive_tokens
@@ -39,7 +39,7 @@ from sloweave.core.costs.protocols import (
 DEFAULT_MAX_CHUNK_TOKENS = 4096
 # Which deadline-safe chunk SLOWeave takes: the one that prefills the most tokens per ms of the
 # step (``sloweave.core.fastest_chunk``), or the largest (``sloweave-largest``, for comparison).
-CHUNK_CHOICES = ("fastest", "largest")
+CHUNK_CHOICES = ("fastest", "largest", "fastest-as-cut")
 
 
 class Decision(NamedTuple):
@@ -142,7 +142,8 @@ class SLOWeave:
         object.__setattr__(self, "_tile_edges", list(edges) if edges else None)
         # Tile edges are where the per-token time rises: the rate peaks there. Otherwise the rate is
         # checked on a grid, once: where it never peaks the largest chunk is the fastest, no search.
-        seeks_fastest = self.chunk_choice == "fastest"
+        seeks_fastest = self.chunk_choice != "largest"
+        object.__setattr__(self, "_holds_positions", self.chunk_choice == "fastest" and reads_positions(cost))
         if seeks_fastest and not edges:
             with uncounted(cost):
                 seeks_fastest = rate_can_peak(cost, self.max_chunk_tokens)
@@ -203,6 +204,8 @@ class SLOWeave:
         and its search counted those already."""
         with self._uncounted():
             price = self.cost if self._price_at is None else self._price_at(n_decodes)
+            if self._holds_positions:
+                price = at_held_positions(self.cost, largest)
             return fastest_chunk(prefill_ms(price, n_decodes, self.cost(1, 0)), n_decodes, largest, self._tile_edges)
 
     def _predicted_at(self, n_decodes: int) -> CostModel:

@@ -193,6 +193,11 @@ class CalibratedCost(ContextualCost):
         )
         return max(with_chunk, decode_only) if n_decodes > 0 else with_chunk
 
+    @property
+    def prices_any_prefix(self) -> bool:
+        """As its base (``fastest_chunk.reads_positions``): the correction is a factor per step kind."""
+        return getattr(self.base, "prices_any_prefix", False)
+
     def chunk_pricer(self, n_decodes: int) -> CostModel:
         """T'(n, c) for this n at the context set, the same floats as the cost: the factors and
         the decode-only floor are taken once, for a search that asks this n only (``PricesChunks``)."""

@@ -150,6 +150,8 @@ class RegressionCost(ContextualCost):
     """T = coefficients . regression_features(n, c, d, p), all coefficients >= 0 (monotone in c)."""
 
     coefficients: np.ndarray
+    _offer = None  # the prompts on offer, when several (``set_offer``)
+    prices_any_prefix = True  # plain arithmetic at any prefix (``fastest_chunk.at_held_positions``)
 
     def __post_init__(self) -> None:
         coef = np.asarray(self.coefficients, dtype=float)
@@ -186,15 +188,57 @@ class RegressionCost(ContextualCost):
         kv = decode_kv_tokens + (prefill_prefix_tokens + chunk_tokens if chunk_tokens > 0 else 0)
         t = base + per_decode * n_decodes + per_chunk_token * chunk_tokens + per_1k_kv * kv / 1e3
         t += per_query_kv * (n_decodes + chunk_tokens) * kv / 1e6
-        t += per_pair * chunk_tokens * chunk_tokens / 2e6 + per_prefix_pair * chunk_tokens * prefill_prefix_tokens / 1e6
+        offer = self._offer
+        if not offer or chunk_tokens <= offer[0][0] or len(offer) == 1:  # one piece
+            t += (
+                per_pair * chunk_tokens * chunk_tokens / 2e6
+                + per_prefix_pair * chunk_tokens * prefill_prefix_tokens / 1e6
+            )
+        else:
+            own_pairs, prefix_pairs = _pairs_over_offer(chunk_tokens, prefill_prefix_tokens, offer)
+            t += per_pair * own_pairs / 1e6 + per_prefix_pair * prefix_pairs / 1e6
         if n_decodes > 0:
             t += decode_base
         if chunk_tokens > 0:
             t += prefill_base
         return t
 
+    def set_offer(self, offered: list[tuple[int, int]] | None) -> None:
+        """The prompts a chunk is taken from, FCFS, as (remaining tokens, prefix), the first being the
+        one the context's prefix belongs to (``OfferAware``; None: one piece). A chunk past the first
+        prompt's rest pays the pair terms piece by piece: each piece attends to its own prompt only,
+        and a new prompt's piece starts at its own prefix, not the first's (priced as one piece at
+        the first's prefix, a 1,536-token chunk that finishes one document and starts the next cost
+        2.5 times the attention it has)."""
+        self._offer = offered
+
+    def predict_frame(self, frame: pd.DataFrame) -> np.ndarray:
+        """Each row's step as one piece (a profile's or a log's rows), whatever offer a step set last."""
+        offer, self._offer = self._offer, None
+        try:
+            return super().predict_frame(frame)
+        finally:
+            self._offer = offer
+
     def as_dict(self) -> dict:
         return {"kind": "regression", "coefficients": dict(zip(REGRESSION_TERMS, map(float, self.coefficients)))}
+
+
+def _pairs_over_offer(chunk_tokens: int, first_prefix: int, offer: list[tuple[int, int]]) -> tuple[float, float]:
+    """(pairs within each piece, c_i^2 / 2 summed; pairs of each piece with its prompt's prefix, c_i p_i
+    summed) of a chunk spread FCFS over ``offer``; past the offer, the rest is one piece of a new prompt."""
+    first = offer[0][0]
+    own, with_prefix, left = first * first / 2, first * first_prefix, chunk_tokens - first
+    for remaining, prefix in offer[1:]:
+        if left <= 0:
+            break
+        piece = left if left < remaining else remaining
+        own += piece * piece / 2
+        with_prefix += piece * prefix
+        left -= piece
+    if left > 0:
+        own += left * left / 2
+    return own, with_prefix
 
 
 def _along_axis(grid: np.ndarray, x: float, row) -> np.ndarray:
