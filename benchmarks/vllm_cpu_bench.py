@@ -64,8 +64,6 @@ PLUGIN_VARIANTS = {
     "sloweave-per-step": {"margin_form": "per-step"},
     "sloweave-relative": {"margin_form": "relative"},
     "sloweave-per-step-table": {"margin_form": "per-step", "cost_kind": "table"},
-    "sloweave-as-cut": {"chunk_choice": "fastest-as-cut"},  # TEMPORARY A/B
-    "sloweave-first-chunks": {"cost": "/tmp/s/ab/profile-first-chunks.csv"},  # TEMPORARY A/B
 }
 
 

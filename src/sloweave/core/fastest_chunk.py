@@ -32,10 +32,11 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Callable
+from functools import partial
 
 import numpy as np
 
-from sloweave.core.costs.protocols import ContextAware, CostModel
+from sloweave.core.costs.protocols import ContextAware, CostModel, PricesChunks
 
 # Probes below the largest safe chunk C at C * LADDER_RATIO ** (1, 2, 4, 8, ...): the first
 # probe is close (a peak just below C costs little), later ones reach a peak far below in a few.
@@ -76,6 +77,27 @@ def at_held_positions(cost, largest: int) -> CostModel:
     every candidate chunk up to ``largest`` priced with its tokens centred where ``largest``'s are."""
     kv, prefix, predict = cost.decode_kv_tokens, cost.prefill_prefix_tokens, cost.predict
     return lambda n, c: predict(n, c, kv, prefix + (largest - c) / 2)
+
+
+def rate_pricer(cost: CostModel) -> Callable[[int, int], CostModel]:
+    """(n, largest) -> the T(n, c) a decision's rate is weighed with: ``at_held_positions`` for a cost
+    that ``reads_positions``, else the cost's pricer for this n (``PricesChunks``) or the cost itself.
+    Module-level functions, partially applied: a policy is pickled to the worker processes of a study."""
+    if reads_positions(cost):
+        return partial(_at_held_positions_for, cost)
+    return partial(_chunk_pricer_for if isinstance(cost, PricesChunks) else _cost_itself, cost)
+
+
+def _at_held_positions_for(cost, n_decodes: int, largest: int) -> CostModel:
+    return at_held_positions(cost, largest)
+
+
+def _chunk_pricer_for(cost, n_decodes: int, largest: int) -> CostModel:
+    return cost.chunk_pricer(n_decodes)
+
+
+def _cost_itself(cost: CostModel, n_decodes: int, largest: int) -> CostModel:
+    return cost
 
 
 def rate_can_peak(cost: CostModel, max_chunk_tokens: int) -> bool:

@@ -16,7 +16,7 @@ from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import NamedTuple, Protocol
 
-from sloweave.core.fastest_chunk import at_held_positions, fastest_chunk, prefill_ms, rate_can_peak, reads_positions
+from sloweave.core.fastest_chunk import fastest_chunk, prefill_ms, rate_can_peak, rate_pricer
 from sloweave.core.largest_chunk import SECANT_ALLOWANCE, largest_fitting
 from sloweave.core.size_grid import SizeGrid
 from sloweave.core.validate import positive_ms, positive_tokens
@@ -29,7 +29,6 @@ from sloweave.core.costs.protocols import (
     Invertible,
     Margin,
     MonotoneRepair,
-    PricesChunks,
     ReadsPrediction,
     WeighsAddedRisk,
     check_monotone_in_chunk,
@@ -39,7 +38,7 @@ from sloweave.core.costs.protocols import (
 DEFAULT_MAX_CHUNK_TOKENS = 4096
 # Which deadline-safe chunk SLOWeave takes: the one that prefills the most tokens per ms of the
 # step (``sloweave.core.fastest_chunk``), or the largest (``sloweave-largest``, for comparison).
-CHUNK_CHOICES = ("fastest", "largest", "fastest-as-cut")
+CHUNK_CHOICES = ("fastest", "largest")
 
 
 class Decision(NamedTuple):
@@ -83,9 +82,9 @@ class SLOWeave:
     c* = max { c in [0, min(C_max, L)] : T(n, c) + delta(n, c) <= B }, found by a bracketing search because T
     is monotone in c (``largest_fitting``), is the largest safe chunk; every smaller one is safe too.
     ``chunk_choice="fastest"`` takes the safe chunk with the highest rate c / (T(n, c) - T(n, 0) + T(1, 0)),
-    prompt tokens per ms the chunk costs (of several prompts, even when all of L fits): c* itself on a cost
-    whose rate never peaks (the analytic model; ``sloweave.core.fastest_chunk``). Decode-only when no prompt
-    waits or nothing fits; the largest chunk when nothing is decoding (no deadline to protect).
+    prompt tokens per ms the chunk costs (of several prompts, even when all of L fits; a fitted cost weighs each
+    with its tokens where c*'s are): c* on a cost whose rate never peaks (``sloweave.core.fastest_chunk``).
+    Decode-only when no prompt waits or nothing fits; the largest when nothing decodes (no deadline to protect).
     """
 
     cost: CostModel = field(default_factory=AnalyticCost)
@@ -142,13 +141,12 @@ class SLOWeave:
         object.__setattr__(self, "_tile_edges", list(edges) if edges else None)
         # Tile edges are where the per-token time rises: the rate peaks there. Otherwise the rate is
         # checked on a grid, once: where it never peaks the largest chunk is the fastest, no search.
-        seeks_fastest = self.chunk_choice != "largest"
-        object.__setattr__(self, "_holds_positions", self.chunk_choice == "fastest" and reads_positions(cost))
+        seeks_fastest = self.chunk_choice == "fastest"
         if seeks_fastest and not edges:
             with uncounted(cost):
                 seeks_fastest = rate_can_peak(cost, self.max_chunk_tokens)
         object.__setattr__(self, "_seeks_fastest", seeks_fastest)
-        object.__setattr__(self, "_price_at", cost.chunk_pricer if isinstance(cost, PricesChunks) else None)
+        object.__setattr__(self, "_rate_price", rate_pricer(cost))
         object.__setattr__(self, "_uncounted", cost.uncounted if isinstance(cost, CountsQueries) else nullcontext)
 
     def predicted_ms(self, n_decodes: int, chunk_tokens: int) -> float:
@@ -203,9 +201,7 @@ class SLOWeave:
         spent. Its queries are not counted past a profile: only ``largest``'s safety rests on them,
         and its search counted those already."""
         with self._uncounted():
-            price = self.cost if self._price_at is None else self._price_at(n_decodes)
-            if self._holds_positions:
-                price = at_held_positions(self.cost, largest)
+            price = self._rate_price(n_decodes, largest)
             return fastest_chunk(prefill_ms(price, n_decodes, self.cost(1, 0)), n_decodes, largest, self._tile_edges)
 
     def _predicted_at(self, n_decodes: int) -> CostModel:
