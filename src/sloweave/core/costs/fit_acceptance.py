@@ -43,9 +43,8 @@ def distinct_steps(rows: pd.DataFrame) -> int:
 def enough_steps(kind: str, fit_rows: pd.DataFrame, where: str = "profile") -> int:
     """Rule 1 of ``accept_fit``: the distinct steps a kind needs; returns how many there are."""
     found = distinct_steps(fit_rows)
-    need = (
-        regression_terms_fitted(fit_rows) if kind == "regression" else 1
-    )  # the table: a full grid, checked as it is built
+    # the table: a full grid, checked as it is built
+    need = regression_terms_fitted(fit_rows) if kind == "regression" else 1
     if found < need:
         raise ProfileError(
             f"{where}: {found} distinct fit step(s) in {len(fit_rows)} row(s); the {kind} fit needs at least {need} "

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 
+from sloweave.core.costs.protocols import offer_pieces
 from sloweave.core.costs.step_grid import check_monotone_steps, check_tolerances, profile_grid
 from sloweave.core.costs.step_profiles import ProfileError
 
@@ -226,18 +227,11 @@ class RegressionCost(ContextualCost):
 
 def _pairs_over_offer(chunk_tokens: int, first_prefix: int, offer: list[tuple[int, int]]) -> tuple[float, float]:
     """(pairs within each piece, c_i^2 / 2 summed; pairs of each piece with its prompt's prefix, c_i p_i
-    summed) of a chunk spread FCFS over ``offer``; past the offer, the rest is one piece of a new prompt."""
-    first = offer[0][0]
-    own, with_prefix, left = first * first / 2, first * first_prefix, chunk_tokens - first
-    for remaining, prefix in offer[1:]:
-        if left <= 0:
-            break
-        piece = left if left < remaining else remaining
+    summed) of a chunk spread over ``offer`` (``offer_pieces``)."""
+    own, with_prefix = 0.0, 0.0
+    for piece, prefix in offer_pieces(chunk_tokens, first_prefix, offer):
         own += piece * piece / 2
         with_prefix += piece * prefix
-        left -= piece
-    if left > 0:
-        own += left * left / 2
     return own, with_prefix
 
 

@@ -28,7 +28,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from sloweave.core.costs.protocols import check_monotone_in_chunk
+from sloweave.core.costs.protocols import check_monotone_in_chunk, offer_pieces
 from sloweave.core.costs.fitted import ContextualCost, nnls
 from sloweave.core.costs.step_profiles import ProfileError
 from sloweave.core.costs.operator_profiles import PRESETS, OperatorProfiles, load_profiles
@@ -342,17 +342,9 @@ class ProfileCost(ContextualCost):
 
     def _spread(self, chunk_tokens: int, offer: list[tuple[int, int]]) -> tuple[float, int]:
         """Attention of a chunk spread FCFS over the prompts on offer, and how many it touches."""
-        first = offer[0][0]
-        attention, left, pieces = self._prefill(first, self.prefill_prefix_tokens), chunk_tokens - first, 1
-        for remaining, prefix in offer[1:]:
-            if left <= 0:
-                break
-            take = min(left, remaining)
-            attention += self._prefill_at(take, prefix)
-            left -= take
-            pieces += 1
-        if left > 0:  # more than the offer holds: the rest as one more piece on an empty prefix
-            attention += self._prefill_at(left, 0)
+        attention, pieces = 0.0, 0
+        for take, prefix in offer_pieces(chunk_tokens, self.prefill_prefix_tokens, offer):
+            attention += self._prefill(take, prefix) if not pieces else self._prefill_at(take, prefix)
             pieces += 1
         return attention, pieces
 

@@ -62,6 +62,23 @@ class OfferAware(Protocol):
     def set_offer(self, offered: list[tuple[int, int]] | None) -> None: ...
 
 
+def offer_pieces(chunk_tokens: int, first_prefix: int, offer: list[tuple[int, int]]):
+    """The pieces (tokens, prefix) of a chunk longer than the first prompt's rest, spread FCFS over
+    ``offer`` (``OfferAware``): the first prompt's rest at ``first_prefix`` (the context's), then each
+    next prompt's share at its own prefix; past the offer, the rest as one piece on an empty prefix."""
+    first = offer[0][0]
+    yield first, first_prefix
+    left = chunk_tokens - first
+    for remaining, prefix in offer[1:]:
+        if left <= 0:
+            return
+        take = left if left < remaining else remaining
+        yield take, prefix
+        left -= take
+    if left > 0:
+        yield left, 0
+
+
 @runtime_checkable
 class HasTileEdges(Protocol):
     """A cost whose per-token time rises past these token counts (a GPU's kernel tiles): the
