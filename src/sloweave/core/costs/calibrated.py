@@ -33,6 +33,8 @@ QUANTILE_REFRESH_STEPS = 8
 # (measured: on `long` under sigma-0.1 noise the 300-step window lost 7 % of capacity to
 # TPOT misses, 1000 steps none). 1000 steps are 10-50 s of serving: still recent.
 RESIDUAL_WINDOW_STEPS = 1000
+# The largest measured / corrected ratio a residual records: far beyond any real stall, and finite.
+MAX_STEP_RATIO = 1e6
 
 
 class OnlineCalibrator:
@@ -108,10 +110,11 @@ class OnlineCalibrator:
                 "observe needs n_decodes >= 0, chunk_tokens >= 0 and finite times >= 0 ms, got "
                 f"n_decodes={n_decodes!r}, chunk_tokens={chunk_tokens!r}, predicted_ms={predicted_ms!r}, measured_ms={measured_ms!r}"
             )
-        if predicted_ms == 0 or measured_ms == 0:
-            return
         corrected = predicted_ms * self.factor(n_decodes, chunk_tokens > 0)
-        self.recent_residuals.append(measured_ms / corrected - 1.0)
+        if corrected == 0 or measured_ms == 0:  # (a subnormal prediction, corrected, is 0 too)
+            return
+        # capped: two absurd times (1e-110 ms predicted, 1e198 measured) must not overflow to inf
+        self.recent_residuals.append(min(measured_ms / corrected, MAX_STEP_RATIO) - 1.0)
         if self.step_residuals is not None:
             self.step_residuals.add(chunk_tokens > 0, corrected, measured_ms)
         # The window's quantiles are re-read every few steps, not every step: a quantile of
@@ -119,7 +122,8 @@ class OnlineCalibrator:
         # than the decision itself.
         if self._global_seen % QUANTILE_REFRESH_STEPS == 0:
             self._quantiles, self._largest, self._ranked = {}, None, None
-        error = min(max(math.log(measured_ms / predicted_ms), self.log_min), self.log_max)
+        # a difference of logs: the quotient of such times can overflow, or underflow to 0
+        error = min(max(math.log(measured_ms) - math.log(predicted_ms), self.log_min), self.log_max)
         i, j = self._bucket(n_decodes), int(chunk_tokens > 0)
         if self.observations[i, j]:
             self.log_factor[i, j] += self.alpha * (error - self.log_factor[i, j])
