@@ -15,7 +15,7 @@ on this engine, whatever it does per step.
     .venv/bin/python benchmarks/twin_headroom.py --out results/twin_headroom \\
         --profile benchmarks/results-vllm-cpu/tight-epyc/prefix/profile-prefixes.csv
 
-Writes ``capacity.csv`` (per target, workload and engine: mean, min and max over seeds),
+Writes ``capacity.csv`` (per target, workload and engine: median, min and max over seeds),
 ``headroom.csv``, ``headroom.png`` and ``summary.json`` (strict JSON: settings, version) under ``--out``.
 """
 
@@ -60,7 +60,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def capacity(args, workload: str, tpot_ms: float, budget: int | None, machine) -> tuple[list[float], str]:
     """Per seed, the capacity (req/s) of vLLM's rule at ``budget`` (None: the plug-in) on the twin,
     and the search's censoring flags (``above-max``: at least that; ``below-min``: 0, fails at the lowest)."""
-    from sloweave.core.policy import make_policy
     from sloweave.sim.options import EngineOptions
     from sloweave.sim.workloads import get_workload_spec
     from sloweave.studies.search import CapacityStudy
@@ -82,8 +81,8 @@ def capacity(args, workload: str, tpot_ms: float, budget: int | None, machine) -
     )
     lattice = SearchLattice(attainment_target=args.target, steps_per_doubling=16, min_scale=0.125, max_scale=4.0)
     max_chunk = bench.VLLM_CPU_DEFAULT_BUDGET if budget is None else budget
+    # the study builds the policy on ``machine``: the plug-in decides with the fit it is timed by
     study = CapacityStudy(source, [policy], (tpot_ms,), args.ttft_ms, lattice, machine, max_chunk, options)
-    study.policies[policy] = make_policy(policy, cost=machine, max_chunk_tokens=max_chunk)
     (found,) = study.capacities()
     return [seed.rps for seed in found.seeds], found.row()["censored"]
 
