@@ -94,6 +94,28 @@ def test_the_buckets_hold_the_logs_residuals_by_step_size(step_log):
     assert described["buckets"][0]["predicted_ms_from"] == 0 and described["buckets"][-1]["predicted_ms_to"] is None
 
 
+def test_a_chunk_over_several_prompts_leaves_the_residual_of_its_pieces(tmp_path):
+    """A step that finished one prompt and started the next is priced piece by piece, as the
+    policy priced it: a log whose steps took exactly that has no residual to draw."""
+    from sloweave.core.costs.fitted import RegressionCost
+
+    cost = RegressionCost([2.0, 0.5, 0.05, 1.0, 0.012, 0.01, 0.0, 14.0, 14.0])
+    writer = StepLogWriter(tmp_path / "served.jsonl", {}, clock_ms=lambda: 0.0)
+    for i in range(3 * MIN_STEPS_PER_BUCKET):
+        n, c, offer = i % 8, 256 * (1 + i % 8), ((64 * (1 + i % 3), 512), (4096, 0))
+        cost.set_offer(offer)
+        measured = cost.predict(n, c, 100 * n, 512)
+        step = StepPlan(n + c, c, 0.0, 0.0, 50.0, measured, False, False, n, decode_kv_tokens=100 * n,
+                        prefill_prefix_tokens=512, offer=offer)  # fmt: skip
+        writer.on_plan(step, 0, (n, c))
+        writer.on_step_done(step, measured, started_ms=float(i))
+    writer.close()
+    cost.set_offer(None)
+    noise = step_noise_from_file(tmp_path / "served.jsonl", cost)
+    assert np.abs(np.concatenate(noise.residuals_ms)).max() < 1e-9
+    assert cost._offer is None  # the steps' offers are not left set on the cost
+
+
 def test_ties_at_an_edge_merge_a_thin_bucket_into_its_smaller_neighbour():
     predicted = np.array([1.0] * 120 + [2.0] * 30 + [3.0] * 100)
     edges = bucket_edges(predicted)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 
 import json
+import re
 import subprocess
 import sys
 
@@ -352,3 +353,34 @@ def test_regression_predict_matches_its_design_matrix():
         n, c, d, p = (int(v) for v in rng.integers(0, 5000, 4))
         expected = float(regression_features(n, c, d, p) @ cost.coefficients)
         assert cost.predict(n, c, d, p) == pytest.approx(expected, rel=1e-12, abs=1e-12)
+
+
+def one_step_profile(**row) -> pd.DataFrame:
+    step = {"n_decodes": 0, "chunk_tokens": 1000, "decode_kv_tokens": 0, "prefill_prefix_tokens": 128, "step_ms": 9.0}
+    return pd.DataFrame([{**step, **row}])
+
+
+@pytest.mark.parametrize(
+    "offer, message",
+    [
+        ("900:128", "two or more prompts"),
+        ("900:128;0:0", "two or more prompts of >= 1 token"),
+        ("900:128;x", "'x' is not tokens:computed"),
+        ("-900:128;200:0", "'-900:128' is not tokens:computed"),
+        ("900:0;200:0", "does not fit the step"),  # the first prompt is not at the step's prefix
+        ("1000:128;200:0", "does not fit the step"),  # the chunk ends within the first prompt
+        ("900:128;50:0", "does not fit the step"),  # the chunk runs past the last prompt
+    ],
+)
+def test_an_offer_that_does_not_fit_its_step_is_refused_naming_the_line(tmp_path, offer, message):
+    path = tmp_path / "bad.csv"
+    one_step_profile(offer=offer).to_csv(path, index=False)
+    with pytest.raises(ProfileError, match=f"line 2: offer=.*{re.escape(message)}"):
+        read_profile(path)
+
+
+def test_an_offer_round_trips_and_an_empty_one_is_one_prompt(tmp_path):
+    frame = pd.concat([one_step_profile(offer="900:128;200:0"), one_step_profile(chunk_tokens=512, offer=None)])
+    for name in ("p.csv", "p.json"):
+        back = read_profile(write_profile(frame, tmp_path / name))
+        assert back["offer"].tolist() == ["900:128;200:0", ""]

@@ -178,3 +178,66 @@ def test_a_prompt_on_offer_that_is_not_tokens_and_computed_tokens_is_refused(tmp
     path.write_text(json.dumps(header) + "\n" + json.dumps(line) + "\n")
     with pytest.raises(StepLogError, match="line 2: each prompt on offer must be"):
         read_step_log(path)
+
+
+def served_log(path, steps):
+    """A log of (decodes, chunk, prefix, offer, measured ms) steps, each run as planned."""
+    writer = StepLogWriter(path, {}, clock_ms=lambda: 0.0)
+    for i, (n, c, prefix, offer, measured_ms) in enumerate(steps):
+        step = StepPlan(
+            n + c, c, 0.0, 0.0, 50.0, 1.0, False, False, n,
+            decode_kv_tokens=100 * n, prefill_prefix_tokens=prefix, offer=offer,
+        )  # fmt: skip
+        writer.on_plan(step, 0, (n, c))
+        writer.on_step_done(step, measured_ms, started_ms=float(i))
+    writer.close()
+    return path
+
+
+def test_a_chunk_over_several_prompts_keeps_the_prompts_it_was_taken_from(tmp_path):
+    from sloweave.core.costs.step_profiles import read_profile
+
+    path = served_log(
+        tmp_path / "s.jsonl",
+        [
+            (4, 300, 128, ((900, 128), (200, 0)), 5.0),  # within the first prompt: one piece
+            (4, 1000, 128, ((900, 128), (200, 0), (700, 0)), 9.0),  # the first's rest, then 100 of the second
+            (0, 1200, 0, ((900, 0), (200, 64)), 9.0),  # past the offer: the rest as a prompt of its own
+            (4, 0, 0, (), 3.0),
+        ],
+    )
+    profile = read_profile(path)
+    assert profile["offer"].tolist() == ["", "900:128;200:0", "900:0;200:64;100:0", ""]
+
+
+def test_a_fit_to_a_served_log_prices_each_prompts_piece_of_a_chunk(tmp_path):
+    """About half of a tuned budget's chunks on vLLM's CPU build span two prompts: taken for one piece,
+    their attention pairs are overcounted and the fit prices a large chunk of one prompt low."""
+    from sloweave.core.costs.fitted import REGRESSION_TERMS, RegressionCost
+    from sloweave.core.costs.profile_fit import fit_profile_file
+
+    true = RegressionCost([2.0, 0.5, 0.05, 1.0, 0.012, 0.01, 0.0, 14.0, 14.0])
+    steps = []
+    for n in (0, 4, 16):
+        for c in (256, 512, 1024, 2048):
+            for prefix in (0, 512):
+                # one prompt, or the last quarter of one prompt and the start of the next
+                for offer in (((c + 1, prefix), (4096, 0)), ((c // 4, prefix), (4096, 0))):
+                    true.set_offer(offer)
+                    steps.append((n, c, prefix, offer, true.predict(n, c, 100 * n, prefix)))
+    true.set_offer(None)
+    path = served_log(tmp_path / "served.jsonl", steps)
+    fitted = fit_profile_file(path, holdout_share=0.0).cost("regression")
+    pairs = [REGRESSION_TERMS.index("per_1m_chunk_pairs_ms"), REGRESSION_TERMS.index("per_1m_prefix_pairs_ms")]
+    assert fitted.coefficients[pairs] == pytest.approx([14.0, 14.0], rel=1e-6)
+    for n, c, prefix in ((0, 2048, 0), (16, 1536, 512)):
+        assert fitted.predict(n, c, 100 * n, prefix) == pytest.approx(true.predict(n, c, 100 * n, prefix), rel=1e-6)
+    # the same steps without the prompts they spanned (a format 1 log): a 2,048-token chunk priced 10 % low
+    lines = path.read_text().splitlines()
+    for i, line in enumerate(lines[1:], start=1):
+        step = json.loads(line)
+        step.update(offer=[], prompts_on_offer=0)
+        lines[i] = json.dumps(step)
+    path.write_text("\n".join(lines) + "\n")
+    blind = fit_profile_file(path, holdout_share=0.0).cost("regression")
+    assert blind.predict(0, 2048, 0, 0) < 0.9 * true.predict(0, 2048, 0, 0)

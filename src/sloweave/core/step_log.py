@@ -321,9 +321,15 @@ def profile_rows(log: StepLog) -> "pd.DataFrame":
     The KV context was recorded for the decodes the plan counted; where vLLM ran fewer (a cap
     on running requests, KV blocks) it is scaled to the decodes that ran, an estimate (each
     decode's context is taken as the mean). Decode tokens are tokens: with speculative
-    decoding a request's drafts count too.
+    decoding a request's drafts count too. A chunk that reaches past its first prompt keeps the
+    prompts it was taken from (the profile's ``offer`` column; a format 1 log has none): its
+    attention is paid piece by piece, and a fit that took it for one piece would price a large
+    chunk's attention low (on vLLM's CPU build about half of a tuned budget's chunks span two
+    prompts, with a third fewer attention pairs than one piece of their size).
     """
     import pandas as pd
+
+    from sloweave.core.costs.step_profiles import format_offer
 
     steps = log.steps
     planned = steps["decode_tokens"].to_numpy()
@@ -337,8 +343,29 @@ def profile_rows(log: StepLog) -> "pd.DataFrame":
             "decode_kv_tokens": np.where(ran == planned, kv, scaled),
             "prefill_prefix_tokens": steps["prefill_prefix_tokens"].to_numpy(),
             "step_ms": steps["measured_ms"].to_numpy(),
+            "offer": [
+                format_offer(_chunk_prompts(chunk, offer))
+                for chunk, offer in zip(steps["ran_prefill_tokens"].tolist(), steps[OFFER_FIELD])
+            ],
         }
     )
+
+
+def _chunk_prompts(chunk_tokens: int, offer: list | None) -> list[tuple[int, int]] | None:
+    """The prompts on offer a chunk of ``chunk_tokens`` was taken from, FCFS (as vLLM spends its
+    budget), when it reaches past the first; None for one prompt (or no offer logged). Tokens past
+    the offer are taken as one more prompt on an empty prefix (``offer_pieces`` prices them so)."""
+    if not offer or chunk_tokens <= offer[0][0]:
+        return None
+    taken, left = [], chunk_tokens
+    for tokens, computed in offer:
+        if left <= 0:
+            break
+        taken.append((tokens, computed))
+        left -= tokens
+    if left > 0:
+        taken.append((left, 0))
+    return taken
 
 
 def _refuse_constant(name: str):

@@ -41,8 +41,8 @@ from pathlib import Path
 
 import numpy as np
 
-from sloweave.core.costs.protocols import ContextAware, CostModel, uncounted
-from sloweave.core.costs.step_profiles import ProfileError, read_profile
+from sloweave.core.costs.protocols import ContextAware, CostModel, OfferAware, uncounted
+from sloweave.core.costs.step_profiles import ProfileError, offers_of, read_profile
 from sloweave.core.validate import STEP_COUNT
 
 MIN_STEPS_PER_BUCKET = 50
@@ -55,7 +55,10 @@ BUCKET_RULE = (
     f"quantiles 1/k .. (k-1)/k; a bucket under {MIN_STEPS_PER_BUCKET} steps merged into its smaller neighbour"
 )
 FLOOR_RULE = "the smallest step time measured in the source: the machine never ran a faster step"
-PREDICTOR = "the run's cost model (recorded under cost), with each step's decodes, chunk and KV context"
+PREDICTOR = (
+    "the run's cost model (recorded under cost), with each step's decodes, chunk and KV context, and the prompts "
+    "a chunk spans where the source names them"
+)
 
 
 class StepNoiseError(ValueError):
@@ -73,6 +76,7 @@ class StepSamples:
     decode_kv_tokens: np.ndarray
     prefill_prefix_tokens: np.ndarray
     measured_ms: np.ndarray
+    offers: tuple  # per step, the prompts its chunk spans ((tokens, computed), ...), or None: one
 
     @property
     def steps(self) -> int:
@@ -131,6 +135,7 @@ def read_step_samples(path: str | Path) -> StepSamples:
         hashlib.sha256(path.read_bytes()).hexdigest(),
         *(frame[c].to_numpy(np.int64) for c in columns),
         frame["step_ms"].to_numpy(np.float64),
+        tuple(offers_of(frame)),
     )
     _files[key] = samples
     while len(_files) > _CACHED_FILES:
@@ -147,7 +152,13 @@ def predicted_times(samples: StepSamples, cost: CostModel) -> np.ndarray:
         samples.prefill_prefix_tokens.tolist(),
     )
     with uncounted(cost):  # the residuals are no queries of a run
-        if isinstance(cost, ContextAware):
+        if isinstance(cost, ContextAware) and isinstance(
+            cost, OfferAware
+        ):  # a chunk over several prompts priced as the run priced it
+            predicted = [
+                _at_offer(cost, offer, n, c, kv, prefix) for (n, c, kv, prefix), offer in zip(steps, samples.offers)
+            ]
+        elif isinstance(cost, ContextAware):
             predicted = [cost.predict(n, c, kv, prefix) for n, c, kv, prefix in steps]
         else:
             predicted = [cost(n, c) for n, c, _, _ in steps]
@@ -160,6 +171,14 @@ def predicted_times(samples: StepSamples, cost: CostModel) -> np.ndarray:
             f"(n_decodes={samples.n_decodes[i]}, chunk_tokens={samples.chunk_tokens[i]}): not a finite time >= 0"
         )
     return predicted_ms
+
+
+def _at_offer(cost, offer, n_decodes: int, chunk_tokens: int, decode_kv_tokens: int, prefix_tokens: int) -> float:
+    cost.set_offer(offer)
+    try:
+        return cost.predict(n_decodes, chunk_tokens, decode_kv_tokens, prefix_tokens)
+    finally:
+        cost.set_offer(None)
 
 
 def bucket_edges(predicted_ms: np.ndarray) -> np.ndarray:

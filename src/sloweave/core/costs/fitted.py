@@ -36,7 +36,7 @@ import pandas as pd
 
 from sloweave.core.costs.protocols import offer_pieces
 from sloweave.core.costs.step_grid import check_monotone_steps, check_tolerances, profile_grid
-from sloweave.core.costs.step_profiles import ProfileError
+from sloweave.core.costs.step_profiles import ProfileError, offers_of
 
 # Bucket edges of the margin table (lower edges; the last bucket is open).
 N_BUCKET_EDGES = (0, 1, 4, 16, 64)
@@ -63,20 +63,29 @@ class ContextualCost:
         raise NotImplementedError
 
     def predict_frame(self, frame: pd.DataFrame) -> np.ndarray:
-        return np.array(
-            [
-                self.predict(int(n), int(c), int(d), int(p))
-                for n, c, d, p in frame[
-                    ["n_decodes", "chunk_tokens", "decode_kv_tokens", "prefill_prefix_tokens"]
-                ].itertuples(index=False)
-            ]
-        )
+        """Each row's step (a profile's or a log's), a chunk over several prompts priced piece by
+        piece where the row names them (its ``offer``) and the cost reads an offer."""
+        rows = frame[["n_decodes", "chunk_tokens", "decode_kv_tokens", "prefill_prefix_tokens"]]
+        set_offer = getattr(self, "set_offer", None)
+        if set_offer is None:
+            return np.array(
+                [self.predict(int(n), int(c), int(d), int(p)) for n, c, d, p in rows.itertuples(index=False)]
+            )
+        kept = getattr(getattr(set_offer, "__self__", self), "_offer", None)  # a wrapper's is its base's
+        predicted = []
+        try:
+            for (n, c, d, p), offer in zip(rows.itertuples(index=False), offers_of(frame)):
+                set_offer(offer)
+                predicted.append(self.predict(int(n), int(c), int(d), int(p)))
+        finally:
+            set_offer(kept)  # whatever offer a step set last stays set
+        return np.array(predicted)
 
     def __call__(self, n_decodes: int, chunk_tokens: int) -> float:
         return self.predict(n_decodes, chunk_tokens, self.decode_kv_tokens, self.prefill_prefix_tokens)
 
 
-def regression_features(n, c, d, p) -> np.ndarray:
+def regression_features(n, c, d, p, pairs=None) -> np.ndarray:
     """Design matrix of ``RegressionCost``; every column is non-decreasing in c.
 
     Columns: 1, 1[n>0], n, 1[c>0], c, KV read / 1e3, (query tokens x KV read) / 1e6,
@@ -93,6 +102,9 @@ def regression_features(n, c, d, p) -> np.ndarray:
     machine's served engine ran (the simulator put tuned 512 at attainment 0.25-0.43 where the
     engine attained 0.67-1.00). With no prefix in the profile the column is all zero and left out
     of the fit (``nnls``): the other coefficients are those of the fit without it.
+
+    ``pairs``: the last two before scaling, (c_i^2 / 2 summed, c_i p_i summed), for chunks spread
+    over several prompts (``chunk_pairs``); None: every chunk is one piece.
     """
     n = np.asarray(n, dtype=float)
     c = np.asarray(c, dtype=float)
@@ -100,7 +112,21 @@ def regression_features(n, c, d, p) -> np.ndarray:
     p = np.asarray(p, dtype=float)
     kv = d + np.where(c > 0, p + c, 0.0)
     columns = [np.ones_like(n), (n > 0).astype(float), n, (c > 0).astype(float), c, kv / 1e3, (n + c) * kv / 1e6]
-    return np.stack([*columns, c * c / 2e6, c * p / 1e6], axis=-1)
+    # c^2 / 2e6 and (c^2 / 2) / 1e6 are the same double (halving is exact): one piece prices as before
+    own, with_prefix = (c * c / 2, c * p) if pairs is None else pairs
+    return np.stack([*columns, own / 1e6, with_prefix / 1e6], axis=-1)
+
+
+def chunk_pairs(frame: pd.DataFrame) -> tuple[np.ndarray, np.ndarray]:
+    """Per row, the chunk's attention pairs within its pieces and with their prompts' prefixes
+    (``regression_features``' ``pairs``): piece by piece where the row names the prompts (``offer``)."""
+    c = frame["chunk_tokens"].to_numpy(dtype=float)
+    p = frame["prefill_prefix_tokens"].to_numpy(dtype=float)
+    own, with_prefix = c * c / 2, c * p
+    for row, offer in enumerate(offers_of(frame)):
+        if offer is not None:
+            own[row], with_prefix[row] = _pairs_over_offer(int(c[row]), int(p[row]), offer)
+    return own, with_prefix
 
 
 REGRESSION_TERMS = (
@@ -119,8 +145,8 @@ REGRESSION_TERMS = (
 def regression_terms_fitted(rows: pd.DataFrame) -> int:
     """How many of ``REGRESSION_TERMS`` a fit to ``rows`` has to set: all, or all but the prefix
     pairs when no chunk in them starts past its prompt's first token (that column is all zero)."""
-    later_chunks = (rows["chunk_tokens"].to_numpy() > 0) & (rows["prefill_prefix_tokens"].to_numpy() > 0)
-    return len(REGRESSION_TERMS) - (0 if later_chunks.any() else 1)
+    _, with_prefix = chunk_pairs(rows)
+    return len(REGRESSION_TERMS) - (0 if with_prefix.any() else 1)
 
 
 def nnls(a: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -164,7 +190,11 @@ class RegressionCost(ContextualCost):
     @classmethod
     def fit(cls, frame: pd.DataFrame) -> RegressionCost:
         x = regression_features(
-            frame["n_decodes"], frame["chunk_tokens"], frame["decode_kv_tokens"], frame["prefill_prefix_tokens"]
+            frame["n_decodes"],
+            frame["chunk_tokens"],
+            frame["decode_kv_tokens"],
+            frame["prefill_prefix_tokens"],
+            chunk_pairs(frame),
         )
         y = frame["step_ms"].to_numpy(dtype=float)
         # Weight rows by 1/y: minimise relative error, so short decode steps count as much as
@@ -212,14 +242,6 @@ class RegressionCost(ContextualCost):
         the first's prefix, a 1,536-token chunk that finishes one document and starts the next cost
         2.5 times the attention it has)."""
         self._offer = offered
-
-    def predict_frame(self, frame: pd.DataFrame) -> np.ndarray:
-        """Each row's step as one piece (a profile's or a log's rows), whatever offer a step set last."""
-        offer, self._offer = self._offer, None
-        try:
-            return super().predict_frame(frame)
-        finally:
-            self._offer = offer
 
     def as_dict(self) -> dict:
         return {"kind": "regression", "coefficients": dict(zip(REGRESSION_TERMS, map(float, self.coefficients)))}

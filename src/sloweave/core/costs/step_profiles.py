@@ -12,6 +12,10 @@ column                      type   meaning
 ``step_ms``                 float  measured wall time of the step, schedule to tokens out (> 0)
 ``context_tokens``          int    optional: the grid's nominal per-decode context (lookup table)
 ``split``                   str    optional: ``fit`` (default) or ``holdout`` (scored, not fitted)
+``offer``                   str    optional: where the chunk spans several prompts, the prompts it
+                                   was taken from, FCFS, as ``tokens:computed;...`` (the first
+                                   one's computed tokens are ``prefill_prefix_tokens``); empty:
+                                   one prompt
 ==========================  =====  =============================================================
 
 Other columns (``repeat``, ...) are kept but ignored. Files are CSV (``.csv``) or JSON
@@ -41,6 +45,7 @@ STEP_LOG_SUFFIX = ".jsonl"  # a served engine's step log (sloweave.core.step_log
 PROFILE_VERSION = 1
 REQUIRED_COLUMNS = ("n_decodes", "chunk_tokens", "decode_kv_tokens", "prefill_prefix_tokens", "step_ms")
 INT_COLUMNS = ("n_decodes", "chunk_tokens", "decode_kv_tokens", "prefill_prefix_tokens", "context_tokens")
+OFFER_COLUMN = "offer"
 
 
 class ProfileError(ValueError):
@@ -153,6 +158,8 @@ def validate_profile(frame: pd.DataFrame, where: str = "profile", lines: list[in
     empty = np.flatnonzero((frame["n_decodes"].to_numpy() == 0) & (frame["chunk_tokens"].to_numpy() == 0))
     if empty.size:
         raise ProfileError(f"{at(empty[0])}an empty step (n_decodes=0 and chunk_tokens=0)")
+    if OFFER_COLUMN in frame.columns:
+        frame[OFFER_COLUMN] = _checked_offers(frame, at)
     if "split" in frame.columns:
         # as objects first: an all-empty split column reads as floats, which a future pandas won't fill with text
         split = frame["split"].astype(object).fillna("fit").astype(str)
@@ -165,3 +172,52 @@ def validate_profile(frame: pd.DataFrame, where: str = "profile", lines: list[in
     else:
         frame["split"] = "fit"
     return frame
+
+
+def format_offer(offer) -> str:
+    """A chunk's prompts, [(tokens, computed), ...], as the ``offer`` column writes them ('' for none)."""
+    return ";".join(f"{int(tokens)}:{int(computed)}" for tokens, computed in offer) if offer else ""
+
+
+def parse_offer(cell: str) -> tuple[tuple[int, int], ...] | None:
+    """An ``offer`` cell as ((tokens, computed), ...); None for an empty cell (one prompt).
+    Raises ValueError on anything else."""
+    if not cell:
+        return None
+    prompts = []
+    for prompt in cell.split(";"):
+        tokens, colon, computed = prompt.partition(":")
+        if not colon or not tokens.isdigit() or not computed.isdigit():
+            raise ValueError(f"{prompt!r} is not tokens:computed")
+        prompts.append((int(tokens), int(computed)))
+    return tuple(prompts)
+
+
+def offers_of(frame: pd.DataFrame) -> list[tuple[tuple[int, int], ...] | None]:
+    """Each row's offer (None: the chunk is one piece of one prompt), from a validated profile."""
+    if OFFER_COLUMN not in frame.columns:
+        return [None] * len(frame)
+    return [parse_offer(cell) for cell in frame[OFFER_COLUMN]]
+
+
+def _checked_offers(frame: pd.DataFrame, at) -> pd.Series:
+    """The ``offer`` column as strings ('' for none), each naming at least two prompts of >= 1
+    token that the step's chunk reaches past the first, the first at the step's prefix."""
+    cells = frame[OFFER_COLUMN].astype(object).where(frame[OFFER_COLUMN].notna(), "").astype(str)
+    chunks, prefixes = frame["chunk_tokens"].to_numpy(), frame["prefill_prefix_tokens"].to_numpy()
+    for row, cell in enumerate(cells):
+        try:
+            offer = parse_offer(cell)
+        except ValueError as err:
+            raise ProfileError(f"{at(row)}offer={cell!r}: {err}; expected tokens:computed;... or empty") from None
+        if offer is None:
+            continue
+        if len(offer) < 2 or any(tokens < 1 for tokens, _ in offer):
+            raise ProfileError(f"{at(row)}offer={cell!r}: name two or more prompts of >= 1 token, or leave it empty")
+        if offer[0][1] != prefixes[row] or not offer[0][0] < chunks[row] <= sum(tokens for tokens, _ in offer):
+            raise ProfileError(
+                f"{at(row)}offer={cell!r} does not fit the step: the first prompt's computed tokens must be "
+                f"prefill_prefix_tokens ({prefixes[row]}) and chunk_tokens ({chunks[row]}) must reach past the first "
+                "prompt and not past the last"
+            )
+    return cells
