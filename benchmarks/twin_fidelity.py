@@ -2,7 +2,7 @@
 
 Every engine of ``vllm_cpu_bench.py`` (vLLM's default budget 2048, two tuned budgets, the
 plug-in in its default configuration: the cost fitted to ``--profile-file``, online correction)
-serves the bench's seeded ``mixed`` workloads (``workload_for``: lengths scaled to this CPU,
+serves the bench's seeded workloads (``--workload``, ``mixed`` by default; ``workload_for``: lengths scaled to this CPU,
 Poisson arrivals) at ``--loads`` times ``--rate-rps`` on the real engine (one engine per
 configuration, warmed up once, then every load and seed). The plug-in writes a step log
 (``step_log``); each measured run's steps are cut out of it into ``--log-dir``.
@@ -72,6 +72,8 @@ METRICS = {"attainment": "attainment", "goodput_rps": "goodput_rps", "p99_ttft_m
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=Path("results/twin_fidelity"))
+    parser.add_argument("--workload", default="mixed", choices=("chat", "mixed", "long", "bursty", "drift"),
+                        help="the bench's workload served (its lengths scaled to this CPU)")  # fmt: skip
     parser.add_argument("--requests", type=int, default=1000)
     parser.add_argument("--seeds", default="0,1,2")
     parser.add_argument("--loads", default="0.7,1.0,1.2", help="multiples of --rate-rps served")
@@ -106,7 +108,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--search-budget", type=int, default=512, help="--find-rate's budget")
     parser.add_argument("--search-steps", type=int, default=5, help="--find-rate's bisection steps")
     args = parser.parse_args(argv)
-    args.workload = "mixed"  # the bench's workload_for reads it; the twin's tables are on mixed
     args.seed_list = [int(s) for s in args.seeds.split(",")]
     args.load_list = [float(x) for x in args.loads.split(",")]
     if any(x <= 0 for x in args.load_list) or args.requests < 1 or not 0 < args.target <= 1:
@@ -458,7 +459,9 @@ def _engine_capacity(args, s: Served, costs: Costs, combined: Path) -> tuple[flo
 
     machine, fit_error = costs.of_log(combined)
     base = tuple(bench.workload_for(args, seed, args.rate_rps) for seed in args.seed_list)
-    source = ScaledWorkloads("mixed (bench)", base, (args.rate_rps,) * len(base), tuple(map(str, args.seed_list)))
+    source = ScaledWorkloads(
+        f"{args.workload} (bench)", base, (args.rate_rps,) * len(base), tuple(map(str, args.seed_list))
+    )
     plugin = bench.plugin_sim_options(s.plugin_config) if s.deadline_aware else {}
     options = EngineOptions(
         max_batch_size=bench.VLLM_CPU_DEFAULT_SEQS,

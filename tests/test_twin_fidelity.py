@@ -193,6 +193,16 @@ def test_bad_loads_are_refused():
         twin_fidelity.parse_args(["--loads", "0.7,-1"])
 
 
+def test_the_workload_is_the_benchs_and_mixed_unless_asked():
+    mixed, long = twin_fidelity.parse_args([]), twin_fidelity.parse_args(["--workload", "long"])
+    assert mixed.workload == "mixed"
+    served = {args.workload: twin_fidelity.bench.workload_for(args, 0, 10.0) for args in (mixed, long)}
+    assert served["long"].name != served["mixed"].name
+    assert served["long"].prompt_tokens.mean() > served["mixed"].prompt_tokens.mean()
+    with pytest.raises(SystemExit):
+        twin_fidelity.parse_args(["--workload", "sharegpt"])
+
+
 def test_real_rows_drop_an_earlier_pass_predictions(tmp_path):
     runs = runs_frame().assign(error=["", "real run: boom; prediction: bad"] + [np.nan] * 10)
     runs.to_csv(tmp_path / "runs.csv", index=False)
