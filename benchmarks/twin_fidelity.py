@@ -72,7 +72,7 @@ METRICS = {"attainment": "attainment", "goodput_rps": "goodput_rps", "p99_ttft_m
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=Path("results/twin_fidelity"))
-    parser.add_argument("--workload", default="mixed", choices=("chat", "mixed", "long", "bursty", "drift"),
+    parser.add_argument("--workload", default="mixed", choices=bench.WORKLOADS,
                         help="the bench's workload served (its lengths scaled to this CPU)")  # fmt: skip
     parser.add_argument("--requests", type=int, default=1000)
     parser.add_argument("--seeds", default="0,1,2")

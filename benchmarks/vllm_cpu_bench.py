@@ -52,6 +52,13 @@ import pandas as pd
 PLUGIN = "sloweave.vllm_plugin.SLOWeaveScheduler"  # the CPU build schedules synchronously
 VLLM_CPU_DEFAULT_BUDGET = 2048  # `vllm serve`'s max_num_batched_tokens on a CPU (vLLM 0.32)
 VLLM_CPU_DEFAULT_SEQS = 128  # and its max_num_seqs
+WORKLOADS = (
+    "chat",
+    "mixed",
+    "long",
+    "bursty",
+    "drift",
+)  # what workload_for serves (drift: the other three back to back)
 # the plug-in's configurations served (besides tpot_ms, the fitted cost and online correction),
 # by engine name: the per-step margin on the regression with its steps on a 32-token size grid
 # (the defaults), the same taking the largest chunk that meets the deadline instead of the
@@ -70,7 +77,7 @@ PLUGIN_VARIANTS = {
 def add_served_options(parser: argparse.ArgumentParser) -> None:
     """The workload every engine serves and the targets it is judged by (``workload_for``,
     ``warm_up``, ``measure``), for this benchmark and the ones that reuse its engines."""
-    parser.add_argument("--workload", default="mixed", choices=("chat", "mixed", "long", "bursty", "drift"),
+    parser.add_argument("--workload", default="mixed", choices=WORKLOADS,
                         help="the lengths and arrivals served (drift: chat, long, bursty back to back)")  # fmt: skip
     parser.add_argument("--requests", type=int, default=1000)
     parser.add_argument("--tpot-ms", type=float, default=40.0)

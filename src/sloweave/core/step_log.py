@@ -324,8 +324,8 @@ def profile_rows(log: StepLog) -> "pd.DataFrame":
     decoding a request's drafts count too. A chunk that reaches past its first prompt keeps the
     prompts it was taken from (the profile's ``offer`` column; a format 1 log has none): its
     attention is paid piece by piece, and a fit that took it for one piece would price a large
-    chunk's attention low (on vLLM's CPU build about half of a tuned budget's chunks span two
-    prompts, with a third fewer attention pairs than one piece of their size).
+    chunk's attention low (on vLLM's CPU build a third to a half of the chunks span two prompts,
+    with a quarter fewer attention pairs within their pieces than one piece of their size).
     """
     import pandas as pd
 
@@ -357,15 +357,11 @@ def _chunk_prompts(chunk_tokens: int, offer: list | None) -> list[tuple[int, int
     the offer are taken as one more prompt on an empty prefix (``offer_pieces`` prices them so)."""
     if not offer or chunk_tokens <= offer[0][0]:
         return None
-    taken, left = [], chunk_tokens
-    for tokens, computed in offer:
-        if left <= 0:
-            break
-        taken.append((tokens, computed))
-        left -= tokens
-    if left > 0:
-        taken.append((left, 0))
-    return taken
+    from sloweave.core.costs.protocols import offer_pieces
+
+    pieces = list(offer_pieces(chunk_tokens, offer[0][1], offer))
+    # the prompts the pieces came from, and the rest past the offer as a prompt of its own
+    return [tuple(prompt) for prompt in offer[: len(pieces)]] + pieces[len(offer) :]
 
 
 def _refuse_constant(name: str):

@@ -41,7 +41,7 @@ from pathlib import Path
 
 import numpy as np
 
-from sloweave.core.costs.protocols import ContextAware, CostModel, OfferAware, uncounted
+from sloweave.core.costs.protocols import ContextAware, CostModel, predict_each, uncounted
 from sloweave.core.costs.step_profiles import ProfileError, offers_of, read_profile
 from sloweave.core.validate import STEP_COUNT
 
@@ -152,14 +152,8 @@ def predicted_times(samples: StepSamples, cost: CostModel) -> np.ndarray:
         samples.prefill_prefix_tokens.tolist(),
     )
     with uncounted(cost):  # the residuals are no queries of a run
-        if isinstance(cost, ContextAware) and isinstance(
-            cost, OfferAware
-        ):  # a chunk over several prompts priced as the run priced it
-            predicted = [
-                _at_offer(cost, offer, n, c, kv, prefix) for (n, c, kv, prefix), offer in zip(steps, samples.offers)
-            ]
-        elif isinstance(cost, ContextAware):
-            predicted = [cost.predict(n, c, kv, prefix) for n, c, kv, prefix in steps]
+        if isinstance(cost, ContextAware):  # a chunk over several prompts priced as the run priced it
+            predicted = predict_each(cost, steps, samples.offers)
         else:
             predicted = [cost(n, c) for n, c, _, _ in steps]
     predicted_ms = np.asarray(predicted, dtype=np.float64)
@@ -171,14 +165,6 @@ def predicted_times(samples: StepSamples, cost: CostModel) -> np.ndarray:
             f"(n_decodes={samples.n_decodes[i]}, chunk_tokens={samples.chunk_tokens[i]}): not a finite time >= 0"
         )
     return predicted_ms
-
-
-def _at_offer(cost, offer, n_decodes: int, chunk_tokens: int, decode_kv_tokens: int, prefix_tokens: int) -> float:
-    cost.set_offer(offer)
-    try:
-        return cost.predict(n_decodes, chunk_tokens, decode_kv_tokens, prefix_tokens)
-    finally:
-        cost.set_offer(None)
 
 
 def bucket_edges(predicted_ms: np.ndarray) -> np.ndarray:

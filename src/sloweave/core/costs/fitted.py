@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 
-from sloweave.core.costs.protocols import offer_pieces
+from sloweave.core.costs.protocols import offer_pieces, predict_each
 from sloweave.core.costs.step_grid import check_monotone_steps, check_tolerances, profile_grid
 from sloweave.core.costs.step_profiles import ProfileError, offers_of
 
@@ -66,20 +66,8 @@ class ContextualCost:
         """Each row's step (a profile's or a log's), a chunk over several prompts priced piece by
         piece where the row names them (its ``offer``) and the cost reads an offer."""
         rows = frame[["n_decodes", "chunk_tokens", "decode_kv_tokens", "prefill_prefix_tokens"]]
-        set_offer = getattr(self, "set_offer", None)
-        if set_offer is None:
-            return np.array(
-                [self.predict(int(n), int(c), int(d), int(p)) for n, c, d, p in rows.itertuples(index=False)]
-            )
-        kept = getattr(getattr(set_offer, "__self__", self), "_offer", None)  # a wrapper's is its base's
-        predicted = []
-        try:
-            for (n, c, d, p), offer in zip(rows.itertuples(index=False), offers_of(frame)):
-                set_offer(offer)
-                predicted.append(self.predict(int(n), int(c), int(d), int(p)))
-        finally:
-            set_offer(kept)  # whatever offer a step set last stays set
-        return np.array(predicted)
+        steps = [(int(n), int(c), int(d), int(p)) for n, c, d, p in rows.itertuples(index=False)]
+        return np.array(predict_each(self, steps, offers_of(frame)))
 
     def __call__(self, n_decodes: int, chunk_tokens: int) -> float:
         return self.predict(n_decodes, chunk_tokens, self.decode_kv_tokens, self.prefill_prefix_tokens)

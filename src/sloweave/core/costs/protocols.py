@@ -62,6 +62,23 @@ class OfferAware(Protocol):
     def set_offer(self, offered: list[tuple[int, int]] | None) -> None: ...
 
 
+def predict_each(cost, steps, offers) -> list[float]:
+    """``cost.predict(n, c, decode KV, prefix)`` of each step, a chunk over several prompts priced at
+    its offer (None: one piece) where the cost reads one; the offer set before is set again after."""
+    if not isinstance(cost, OfferAware):
+        return [cost.predict(*step) for step in steps]
+    # a wrapper hands set_offer to its base, which holds the offer
+    kept = getattr(getattr(cost.set_offer, "__self__", cost), "_offer", None)
+    predicted = []
+    try:
+        for step, offer in zip(steps, offers):
+            cost.set_offer(offer)
+            predicted.append(cost.predict(*step))
+    finally:
+        cost.set_offer(kept)
+    return predicted
+
+
 def offer_pieces(chunk_tokens: int, first_prefix: int, offer: list[tuple[int, int]]):
     """The pieces (tokens, prefix) of a chunk longer than the first prompt's rest, spread FCFS over
     ``offer`` (``OfferAware``): the first prompt's rest at ``first_prefix`` (the context's), then each
