@@ -14,6 +14,9 @@ plug-in's own cost and online correction for the plug-in; max_num_seqs 128):
 - **twin**: the machine's step time fitted to a step log of the real engine (``--cost LOG``,
   the regression) plus the machine's own noise from the same log
   (``EngineOptions.step_noise_from``: residuals measured - predicted by predicted step time).
+  A step's time is its cycle (``--twin-step-time``; ``step_log.cycle_ms``): the step and the
+  engine loop's work before the next one (tokens handed to the client, arrivals added), which
+  the plug-in's own timing leaves out and a simulator's clock would otherwise never pay.
   The log is the engine's own at the same load and seed: the static engines are served by the
   plug-in with ``budget_rule: fixed`` (vLLM's own budget every step, scheduled as vanilla vLLM
   schedules, token for token; each step planned and logged). ``--static-twin-cost plugin-log``
@@ -43,6 +46,7 @@ under ``--out``, the step logs under ``--log-dir`` (default ``--out/step-logs``)
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 import os
 import platform
@@ -61,6 +65,8 @@ import pandas as pd
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import vllm_cpu_bench as bench  # noqa: E402  (the engines, workloads and measurement are the bench's)
+
+from sloweave.core.step_log import STEP_TIMES  # noqa: E402
 
 PLUGIN_ENGINE = "sloweave"
 PLUGIN_POLICY = "sloweave-multi"
@@ -84,6 +90,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--tuned-budgets", default="512,256")
     parser.add_argument("--profile-file", type=Path, default=DEFAULT_PROFILE, help="the plug-in's cost")
     parser.add_argument("--static-twin-cost", choices=("own-log", "plugin-log", "profile"), default="own-log")
+    parser.add_argument(
+        "--twin-step-time", choices=STEP_TIMES, default="cycle",
+        help="the logged time the twin's machine and noise are fitted to: each step's cycle (with the engine "
+             "loop's work up to the next step) or the step as the plug-in measures it",
+    )  # fmt: skip
     parser.add_argument(
         "--twin-max-fit-error", type=float, default=100.0, help="refuse a step log whose fit is off by more (median)"
     )
@@ -252,8 +263,21 @@ def twin_source(row: dict, args, log_dir: Path) -> tuple[Path, Path]:
     )
     if not log.exists():
         raise FileNotFoundError(f"no step log for load {row['load']:g}, seed {row['seed']} ({log})")
-    fitted = args.profile_file if row["engine"] != PLUGIN_ENGINE and args.static_twin_cost == "profile" else log
-    return fitted, log
+    noise = as_twin_reads(log, args.twin_step_time)
+    fitted = args.profile_file if row["engine"] != PLUGIN_ENGINE and args.static_twin_cost == "profile" else noise
+    return fitted, noise
+
+
+@functools.cache
+def as_twin_reads(log: Path, step_time: str) -> Path:
+    """A step log as the twin's machine and noise read it: the log itself (``measured``: the steps as
+    the plug-in timed them), or a profile of its cycles written beside it (``<log>.cycle.csv``)."""
+    if step_time == "measured":
+        return log
+    from sloweave.core.costs.step_profiles import write_profile
+    from sloweave.core.step_log import profile_rows, read_step_log
+
+    return write_profile(profile_rows(read_step_log(log), step_time), log.with_suffix(f".{step_time}.csv"))
 
 
 def heldout_noise_log(row: dict, args, log_dir: Path) -> Path:
@@ -294,7 +318,7 @@ def predict_row(row: dict, args, costs: Costs, log_dir: Path) -> None:
         prediction_failed(row, "", err)
     if len(args.seed_list) > 1:  # a held-out prediction takes its noise from another seed's run
         try:
-            other = heldout_noise_log(row, args, log_dir)
+            other = as_twin_reads(heldout_noise_log(row, args, log_dir), args.twin_step_time)
             heldout = bench.simulated(
                 workload, row["policy"], costs.profile.model, args, row["budget"], plugin,
                 step_noise_from=str(other), noise_seed=row["seed"], noise_block_steps=args.noise_block_steps,
@@ -440,7 +464,8 @@ def twin_capacity_study(args, served: list[Served], costs: Costs, log_dir: Path)
         if not logs:
             found[s.name], notes[s.name] = math.nan, {"error": f"no step log of {owner}: no machine to fit"}
             continue
-        found[s.name], notes[s.name] = _engine_capacity(args, s, costs, combine_to(log_dir, owner, logs))
+        combined = as_twin_reads(combine_to(log_dir, owner, logs), args.twin_step_time)
+        found[s.name], notes[s.name] = _engine_capacity(args, s, costs, combined)
     return found, notes
 
 
@@ -483,6 +508,7 @@ def _engine_capacity(args, s: Served, costs: Costs, combined: Path) -> tuple[flo
     rps = capacity.capacity_rps if all(seed.k is not None for seed in capacity.seeds) else math.nan
     notes = {"machine": combined.name, "machine_steps": line_count(combined) - 1, "lattice": lattice.describe(),
              "simulations": study.simulations, "cost": "regression", "fit_holdout_median_error": fit_error,
+             "step_time": args.twin_step_time,
              "noise": "the same log's residuals", "per_seed": "mean over seeds of the per-seed capacities (CapacityStudy)",
              "censored_per_seed": [seed.censored or "" for seed in capacity.seeds]}  # fmt: skip
     return rps, notes
@@ -597,6 +623,7 @@ def main(argv: list[str] | None = None) -> None:
         "twin": {"machine": "regression fitted to the plug-in's step log of the same load and seed"
                  + (" (static engines: to the profile)" if args.static_twin_cost == "profile" else ""),
                  "noise": "EngineOptions.step_noise_from: the same step log", "plain": f"{args.profile_file.name}, no noise",
+                 "step_time": f"{args.twin_step_time} (sloweave.core.step_log.profile_rows)",
                  "heldout": f"{args.profile_file.name} plus the noise of the same engine and load at the next seed",
                  "plugin_decides_with": f"{args.profile_file.name} (regression), online correction"},
         "step_logs": {"folder": str(log_dir), "files": logs_described(log_dir)},

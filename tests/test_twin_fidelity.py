@@ -143,6 +143,19 @@ def test_cut_and_combined_logs_read_back_as_step_logs(tmp_path):
     assert read_step_log(combined).steps["step"].tolist() == list(range(3, 10))
 
 
+def test_the_twin_reads_each_steps_cycle_unless_asked_for_the_step_as_measured(tmp_path):
+    """The twin's machine and noise are the engine's cycles: the step and the loop's work up to the next."""
+    log = twin_fidelity.run_log_of(tmp_path, "sloweave", 1.0, 0)
+    write_log(log, 5)  # a step every 10 ms, each measured at 5-9 ms
+    args = twin_fidelity.parse_args([])
+    assert args.twin_step_time == "cycle"
+    cycles = twin_fidelity.as_twin_reads(log, "cycle")
+    assert cycles == tmp_path / "sloweave-load1-seed0.cycle.csv"
+    assert pd.read_csv(cycles)["step_ms"].tolist() == [10.0] * 4  # the last step's cycle is not known
+    assert twin_fidelity.twin_source({"engine": "sloweave", "load": 1.0, "seed": 0}, args, tmp_path) == (cycles, cycles)
+    assert twin_fidelity.as_twin_reads(log, "measured") == log
+
+
 def test_served_steps_are_set_against_the_profiles_price_by_chunk_size(tmp_path):
     write_log(twin_fidelity.run_log_of(tmp_path, "vllm-tuned-256", 1.0, 0), 4)  # 64-token chunks, 5-8 ms at 5
     runs = pd.DataFrame(
@@ -172,7 +185,8 @@ def test_engines_served_plugin_first_with_its_log(tmp_path):
 def test_static_engines_log_their_own_steps_through_the_fixed_budget_rule(tmp_path):
     """By default a static budget is served by the plug-in keeping vLLM's budget (``budget_rule:
     fixed``) with a log of its own, and its twin is fitted to that log, not the plug-in's."""
-    args = twin_fidelity.parse_args(["--engines", "sloweave,vllm-tuned-256"])
+    # which log, as measured (the cycles written from it: test_the_twin_reads_each_steps_cycle_...)
+    args = twin_fidelity.parse_args(["--engines", "sloweave,vllm-tuned-256", "--twin-step-time", "measured"])
     plugin, tuned = twin_fidelity.engines_to_serve(args, tmp_path)
     assert tuned.plugin_config["budget_rule"] == "fixed" and tuned.policy == "sarathi-256"
     assert tuned.plugin_config["step_log"] == str((tmp_path / "vllm-tuned-256-engine.jsonl").resolve())
