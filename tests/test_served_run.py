@@ -30,7 +30,7 @@ STEPS = [
 START_MS = 5000.0  # the engine's monotonic clock at the first step
 
 
-def write_log(path, steps=STEPS, max_steps=1000):
+def write_log(path, steps=STEPS, max_steps=1000, loop_ms=0.0):
     writer = StepLogWriter(path, {"model": "tiny", "tpot_ms": 25.0}, max_steps=max_steps, clock_ms=lambda: START_MS)
     start_ms = START_MS
     for n, c, budget, predicted, margin, infeasible, aged, late, ran, measured in steps:
@@ -48,7 +48,7 @@ def write_log(path, steps=STEPS, max_steps=1000):
         )
         writer.on_plan(plan, late, ran)
         writer.on_step_done(plan, measured, start_ms)
-        start_ms += measured
+        start_ms += measured + loop_ms  # the engine loop's work before the next step
     writer.close()
     return path
 
@@ -109,6 +109,34 @@ def test_steps_csv_has_the_derived_columns(tmp_path):
     assert np.allclose(steps["overrun_ms"], [s[-1] - s[3] for s in STEPS])
     assert steps["underpredicted"].tolist() == [False, True, False, False, True, True, False, False]
     assert math.isinf(steps["budget_ms"][2])
+
+
+def test_the_engine_loop_between_steps_is_measured_and_the_cycles_written_as_a_profile(tmp_path):
+    """The time from one step's end to the next one's start, while requests run, is the engine's too:
+    served-run measures it and writes each step's cycle as the profile a twin of the engine fits."""
+    from sloweave.core.costs.step_profiles import read_profile
+
+    out = tmp_path / "served"
+    assert served_run(write_log(tmp_path / "steps.jsonl", loop_ms=0.5), "--out", out).exit_code == 0
+    loop = json.loads((out / "served_run.json").read_text())["engine_loop"]
+    # the step before the one with nothing decoding (its gap may be idle) and the last are not known
+    assert loop["steps_with_a_known_cycle"] == 6
+    assert loop["loop_ms"]["p50"] == pytest.approx(0.5) and loop["loop_ms"]["max"] == pytest.approx(0.5)
+    known = [i for i in range(len(STEPS)) if i not in (1, len(STEPS) - 1)]
+    assert loop["share_of_cycle_time"] == pytest.approx(3.0 / sum(STEPS[i][-1] + 0.5 for i in known))
+    steps = pd.read_csv(out / "steps.csv")
+    assert steps["loop_ms"].isna().tolist() == [i not in known for i in range(len(STEPS))]
+    cycles = read_profile(out / "cycles.csv")
+    assert cycles["step_ms"].tolist() == pytest.approx([STEPS[i][-1] + 0.5 for i in known])
+    assert json.loads((out / "served_run.json").read_text())["cycles_profile"] == "cycles.csv"
+
+
+def test_a_log_without_a_known_cycle_writes_no_cycles_profile(tmp_path):
+    out = tmp_path / "served"
+    assert served_run(write_log(tmp_path / "steps.jsonl", steps=STEPS[:1]), "--out", out).exit_code == 0
+    summary = json.loads((out / "served_run.json").read_text())
+    assert summary["engine_loop"] == {"steps_with_a_known_cycle": 0, "loop_ms": None, "share_of_cycle_time": None}
+    assert summary["cycles_profile"] is None and not (out / "cycles.csv").exists()
 
 
 def test_out_is_refused_when_not_empty_and_replaced_with_force(tmp_path):

@@ -3,7 +3,9 @@
 The vLLM plug-in writes a step log (``sloweave.core.step_log``); this command reads it and
 draws what the simulator draws (``sloweave.studies.pictures``), and writes the decision
 summary under the simulator's names (``sloweave.core.decision_metrics.summarize_decisions``), so a
-simulated and a served run can be compared side by side, key by key.
+simulated and a served run can be compared side by side, key by key. It also measures the engine
+loop between steps (each step's cycle, ``sloweave.core.step_log.cycle_ms``) and writes the cycles
+as a step-time profile, the machine of a simulator that stands in for the engine.
 
 The result folder is complete or absent: everything is written into a temporary folder
 beside ``--out`` and renamed into place at the end (``sloweave.studies.result_folders.result_folder``,
@@ -19,7 +21,8 @@ import numpy as np
 import pandas as pd
 
 from sloweave.core.decision_metrics import UNDERPREDICTION_TOLERANCE_MS, summarize_decisions
-from sloweave.core.step_log import StepLog, StepLogError
+from sloweave.core.costs.step_profiles import write_profile
+from sloweave.core.step_log import StepLog, StepLogError, cycle_ms, profile_rows
 from sloweave.studies.outputs import write_result_json
 from sloweave.studies.pictures import plot_step_timeline, pyplot
 
@@ -33,8 +36,10 @@ FINITE_COLUMNS = ("start_ms", "measured_ms", "predicted_ms", "margin_ms")
 
 def derived_steps(log: StepLog) -> pd.DataFrame:
     """The log's steps plus t_s (since the first step), model_ms (T = predicted - margin),
-    overrun_ms (measured - predicted; negative: the step finished early) and underpredicted
-    (it took longer than predicted, with the tolerance ``summarize_decisions`` uses)."""
+    overrun_ms (measured - predicted; negative: the step finished early), underpredicted
+    (it took longer than predicted, with the tolerance ``summarize_decisions`` uses), cycle_ms
+    (to the next step's start, where the engine went straight on; NaN elsewhere) and loop_ms
+    (the engine loop's part of the cycle: cycle - measured)."""
     steps = log.steps.copy()  # every field in its range: read_step_log checked them
     for column in FINITE_COLUMNS:
         steps[column] = steps[column].astype("float64")
@@ -42,7 +47,24 @@ def derived_steps(log: StepLog) -> pd.DataFrame:
     steps["model_ms"] = steps["predicted_ms"] - steps["margin_ms"]
     steps["overrun_ms"] = steps["measured_ms"] - steps["predicted_ms"]
     steps["underpredicted"] = steps["overrun_ms"] > UNDERPREDICTION_TOLERANCE_MS
+    steps["cycle_ms"] = cycle_ms(log.steps)
+    steps["loop_ms"] = steps["cycle_ms"] - steps["measured_ms"]
     return steps
+
+
+def engine_loop(steps: pd.DataFrame) -> dict:
+    """The engine loop's time between steps, over the steps whose cycle is known: its quantiles
+    and its share of those steps' time (a simulator without it runs the engine that much fast)."""
+    known = steps["cycle_ms"].notna()
+    loop = steps.loc[known, "loop_ms"].to_numpy()
+    if not loop.size:
+        return {"steps_with_a_known_cycle": 0, "loop_ms": None, "share_of_cycle_time": None}
+    return {
+        "steps_with_a_known_cycle": int(loop.size),
+        "loop_ms": {f"p{round(q * 100)}": float(np.quantile(loop, q)) for q in (0.5, 0.9, 0.99)}
+        | {"max": float(loop.max())},
+        "share_of_cycle_time": float(loop.sum() / steps.loc[known, "cycle_ms"].sum()),
+    }
 
 
 def decision_metrics(log: StepLog, steps: pd.DataFrame) -> dict:
@@ -86,6 +108,7 @@ def run_summary(log: StepLog, steps: pd.DataFrame, settings: dict) -> dict:
         | {"max": float(overrun.max())},
         "stopped_early": log.stopped is not None,
         "stopped_why": log.stopped,
+        "engine_loop": engine_loop(steps),
     }
 
 
@@ -175,5 +198,10 @@ def write_served_run(log: StepLog, out_dir: Path, window_s: float, settings: dic
     steps.to_csv(out_dir / "steps.csv", index=False)
     write_result_json(out_dir / "decision_metrics.json", decision_metrics(log, steps))
     summary = run_summary(log, steps, settings)
+    # the cycles as a profile: `--cost cycles.csv --step-noise-from cycles.csv` is the engine's twin
+    cycles = summary["engine_loop"]["steps_with_a_known_cycle"] > 0
+    if cycles:
+        write_profile(profile_rows(log, step_time="cycle"), out_dir / "cycles.csv")
+    summary["cycles_profile"] = "cycles.csv" if cycles else None
     write_result_json(out_dir / "served_run.json", summary)
     return summary
