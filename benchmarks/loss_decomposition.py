@@ -9,7 +9,10 @@ counted from what was scheduled (a request decoding before the step contributes 
 every other scheduled token is prefill), so vLLM's own scheduler is measured as it runs, without
 the plug-in. Per engine and repeat:
 
-- the run's wall span = model time + scheduler time + idle (no request to run);
+- the run's wall span = model time + scheduler time + the engine loop between steps (from a
+  step's end to the next one's start while requests were decoding: handing tokens to the client,
+  adding arrivals; ``sloweave.core.step_log.cycle_ms``'s rule) + idle (the other gaps: no request
+  decoding, the engine waiting for work);
 - the model's time per 1,000 prefill tokens and per decode, by least squares over the run's
   steps (``model_ms ~ 1 + decodes + prefill tokens + 1[prefill]``);
 - the chunks: mean prefill tokens of the steps that had some, and the steps that prefilled
@@ -128,8 +131,20 @@ def misses(requests: pd.DataFrame, args) -> dict:
             "missed_both": float((ttft & tpot).sum() / n)}  # fmt: skip
 
 
+def engine_loop_ms(steps: pd.DataFrame) -> np.ndarray:
+    """Each step's gap to the next one's start where the engine went straight on (the next step
+    decodes: requests were running across the gap), NaN elsewhere: the loop's work between steps."""
+    from sloweave.core.step_log import cycle_ms
+
+    measured = (steps["end_ms"] - steps["start_ms"]).to_numpy(float)
+    as_logged = pd.DataFrame({"step": np.arange(len(steps)), "start_ms": steps["start_ms"].to_numpy(float),
+                              "measured_ms": measured, "decode_tokens": steps["decode_tokens"].to_numpy()})  # fmt: skip
+    return cycle_ms(as_logged) - measured
+
+
 def decompose(steps: pd.DataFrame, span_ms: float) -> dict:
     wall = steps["end_ms"] - steps["start_ms"]
+    loop = engine_loop_ms(steps)
     scheduler = steps["schedule_ms"] + steps["update_ms"]
     model = (wall - scheduler).to_numpy()
     prefill, decode = steps["prefill_tokens"].to_numpy(float), steps["decode_tokens"].to_numpy(float)
@@ -141,7 +156,9 @@ def decompose(steps: pd.DataFrame, span_ms: float) -> dict:
         "span_ms": float(span_ms),
         "model_ms": float(model.sum()),
         "scheduler_ms": float(scheduler.sum()),
-        "idle_ms": float(span_ms - wall.sum()),
+        "loop_ms": float(np.nansum(loop)),
+        "loop_us_per_step": float(np.nanmedian(loop) * 1000.0) if np.isfinite(loop).any() else float("nan"),
+        "idle_ms": float(span_ms - wall.sum() - np.nansum(loop)),
         "scheduler_us_per_step": float(scheduler.median() * 1000.0),
         "model_ms_per_1k_prefill": float(coef[2] * 1000.0),
         "model_ms_per_decode": float(coef[1]),
@@ -159,11 +176,11 @@ def plot(table: pd.DataFrame, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    medians = table.groupby("engine", sort=False)[["model_ms", "scheduler_ms", "idle_ms"]].median() / 1000.0
+    medians = table.groupby("engine", sort=False)[["model_ms", "scheduler_ms", "loop_ms", "idle_ms"]].median() / 1000.0
     ax = medians.plot.barh(stacked=True, figsize=(7, 0.8 + 0.6 * len(medians)))
     ax.set_xlabel("seconds of the run's wall span (median over repeats)")
     ax.set_title("Where the engine's time went")
-    ax.legend(["model", "scheduler", "idle"], loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    ax.legend(["model", "scheduler", "engine loop", "idle"], loc="upper left", bbox_to_anchor=(1.01, 1.0))
     plt.tight_layout()
     plt.savefig(path, dpi=120)
     plt.close()
@@ -191,7 +208,8 @@ def serve_all(args) -> tuple[pd.DataFrame, pd.DataFrame]:
             rows.append(row)
             all_steps.append(steps)
             print(f"repeat {repeat} {name}: attainment {row['attainment']:.3f}, model {row['model_ms']:.0f} ms, "
-                  f"scheduler {row['scheduler_ms']:.0f} ms, idle {row['idle_ms']:.0f} ms", flush=True)  # fmt: skip
+                  f"scheduler {row['scheduler_ms']:.0f} ms, loop {row['loop_ms']:.0f} ms, idle {row['idle_ms']:.0f} ms",
+                  flush=True)  # fmt: skip
     return pd.DataFrame(rows), pd.concat(all_steps)
 
 

@@ -28,6 +28,11 @@ plug-in's own cost and online correction for the plug-in; max_num_seqs 128):
   noise of another run (the same engine and load, the next seed of ``--seeds``), so neither the
   cost nor the noise comes from the run it predicts.
 
+With ``--noise-draws K`` each run's twin is simulated K times, each with its own draw of the same
+noise (the first is the run's own seed): the twin's columns are medians over the draws, and the
+draws' range says whether the real run is one the twin could have drawn (near its capacity one
+draw decides whether the plug-in's queue drains).
+
 Attainment (TPOT and TTFT targets as the bench) and goodput of each; medians over seeds per
 engine and load, and the twin's error |twin - real| against ``--tolerance`` (0.1). Capacity
 (the issue asks the twin's within 15 % of the real): the real one from the attainments at the
@@ -106,6 +111,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--noise-block-steps", type=int, default=0,
         help="draw the step logs' residuals along their timeline in blocks of this many steps (0: independently)",
     )  # fmt: skip
+    parser.add_argument(
+        "--noise-draws", type=int, default=1,
+        help="simulate each twin this many times, each with its own draw of the same noise: the twin's columns are "
+             "the medians over the draws, and the runs.csv has their range and the share attaining --target",
+    )  # fmt: skip
     parser.add_argument("--tpot-ms", type=float, default=40.0)
     parser.add_argument("--ttft-ms", type=float, default=1000.0)
     parser.add_argument("--target", type=float, default=0.9, help="attainment a capacity keeps")
@@ -125,6 +135,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("--loads must be positive multiples, --requests at least 1, --target in (0, 1]")
     if args.noise_block_steps < 0:
         parser.error(f"--noise-block-steps must be 0 or more steps, got {args.noise_block_steps}")
+    if args.noise_draws < 1:
+        parser.error(f"--noise-draws must be 1 or more, got {args.noise_draws}")
     return args
 
 
@@ -307,12 +319,22 @@ def predict_row(row: dict, args, costs: Costs, log_dir: Path) -> None:
         machine, row["twin_fit_error"] = (
             (costs.profile.model, math.nan) if fitted == args.profile_file else costs.of_log(fitted)
         )
-        twin = bench.simulated(
-            workload, row["policy"], machine, args, row["budget"], plugin,
-            policy_cost=costs.profile.model if is_plugin else None,
-            step_noise_from=str(noise), noise_seed=row["seed"], noise_block_steps=args.noise_block_steps,
-        )  # fmt: skip
-        row.update({f"twin_{k}": twin[k] for k in METRICS})
+        draws = [
+            bench.simulated(
+                workload,
+                row["policy"],
+                machine,
+                args,
+                row["budget"],
+                plugin,
+                policy_cost=costs.profile.model if is_plugin else None,
+                step_noise_from=str(noise),
+                noise_seed=noise_seed,
+                noise_block_steps=args.noise_block_steps,
+            )  # fmt: skip
+            for noise_seed in noise_seeds(row["seed"], args.noise_draws)
+        ]
+        row.update(over_draws(draws, row["real_attainment"], args.target))
         row["twin_cost"], row["twin_noise"] = fitted.name, noise.name
     except Exception as err:  # noqa: BLE001 - a twin that cannot be built is a result
         prediction_failed(row, "", err)
@@ -327,6 +349,32 @@ def predict_row(row: dict, args, costs: Costs, log_dir: Path) -> None:
             row["heldout_noise"] = other.name
         except Exception as err:  # noqa: BLE001 - the twin's prediction stands without it
             prediction_failed(row, "held-out ", err)
+
+
+NOISE_DRAW_STRIDE = 1_000_003  # draw k's noise seed: the run's seed + k x this (draw 0: the seed itself)
+
+
+def noise_seeds(seed: int, draws: int) -> list[int]:
+    """The noise seeds of a run's twin draws; the first is the run's own seed, so one draw is the twin as before."""
+    return [seed + k * NOISE_DRAW_STRIDE for k in range(draws)]
+
+
+def over_draws(draws: list[dict], real_attainment: float, target: float) -> dict:
+    """The twin's columns from its noise draws: each metric's median over the draws, and with several
+    draws their attainment's range, whether the real run lies in it, and the share of draws attaining
+    ``target`` (near capacity one draw's queue drains and another's grows: that share is the twin's
+    odds that the run keeps its target, not one draw's verdict). A run drawn like the twin's K draws
+    falls inside their range with probability (K - 1) / (K + 1)."""
+    columns = {f"twin_{k}": float(np.median([d[k] for d in draws])) for k in METRICS}
+    if len(draws) > 1:
+        attainments = [d["attainment"] for d in draws]
+        low, high = min(attainments), max(attainments)
+        columns |= {
+            "twin_draws": len(draws), "twin_attainment_min": low, "twin_attainment_max": high,
+            "twin_attaining_share": sum(a >= target for a in attainments) / len(draws),
+            "twin_range_holds_real": bool(low <= real_attainment <= high),
+        }  # fmt: skip
+    return columns
 
 
 def prediction_failed(row: dict, which: str, err: Exception) -> None:
@@ -399,11 +447,26 @@ def fidelity_table(runs: pd.DataFrame, tolerance: float = 0.1) -> pd.DataFrame:
             "heldout_attainment_error": heldout_error,
             "heldout_within_tolerance": bool(heldout_error <= tolerance),
             "twin_error_per_seed_median": float(both["twin_attainment_error"].abs().median()) if len(both) else math.nan,
+            **draws_held(both),
             "twin_goodput_error": (median["twin_goodput_rps"] / median["real_goodput_rps"] - 1.0)
             if median["real_goodput_rps"] > 0 else math.nan,
             "within_tolerance": bool(twin_error <= tolerance),
         })  # fmt: skip
     return pd.DataFrame(rows)
+
+
+def held_count(runs: pd.DataFrame) -> int:
+    """The runs whose real attainment lay inside their twin's range of draws (a run without one: not)."""
+    return int((runs.get("twin_range_holds_real", pd.Series(dtype=object)) == True).sum())  # noqa: E712
+
+
+def draws_held(runs: pd.DataFrame) -> dict:
+    """With several noise draws: in how many of ``runs`` the real attainment lay inside the draws'
+    range, and the median share of draws that attained the target."""
+    if "twin_range_holds_real" not in runs:
+        return {}
+    return {"real_within_twin_range": held_count(runs),
+            "twin_attaining_share": float(runs["twin_attaining_share"].median())}  # fmt: skip
 
 
 def capacity_from_loads(loads, attainments, target: float) -> tuple[float, str]:
@@ -567,6 +630,13 @@ def print_tables(fidelity: pd.DataFrame, capacity: pd.DataFrame | None) -> None:
         print(capacity.to_string(index=False, float_format=lambda v: f"{v:.2f}"), flush=True)
 
 
+def draws_shown(row: dict) -> str:
+    if "twin_attainment_min" not in row:
+        return ""
+    return (f"(draws {row['twin_attainment_min']:.3f}-{row['twin_attainment_max']:.3f}, "
+            f"{row['twin_attaining_share']:.0%} attaining), ")  # fmt: skip
+
+
 def real_rows(path: Path) -> list[dict]:
     """The real runs of an earlier pass (``--predict-only``), without its predictions."""
     runs = pd.read_csv(path)
@@ -606,7 +676,7 @@ def main(argv: list[str] | None = None) -> None:
             predict_row(row, args, costs, log_dir)
             print(f"predicted {row['engine']} load {row['load']:g} seed {row['seed']}: real "
                   f"{row['real_attainment']:.3f}, twin {row.get('twin_attainment', math.nan):.3f}, "
-                  f"plain {row.get('plain_attainment', math.nan):.3f}, "
+                  f"{draws_shown(row)}plain {row.get('plain_attainment', math.nan):.3f}, "
                   f"held-out {row.get('heldout_attainment', math.nan):.3f}", flush=True)  # fmt: skip
     runs = with_errors(pd.DataFrame(rows))
     runs.to_csv(args.out / "runs.csv", index=False)
@@ -628,10 +698,22 @@ def main(argv: list[str] | None = None) -> None:
                  "plugin_decides_with": f"{args.profile_file.name} (regression), online correction"},
         "step_logs": {"folder": str(log_dir), "files": logs_described(log_dir)},
         "twin_hits": int(fidelity["within_tolerance"].sum()), "cells": len(fidelity),
+        "noise_draws": draws_summary(runs, args),
         "heldout_hits": int(fidelity["heldout_within_tolerance"].sum()),
         "fidelity": fidelity.to_dict("records"),
         "capacity": capacity.to_dict("records") if capacity is not None else None, "capacity_study": study_notes,
     })  # fmt: skip
+
+
+def draws_summary(runs: pd.DataFrame, args) -> dict:
+    """The noise draws per twin and, with several, how many real runs fell inside their range
+    against the (K - 1) / (K + 1) expected of a run drawn like the twin's."""
+    if args.noise_draws == 1:
+        return {"draws": 1}
+    held = runs.dropna(subset=["real_attainment", "twin_attainment"])
+    return {"draws": args.noise_draws, "runs": len(held),
+            "real_within_twin_range": held_count(held),
+            "expected_within_share": (args.noise_draws - 1) / (args.noise_draws + 1)}  # fmt: skip
 
 
 def capacity_step(args, served, costs, log_dir, fidelity) -> tuple[pd.DataFrame | None, dict]:

@@ -17,7 +17,8 @@ import loss_decomposition  # noqa: E402
 
 def steps_frame(rng) -> pd.DataFrame:
     """Steps whose model time is 2 ms + 0.05 ms a decode + 15 ms per 1,000 prefill tokens (+1 ms with a chunk),
-    each after 0.3 ms of scheduling, with 1 ms of idle between them."""
+    each after 0.3 ms of scheduling; 1 ms of the engine loop before a step that decodes, 5 ms of idle
+    (waiting for work) before one that does not."""
     n = 400
     decodes = rng.integers(0, 64, n)
     prefill = np.where(rng.random(n) < 0.5, rng.integers(1, 1024, n), 0)
@@ -25,17 +26,22 @@ def steps_frame(rng) -> pd.DataFrame:
     model = 2.0 + 0.05 * decodes + 0.015 * prefill + (prefill > 0)
     schedule, update = np.full(n, 0.2), np.full(n, 0.1)
     wall = model + schedule + update
-    start = np.concatenate([[0.0], np.cumsum(wall + 1.0)[:-1]])
+    gap_after = np.where(np.append(decodes[1:], 1) > 0, 1.0, 5.0)
+    start = np.concatenate([[0.0], np.cumsum(wall + gap_after)[:-1]])
     return pd.DataFrame({"start_ms": start, "end_ms": start + wall, "schedule_ms": schedule, "update_ms": update,
                          "decode_tokens": decodes, "prefill_tokens": prefill, "prompts_waiting": waiting})  # fmt: skip
 
 
-def test_a_runs_time_splits_into_model_scheduler_and_idle_and_the_model_is_recovered():
+def test_a_runs_time_splits_into_model_scheduler_loop_and_idle_and_the_model_is_recovered():
     steps = steps_frame(np.random.default_rng(0))
     span = float(steps["end_ms"].iloc[-1])
     out = loss_decomposition.decompose(steps, span)
-    assert out["model_ms"] + out["scheduler_ms"] + out["idle_ms"] == pytest.approx(span)
-    assert out["idle_ms"] == pytest.approx(len(steps) - 1.0)  # 1 ms between steps
+    assert out["model_ms"] + out["scheduler_ms"] + out["loop_ms"] + out["idle_ms"] == pytest.approx(span)
+    waits = int((steps["decode_tokens"].iloc[1:] == 0).sum())
+    assert waits > 0  # the engine waited for work before some steps: idle, not the loop's work
+    assert out["loop_ms"] == pytest.approx(len(steps) - 1.0 - waits)
+    assert out["idle_ms"] == pytest.approx(5.0 * waits)
+    assert out["loop_us_per_step"] == pytest.approx(1000.0)
     assert out["scheduler_us_per_step"] == pytest.approx(300.0)
     assert out["model_ms_per_1k_prefill"] == pytest.approx(15.0)
     assert out["model_ms_per_decode"] == pytest.approx(0.05)

@@ -92,3 +92,25 @@ def test_a_step_that_returns_at_a_glitched_time_is_dropped_and_the_next_pairs_wi
     c.on_scheduled(second, ["a"])
     c.on_step_done(20.0 + 2 * second.predicted_ms, ["a"])
     assert calibrator.factor(1, True) == pytest.approx(2.0)  # measured against its own plan
+
+
+def test_a_factor_its_steps_stopped_feeding_is_forgotten_past_the_horizon():
+    """What vLLM's CPU engine did after a slow spell at a 20 ms target: steps with a chunk had learnt
+    a factor of 2.0, the margin then kept chunks from running, and the factor stood 20 s later while
+    the decode-only steps had come back to 0.8. A bucket's factor stands for ``FACTOR_HORIZON_STEPS``
+    steps of any kind after its last one; then it borrows the machine-wide correction, and its next
+    step sets it anew."""
+    from sloweave.core.costs.calibrated import FACTOR_HORIZON_STEPS
+
+    calibrator = OnlineCalibrator()
+    for _ in range(20):  # the slow spell: every step twice its prediction
+        calibrator.observe(1, 0, 2.0, 4.0)
+        calibrator.observe(1, 256, 10.0, 20.0)
+    for _ in range(FACTOR_HORIZON_STEPS):  # then the machine is fast again, and only decode-only steps run
+        calibrator.observe(1, 0, 2.0, 1.6)
+    assert calibrator.factor(1, False) == pytest.approx(0.8)
+    assert calibrator.factor(1, True) == pytest.approx(2.0)  # within the horizon it still stands
+    calibrator.observe(1, 0, 2.0, 1.6)
+    assert calibrator.factor(1, True) == pytest.approx(0.8)  # past it: the machine-wide correction
+    calibrator.observe(1, 256, 10.0, 9.0)
+    assert calibrator.factor(1, True) == pytest.approx(0.9)  # set anew by its next step, not averaged with 2.0

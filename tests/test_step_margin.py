@@ -220,6 +220,47 @@ def test_a_burst_of_stalls_is_forgotten_once_it_is_past_the_horizon():
     assert all(margin <= 1.0 for margin in forgotten[2:])  # 2,000 steps past it: the machine's noise
 
 
+def stalled_correction(stall_share: float, seed: int = 0):
+    """A per-step margin after 3,000 steps of each kind, a share of each delayed by a 150 ms stall
+    (as a machine busy elsewhere delays any step), the rest within +-1 ms: (correction, policy)."""
+    correction = self_correcting(LinearCost(base_ms=2.0, per_decode_ms=0.0, per_token_ms=0.02), margin_form="per-step")
+    rng = np.random.default_rng(seed)
+    for _ in range(1500):
+        for chunk in (0, 400):  # decode-only steps of 2 ms, steps with a chunk of 10 ms
+            predicted = correction.cost(1, chunk)
+            stall = 150.0 if rng.random() < stall_share else 0.0
+            correction.calibrator.observe(1, chunk, predicted, predicted + float(rng.uniform(-1.0, 1.0)) + stall)
+    return correction, SLOWeave(cost=correction.cost, margin=correction.margin, max_chunk_tokens=2048)
+
+
+def test_a_stall_that_delays_any_step_does_not_hold_chunks_back():
+    """What vLLM's CPU engine did at a 20 ms target while the machine ran 3x slower for 20 s: the
+    stalls gave a decode-only step a margin of 90-110 ms, past its budget, and 97 % of steps ran
+    without a chunk while prompts waited, protecting no token (a stall delays a decode-only step
+    as much). A decision's margins are read at the quantile less the share p0 of like steps for
+    which its decode-only step would itself be late: the chunk adds at most 0.3 % to the risk."""
+    correction, policy = stalled_correction(stall_share=0.02)
+    margin = correction.margin
+    assert margin(1, 0) >= 140.0  # at P99.7 the stalls set the margin of every step
+    decision = policy.decide(1, 10_000, 20.0)
+    assert not decision.infeasible and decision.chunk_tokens > 0
+    share_late = 0.02  # about: the decode-only steps a stall made late
+    assert margin.quantile - 100 * share_late - 1.0 <= margin.level < margin.quantile
+    # the chunk is priced as a step with a chunk is late beyond the decode-only step's own stalls
+    assert correction.cost(1, decision.chunk_tokens) + margin(1, decision.chunk_tokens) <= 20.0
+
+
+def test_on_a_quiet_machine_a_decision_reads_the_quantile_itself():
+    quiet, policy = stalled_correction(stall_share=0.0)
+    before = [quiet.margin(1, c) for c in (0, 100, 400, 1000)]
+    decision = policy.decide(1, 10_000, 20.0)
+    assert quiet.margin.level == quiet.margin.quantile and decision.chunk_tokens > 0
+    assert [quiet.margin(1, c) for c in (0, 100, 400, 1000)] == before
+    # past the median a decode-only step is itself likely late: the quantile as it is, no chunk
+    stalled, policy = stalled_correction(stall_share=0.6)
+    assert policy.decide(1, 10_000, 20.0).infeasible and stalled.margin.level == stalled.margin.quantile
+
+
 def test_the_tables_are_rebuilt_once_per_refresh_and_the_relative_window_read_only_when_needed(monkeypatch):
     """Rebuilding the tables was the largest part of the plug-in's scheduling inside vLLM: they are
     rebuilt once every ``TABLE_REFRESH_STEPS`` observed steps however many chunks a decision
@@ -289,6 +330,8 @@ def test_corrected_cost_plus_per_step_margin_is_monotone_in_the_chunk(
         correction.calibrator.observe(n, c, base_ms, max(measured_ms, 0.0))
     chunks = range(1, 2049)
     for n in (0, 3, 40):
+        # a decision's budget first: where its decode-only step would be late it reads another level
+        correction.margin.set_step(n, float(cost.predict(n, 0, 0, 0) + rng.uniform(0.0, 60.0)))
         totals = [correction.cost(n, c) + correction.margin(n, c) for c in chunks]
         drops = [c for c, (a, b) in zip(chunks, zip(totals, totals[1:])) if b < a]
         assert not drops, (n, drops[:3])

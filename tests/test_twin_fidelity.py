@@ -268,3 +268,72 @@ def test_the_summary_records_the_plugin_options_its_twin_shares():
     }
     static = twin_fidelity.engine_described(twin_fidelity.Served("vllm-tuned-768", 768, None))
     assert static == {"policy": "sarathi-768", "budget": 768, "plugin_config": None}
+
+
+def test_the_twins_draws_give_medians_a_range_and_the_share_attaining():
+    draws = [{"attainment": a, "goodput_rps": 10.0 * a, "p99_ttft_ms": 100.0 / a, "p99_tpot_ms": 20.0}
+             for a in (0.95, 0.40, 0.92, 0.30, 0.97)]  # fmt: skip
+    columns = twin_fidelity.over_draws(draws, real_attainment=0.93, target=0.9)
+    assert columns["twin_attainment"] == 0.92 and columns["twin_goodput_rps"] == pytest.approx(9.2)
+    assert (columns["twin_attainment_min"], columns["twin_attainment_max"]) == (0.30, 0.97)
+    assert columns["twin_attaining_share"] == pytest.approx(3 / 5)
+    assert columns["twin_range_holds_real"] and columns["twin_draws"] == 5
+    assert not twin_fidelity.over_draws(draws, real_attainment=0.99, target=0.9)["twin_range_holds_real"]
+    # one draw: the twin's columns as they were, nothing about a range
+    one = twin_fidelity.over_draws(draws[:1], real_attainment=0.5, target=0.9)
+    assert one == {"twin_attainment": 0.95, "twin_goodput_rps": 9.5, "twin_p99_ttft_ms": 100.0 / 0.95,
+                   "twin_p99_tpot_ms": 20.0}  # fmt: skip
+
+
+def test_the_first_noise_draw_is_the_runs_own_seed_and_the_others_differ():
+    assert twin_fidelity.noise_seeds(2, 1) == [2]
+    seeds = twin_fidelity.noise_seeds(2, 4)
+    assert seeds[0] == 2 and len(set(seeds)) == 4
+    assert not set(seeds) & set(twin_fidelity.noise_seeds(3, 4))  # another run's draws are other draws
+    with pytest.raises(SystemExit):
+        twin_fidelity.parse_args(["--noise-draws", "0"])
+
+
+def test_the_fidelity_table_counts_the_runs_inside_their_twins_range():
+    runs = runs_frame().assign(twin_range_holds_real=[True, True, False] * 4, twin_attaining_share=0.5)
+    table = twin_fidelity.fidelity_table(runs).set_index(["engine", "load"])
+    assert table.loc[("sloweave", 1.0), "real_within_twin_range"] == 2
+    assert table.loc[("vllm-tuned-512", 1.2), "real_within_twin_range"] == 1  # the failed run is not counted
+    args = twin_fidelity.parse_args(["--noise-draws", "8"])
+    summary = twin_fidelity.draws_summary(runs, args)
+    assert summary == {"draws": 8, "runs": 11, "real_within_twin_range": 7, "expected_within_share": 7 / 9}
+    assert "real_within_twin_range" not in twin_fidelity.fidelity_table(runs_frame())  # one draw: no range
+
+
+def write_varied_log(path: Path, steps: int) -> None:
+    """A step log whose steps vary in decodes and chunk (a regression can be fitted to it), each
+    measured 0-30 % over a linear cost: noise for the twin to draw."""
+    rng = np.random.default_rng(7)
+    lines = [{"kind": "header", "format": FORMAT}]
+    for i in range(steps):
+        decodes, chunk = 1 + i % 16, 64 * (i % 5)
+        step_ms = (2.0 + 0.05 * decodes + 0.01 * chunk) * (1.0 + 0.3 * rng.random())
+        values = dict.fromkeys(STEP_FIELDS, 0)
+        values.update(step=i, start_ms=20.0 * i, measured_ms=step_ms, decode_tokens=decodes, ran_decode_tokens=decodes,
+                      chunk_tokens=chunk, ran_prefill_tokens=chunk, token_budget=2048, budget_ms=40.0, offer=[],
+                      predicted_ms=step_ms, margin_ms=1.0, base_predicted_ms=step_ms, infeasible=False, aged=False)  # fmt: skip
+        lines.append({"kind": "step", **values})
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines), encoding="utf-8")
+
+
+def test_each_run_is_predicted_by_several_draws_of_its_own_noise(tmp_path):
+    write_varied_log(twin_fidelity.run_log_of(tmp_path, "vllm-tuned-512", 1.0, 0), 400)
+    argv = ["--seeds", "0", "--requests", "60", "--rate-rps", "40", "--twin-step-time", "measured"]
+    costs = twin_fidelity.Costs(twin_fidelity.DEFAULT_PROFILE, 100.0)
+    rows = {}
+    for draws in (1, 5):
+        rows[draws] = {"engine": "vllm-tuned-512", "policy": "sarathi-512", "budget": 512, "load": 1.0, "seed": 0,
+                       "rate_rps": 40.0, "error": "", "real_attainment": 0.5}  # fmt: skip
+        twin_fidelity.predict_row(
+            rows[draws], twin_fidelity.parse_args(argv + ["--noise-draws", str(draws)]), costs, tmp_path
+        )
+    one, five = rows[1], rows[5]
+    assert one["error"] == five["error"] == ""
+    assert "twin_draws" not in one and five["twin_draws"] == 5
+    assert five["twin_attainment_min"] <= five["twin_attainment"] <= five["twin_attainment_max"]
+    assert five["twin_p99_ttft_ms"] != one["twin_p99_ttft_ms"]  # the median of five draws, not the first alone

@@ -23,7 +23,7 @@ import numpy as np
 
 from sloweave.core.costs.protocols import CostModel, OfferAware
 from sloweave.core.costs.fitted import N_BUCKET_EDGES, ContextualCost, ResidualMargin
-from sloweave.core.costs.step_margin import TABLE_REFRESH_STEPS, StepMargin, StepResiduals
+from sloweave.core.costs.step_margin import HORIZON_STEPS, TABLE_REFRESH_STEPS, StepMargin, StepResiduals
 from sloweave.core.validate import finite_number, whole_number
 
 
@@ -35,6 +35,13 @@ QUANTILE_REFRESH_STEPS = 8
 RESIDUAL_WINDOW_STEPS = 1000
 # The largest measured / corrected ratio a residual records: far beyond any real stall, and finite.
 MAX_STEP_RATIO = 1e6
+# A bucket's factor stands for this many steps of any kind after its last step; then the bucket
+# borrows the machine-wide correction again, as one never seen (its next step sets it anew). A step
+# kind kept from running (chunks, after the machine was slow for a while: measured on vLLM's CPU
+# engine, a factor of 2.0 for steps with a chunk stood 20 s after the decode-only steps had come back
+# to 0.8) must not keep the factor the slowness taught; the per-step margin forgets a residual on the
+# same horizon.
+FACTOR_HORIZON_STEPS = HORIZON_STEPS
 
 
 class OnlineCalibrator:
@@ -61,6 +68,7 @@ class OnlineCalibrator:
         # rows: decode-count bucket; columns: 0 = decode-only step, 1 = step with a chunk
         self.log_factor = np.zeros((len(N_BUCKET_EDGES), 2))
         self.observations = np.zeros((len(N_BUCKET_EDGES), 2), dtype=np.int64)
+        self.last_step = np.zeros((len(N_BUCKET_EDGES), 2), dtype=np.int64)  # steps seen when each was last set
         # Until a bucket has data, borrow the mean correction of the buckets that have some:
         # drift is mostly machine-wide, so it transfers.
         self._global = 0.0
@@ -93,9 +101,15 @@ class OnlineCalibrator:
     def _exp_factors(self) -> list[tuple[float, float]]:
         borrowed = math.exp(self._global)
         return [
-            tuple(math.exp(self.log_factor[i, j]) if self.observations[i, j] else borrowed for j in (0, 1))
+            tuple(math.exp(self.log_factor[i, j]) if self._stands(i, j) else borrowed for j in (0, 1))
             for i in range(len(N_BUCKET_EDGES))
         ]
+
+    def _stands(self, bucket: int, kind: int) -> bool:
+        """Whether a bucket's own factor stands: it has seen a step, and at most ``FACTOR_HORIZON_STEPS`` came after."""
+        return bool(self.observations[bucket, kind]) and (
+            self._global_seen - self.last_step[bucket, kind] <= FACTOR_HORIZON_STEPS
+        )
 
     def observe(self, n_decodes: int, chunk_tokens: int, predicted_ms: float, measured_ms: float) -> None:
         """Fold one step in; ``predicted_ms`` is the BASE model's prediction (not corrected).
@@ -125,11 +139,12 @@ class OnlineCalibrator:
         # a difference of logs: the quotient of such times can overflow, or underflow to 0
         error = min(max(math.log(measured_ms) - math.log(predicted_ms), self.log_min), self.log_max)
         i, j = self._bucket(n_decodes), int(chunk_tokens > 0)
-        if self.observations[i, j]:
+        if self._stands(i, j):
             self.log_factor[i, j] += self.alpha * (error - self.log_factor[i, j])
         else:
             self.log_factor[i, j] = error
         self.observations[i, j] += 1
+        self.last_step[i, j] = self._global_seen + 1
         self._global += (self.alpha if self._global_seen else 1.0) * (error - self._global)
         self._global_seen += 1
         self._factors = None
