@@ -622,9 +622,10 @@ def load_summary(runs: pd.DataFrame, start: tuple, end: tuple) -> dict:
 
 
 def print_tables(fidelity: pd.DataFrame, capacity: pd.DataFrame | None) -> None:
-    shown = fidelity[["engine", "load", "seeds", "real_attainment", "twin_attainment", "plain_attainment",
-                      "heldout_attainment", "twin_attainment_error", "plain_attainment_error",
-                      "heldout_attainment_error", "within_tolerance", "heldout_within_tolerance"]]  # fmt: skip
+    columns = ["engine", "load", "seeds", "real_attainment", "twin_attainment", "plain_attainment",
+               "heldout_attainment", "twin_attainment_error", "plain_attainment_error",
+               "heldout_attainment_error", "within_tolerance", "heldout_within_tolerance"]  # fmt: skip
+    shown = fidelity[columns + [c for c in ("real_within_twin_range", "twin_attaining_share") if c in fidelity]]
     print(shown.to_string(index=False, float_format=lambda v: f"{v:.3f}"), flush=True)
     if capacity is not None:
         print(capacity.to_string(index=False, float_format=lambda v: f"{v:.2f}"), flush=True)
