@@ -96,6 +96,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--profile-file", type=Path, default=DEFAULT_PROFILE, help="the plug-in's cost")
     parser.add_argument("--static-twin-cost", choices=("own-log", "plugin-log", "profile"), default="own-log")
     parser.add_argument(
+        "--plugin-twin-cost", choices=("own-log", "profile"), default="own-log",
+        help="the plug-in's twin's machine: fitted to its own step log, or the profile's fit (--profile-file); "
+             "its noise is its own log's either way, against that machine",
+    )  # fmt: skip
+    parser.add_argument(
         "--twin-step-time", choices=STEP_TIMES, default="cycle",
         help="the logged time the twin's machine and noise are fitted to: each step's cycle (with the engine "
              "loop's work up to the next step) or the step as the plug-in measures it",
@@ -276,8 +281,8 @@ def twin_source(row: dict, args, log_dir: Path) -> tuple[Path, Path]:
     if not log.exists():
         raise FileNotFoundError(f"no step log for load {row['load']:g}, seed {row['seed']} ({log})")
     noise = as_twin_reads(log, args.twin_step_time)
-    fitted = args.profile_file if row["engine"] != PLUGIN_ENGINE and args.static_twin_cost == "profile" else noise
-    return fitted, noise
+    on_profile = args.plugin_twin_cost if row["engine"] == PLUGIN_ENGINE else args.static_twin_cost
+    return (args.profile_file if on_profile == "profile" else noise), noise
 
 
 @functools.cache
@@ -545,7 +550,8 @@ def _engine_capacity(args, s: Served, costs: Costs, combined: Path) -> tuple[flo
     from sloweave.studies.search_records import SearchLattice
     from sloweave.studies.sources import ScaledWorkloads
 
-    machine, fit_error = costs.of_log(combined)
+    on_profile = s.name == PLUGIN_ENGINE and args.plugin_twin_cost == "profile"
+    machine, fit_error = (costs.profile.model, math.nan) if on_profile else costs.of_log(combined)
     base = tuple(bench.workload_for(args, seed, args.rate_rps) for seed in args.seed_list)
     source = ScaledWorkloads(
         f"{args.workload} (bench)", base, (args.rate_rps,) * len(base), tuple(map(str, args.seed_list))
@@ -569,7 +575,8 @@ def _engine_capacity(args, s: Served, costs: Costs, combined: Path) -> tuple[flo
     (capacity,) = study.capacities()
     # a seed below the lattice's floor reports 0 req/s: not a capacity, said in the notes
     rps = capacity.capacity_rps if all(seed.k is not None for seed in capacity.seeds) else math.nan
-    notes = {"machine": combined.name, "machine_steps": line_count(combined) - 1, "lattice": lattice.describe(),
+    notes = {"machine": args.profile_file.name if on_profile else combined.name,
+             "machine_steps": line_count(combined) - 1, "lattice": lattice.describe(),
              "simulations": study.simulations, "cost": "regression", "fit_holdout_median_error": fit_error,
              "step_time": args.twin_step_time,
              "noise": "the same log's residuals", "per_seed": "mean over seeds of the per-seed capacities (CapacityStudy)",
@@ -692,7 +699,8 @@ def main(argv: list[str] | None = None) -> None:
         "wall_s": time.time() - started, "real_runs_s": real_s, "rate_rps": args.rate_rps,
         "engines": {s.name: engine_described(s) for s in served},
         "twin": {"machine": "regression fitted to the plug-in's step log of the same load and seed"
-                 + (" (static engines: to the profile)" if args.static_twin_cost == "profile" else ""),
+                 + (" (static engines: to the profile)" if args.static_twin_cost == "profile" else "")
+                 + (" (the plug-in: the profile's fit)" if args.plugin_twin_cost == "profile" else ""),
                  "noise": "EngineOptions.step_noise_from: the same step log", "plain": f"{args.profile_file.name}, no noise",
                  "step_time": f"{args.twin_step_time} (sloweave.core.step_log.profile_rows)",
                  "heldout": f"{args.profile_file.name} plus the noise of the same engine and load at the next seed",

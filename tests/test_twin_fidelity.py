@@ -182,6 +182,24 @@ def test_engines_served_plugin_first_with_its_log(tmp_path):
         twin_fidelity.engines_to_serve(twin_fidelity.parse_args(["--engines", "vllm-tuned-999"]), tmp_path)
 
 
+def test_the_plugins_twin_can_run_on_the_profiles_machine_with_its_own_noise(tmp_path):
+    """On `long` at 20 ms the machine fitted to the plug-in's own log priced its mid-size chunks
+    well over the profile and the twin collapsed where the real engine did not: the plug-in's twin
+    can take the profile's fit as its machine, its noise still its own log's (against that machine)."""
+    log = twin_fidelity.run_log_of(tmp_path, "sloweave", 1.2, 0)
+    write_log(log, 5)
+    row = {"engine": "sloweave", "load": 1.2, "seed": 0}
+    cycles = tmp_path / "sloweave-load1.2-seed0.cycle.csv"
+    assert twin_fidelity.twin_source(row, twin_fidelity.parse_args([]), tmp_path) == (cycles, cycles)
+    args = twin_fidelity.parse_args(["--plugin-twin-cost", "profile"])
+    assert twin_fidelity.twin_source(row, args, tmp_path) == (args.profile_file, cycles)
+    static = {"engine": "vllm-tuned-256", "load": 1.2, "seed": 0}
+    write_log(twin_fidelity.run_log_of(tmp_path, "vllm-tuned-256", 1.2, 0), 5)
+    assert twin_fidelity.twin_source(static, args, tmp_path)[0] != args.profile_file  # the static engines' own
+    with pytest.raises(SystemExit):
+        twin_fidelity.parse_args(["--plugin-twin-cost", "plugin-log"])
+
+
 def test_static_engines_log_their_own_steps_through_the_fixed_budget_rule(tmp_path):
     """By default a static budget is served by the plug-in keeping vLLM's budget (``budget_rule:
     fixed``) with a log of its own, and its twin is fitted to that log, not the plug-in's."""
