@@ -326,19 +326,12 @@ def predict_row(row: dict, args, costs: Costs, log_dir: Path) -> None:
         )
         draws = [
             bench.simulated(
-                workload,
-                row["policy"],
-                machine,
-                args,
-                row["budget"],
-                plugin,
+                workload, row["policy"], machine, args, row["budget"], plugin,
                 policy_cost=costs.profile.model if is_plugin else None,
-                step_noise_from=str(noise),
-                noise_seed=noise_seed,
-                noise_block_steps=args.noise_block_steps,
-            )  # fmt: skip
+                step_noise_from=str(noise), noise_seed=noise_seed, noise_block_steps=args.noise_block_steps,
+            )
             for noise_seed in noise_seeds(row["seed"], args.noise_draws)
-        ]
+        ]  # fmt: skip
         row.update(over_draws(draws, row["real_attainment"], args.target))
         row["twin_cost"], row["twin_noise"] = fitted.name, noise.name
     except Exception as err:  # noqa: BLE001 - a twin that cannot be built is a result

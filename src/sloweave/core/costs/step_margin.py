@@ -164,12 +164,11 @@ def _additive_parts(
     Where the bucket's own steps show the pool's value under-covers them (``_under_covers``), the
     other buckets' tail is stretched by the bucket's own spread (``_stretched``).
     ``by_pool`` caches each pool's value (the two kinds share most pools)."""
-    counts = [[window.size for window in of_kind] for of_kind in windows]
     needed = steps_for_quantile(quantile)
-    if sum(map(sum, counts)) < needed:
+    counts, span = _counts_and_span(windows, needed)
+    if span is None:
         return [None] * len(counts[kind])
-    filled = [b for b in range(len(counts[kind])) if counts[0][b] or counts[1][b]]
-    low, high = filled[0], filled[-1]
+    low, high = span
     by_pool = {} if by_pool is None else by_pool
     parts: list[float | None] = [None] * len(counts[kind])
     for bucket in range(low, high + 1):
@@ -186,6 +185,16 @@ def _additive_parts(
     parts[:low] = [parts[low]] * low
     parts[high + 1 :] = [parts[high]] * (len(parts) - high - 1)
     return parts
+
+
+def _counts_and_span(windows: list[list[np.ndarray]], needed: int) -> tuple[list[list[int]], tuple[int, int] | None]:
+    """Each window's size, per kind and bucket, and the first and last bucket holding a step of
+    either kind (None: fewer than ``needed`` steps in all, too few for any margin)."""
+    counts = [[window.size for window in of_kind] for of_kind in windows]
+    if sum(map(sum, counts)) < needed:
+        return counts, None
+    filled = [b for b in range(len(counts[0])) if counts[0][b] or counts[1][b]]
+    return counts, (filled[0], filled[-1])
 
 
 def _pool(counts: list[list[int]], bucket: int, kind: int, low: int, high: int, needed: int) -> tuple:
@@ -358,15 +367,13 @@ class StepMargin:
         """The residuals a decode-only step's margin at ``bucket`` is read from, sorted (None: too few)."""
         self._refresh()
         if bucket not in self._decode_only_pools:
-            windows = self._windows
-            counts = [[window.size for window in of_kind] for of_kind in windows]
             needed = steps_for_quantile(self.quantile)
+            counts, span = _counts_and_span(self._windows, needed)
             pool = None
-            if sum(map(sum, counts)) >= needed:
-                filled = [b for b in range(len(counts[0])) if counts[0][b] or counts[1][b]]
-                low, high = filled[0], filled[-1]
+            if span is not None:
+                low, high = span
                 key = _pool(counts, min(max(bucket, low), high), DECODE_ONLY, low, high, needed)
-                pool = np.sort(np.concatenate([windows[k][b] for k, b in key]))
+                pool = np.sort(np.concatenate([self._windows[k][b] for k, b in key]))
             self._decode_only_pools[bucket] = pool
         return self._decode_only_pools[bucket]
 
