@@ -33,6 +33,11 @@ noise (the first is the run's own seed): the twin's columns are medians over the
 draws' range says whether the real run is one the twin could have drawn (near its capacity one
 draw decides whether the plug-in's queue drains).
 
+Beside attainment, each run's steps are set against its twin's (``vllm_cpu_bench.step_shape``):
+the mean chunk of the steps with decodes and a chunk, and the share of the steps with decodes
+that overran their deadline budget (``real_`` and ``twin_chunk_tokens_mean``, ``_late_step_share``;
+the twin's the median over its draws). A twin whose attainment is right for the wrong steps shows there.
+
 Attainment (TPOT and TTFT targets as the bench) and goodput of each; medians over seeds per
 engine and load, and the twin's error |twin - real| against ``--tolerance`` (0.1). Capacity
 (the issue asks the twin's within 15 % of the real): the real one from the attainments at the
@@ -334,6 +339,7 @@ def predict_row(row: dict, args, costs: Costs, log_dir: Path) -> None:
         ]  # fmt: skip
         row.update(over_draws(draws, row["real_attainment"], args.target))
         row["twin_cost"], row["twin_noise"] = fitted.name, noise.name
+        row.update(real_step_shape(run_log_of(log_dir, row["engine"], row["load"], row["seed"])))
     except Exception as err:  # noqa: BLE001 - a twin that cannot be built is a result
         prediction_failed(row, "", err)
     if len(args.seed_list) > 1:  # a held-out prediction takes its noise from another seed's run
@@ -347,6 +353,19 @@ def predict_row(row: dict, args, costs: Costs, log_dir: Path) -> None:
             row["heldout_noise"] = other.name
         except Exception as err:  # noqa: BLE001 - the twin's prediction stands without it
             prediction_failed(row, "held-out ", err)
+
+
+def real_step_shape(log: Path) -> dict:
+    """The real run's steps as ``bench.step_shape`` sets them against its twin's (``real_`` columns),
+    from its step log: the steps as they ran and as the plug-in timed them against their budgets."""
+    from sloweave.core.step_log import read_step_log
+
+    if not log.exists():
+        return {}
+    steps = read_step_log(log).steps
+    shape = bench.step_shape(steps["ran_decode_tokens"], steps["ran_prefill_tokens"], steps["measured_ms"],
+                             steps["budget_ms"])  # fmt: skip
+    return {f"real_{k}": v for k, v in shape.items()}
 
 
 NOISE_DRAW_STRIDE = 1_000_003  # draw k's noise seed: the run's seed + k x this (draw 0: the seed itself)
@@ -364,6 +383,7 @@ def over_draws(draws: list[dict], real_attainment: float, target: float) -> dict
     odds that the run keeps its target, not one draw's verdict). A run drawn like the twin's K draws
     falls inside their range with probability (K - 1) / (K + 1)."""
     columns = {f"twin_{k}": float(np.median([d[k] for d in draws])) for k in METRICS}
+    columns |= {f"twin_{k}": float(np.nanmedian([d[k] for d in draws])) for k in bench.STEP_SHAPE if k in draws[0]}
     if len(draws) > 1:
         attainments = [d["attainment"] for d in draws]
         low, high = min(attainments), max(attainments)
@@ -638,6 +658,13 @@ def draws_shown(row: dict) -> str:
             f"{row['twin_attaining_share']:.0%} attaining), ")  # fmt: skip
 
 
+def shape_shown(row: dict) -> str:
+    """The steps' shape, real against twin, for the progress line."""
+    get = lambda key: row.get(key, math.nan)  # noqa: E731
+    return (f"mean chunk real {get('real_chunk_tokens_mean'):.0f} / twin {get('twin_chunk_tokens_mean'):.0f} tokens, "
+            f"late steps real {get('real_late_step_share'):.2%} / twin {get('twin_late_step_share'):.2%}")  # fmt: skip
+
+
 def real_rows(path: Path) -> list[dict]:
     """The real runs of an earlier pass (``--predict-only``), without its predictions."""
     runs = pd.read_csv(path)
@@ -678,7 +705,7 @@ def main(argv: list[str] | None = None) -> None:
             print(f"predicted {row['engine']} load {row['load']:g} seed {row['seed']}: real "
                   f"{row['real_attainment']:.3f}, twin {row.get('twin_attainment', math.nan):.3f}, "
                   f"{draws_shown(row)}plain {row.get('plain_attainment', math.nan):.3f}, "
-                  f"held-out {row.get('heldout_attainment', math.nan):.3f}", flush=True)  # fmt: skip
+                  f"held-out {row.get('heldout_attainment', math.nan):.3f}; {shape_shown(row)}", flush=True)  # fmt: skip
     runs = with_errors(pd.DataFrame(rows))
     runs.to_csv(args.out / "runs.csv", index=False)
     fidelity = fidelity_table(runs, args.tolerance)

@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import math
 import os
 import time
 from pathlib import Path
@@ -261,7 +262,26 @@ def simulated(
     )
     policy = make_policy(policy_name, cost=cost if policy_cost is None else policy_cost, max_chunk_tokens=max_chunk)
     result = options.simulate(workload, policy, args.tpot_ms, args.ttft_ms, cost, noise_seed)
-    return evaluate(result, args.ttft_ms, args.tpot_ms).as_dict()
+    shape = step_shape(result.iter_decodes, result.iter_chunk_tokens, result.iter_end_ms - result.iter_start_ms,
+                       result.iter_budget_ms)  # fmt: skip
+    return evaluate(result, args.ttft_ms, args.tpot_ms).as_dict() | shape
+
+
+STEP_SHAPE = ("chunk_tokens_mean", "late_step_share")
+
+
+def step_shape(decodes, chunks, step_ms, budget_ms) -> dict:
+    """What a run's steps were like, a real engine's (its step log) or a simulation's, to set one
+    against the other (``STEP_SHAPE``): the mean chunk of the steps that ran decodes and a chunk,
+    and the share of the steps with decodes that overran their deadline budget (a late token)."""
+    decodes, chunks = np.asarray(decodes), np.asarray(chunks)
+    step_ms, budget_ms = np.asarray(step_ms, dtype=float), np.asarray(budget_ms, dtype=float)
+    decoding = decodes > 0
+    mixed = decoding & (chunks > 0)
+    return {
+        "chunk_tokens_mean": float(chunks[mixed].mean()) if mixed.any() else math.nan,
+        "late_step_share": float(np.mean(step_ms[decoding] > budget_ms[decoding])) if decoding.any() else math.nan,
+    }
 
 
 def plugin_sim_options(plugin_config: dict) -> dict:

@@ -16,7 +16,9 @@ from sloweave.core.budget import StepPlan
 from sloweave.core.costs.analytic import AnalyticCost
 from sloweave.core.costs.empirical_noise import (
     MIN_STEPS_PER_BUCKET,
+    MIN_STEPS_PER_GROUP,
     EmpiricalNoiseCost,
+    StepNoise,
     StepNoiseError,
     bucket_edges,
     read_step_samples,
@@ -75,23 +77,68 @@ def simulated(workload, options: EngineOptions, noise_seed: int = 0):
 # ---------------------------------------------------------------- the residual buckets
 
 
-def test_the_buckets_hold_the_logs_residuals_by_step_size(step_log):
+def test_the_buckets_hold_the_logs_residuals_by_step_kind_and_size(step_log):
     noise = step_noise_from_file(step_log, COST)
     steps = len(SHAPES) * 12
-    assert noise.steps == steps and sum(len(r) for r in noise.residuals_ms) == steps
-    assert all(len(r) >= MIN_STEPS_PER_BUCKET for r in noise.residuals_ms)
-    assert len(noise.residuals_ms) == len(noise.upper_edges_ms) + 1 > 4
-    spreads = [np.percentile(r, 99) - np.percentile(r, 1) for r in noise.residuals_ms]
-    small = [s for s, (_, high) in zip(spreads, noise.predicted_seen_ms) if high < SMALL_STEP_MS]
-    large = [s for s, (low, _) in zip(spreads, noise.predicted_seen_ms) if low >= SMALL_STEP_MS]
+    decode_only = sum(1 for _, c in SHAPES if c == 0) * 12
+    assert noise.steps == steps and noise.kinds_apart
+    assert [sum(map(len, kind.residuals_ms)) for kind in noise.kinds] == [decode_only, steps - decode_only]
+    spreads, seen = [], []
+    for kind in noise.kinds:
+        assert all(len(r) >= MIN_STEPS_PER_GROUP for r in kind.residuals_ms)
+        assert len(kind.residuals_ms) == len(kind.upper_edges_ms) + 1
+        spreads += [np.percentile(r, 99) - np.percentile(r, 1) for r in kind.residuals_ms]
+        seen += kind.predicted_seen_ms
+    assert len(spreads) > 4
+    small = [s for s, (_, high) in zip(spreads, seen) if high < SMALL_STEP_MS]
+    large = [s for s, (low, _) in zip(spreads, seen) if low >= SMALL_STEP_MS]
     # P1..P99: a normal's is 4.65 sd (1.2 ms for the small steps), 3 x Exp(1)'s 13.8 ms (the large ones)
     assert small and large and max(small) < 2.0 and min(large) > 9.0
     assert noise.floor_ms == pytest.approx(read_step_samples(step_log).measured_ms.min())
     described = json.loads(json.dumps(noise.describe(), allow_nan=False))
-    assert described["source"] == str(step_log) and [b["steps"] for b in described["buckets"]] == list(
-        map(len, noise.residuals_ms)
-    )
-    assert described["buckets"][0]["predicted_ms_from"] == 0 and described["buckets"][-1]["predicted_ms_to"] is None
+    assert described["source"] == str(step_log) and described["steps"] == steps and described["kinds_apart"]
+    for name, kind in zip(("decode-only", "with-chunk"), noise.kinds):
+        buckets = described["buckets_by_kind"][name]
+        assert [b["steps"] for b in buckets] == list(map(len, kind.residuals_ms))
+        assert buckets[0]["predicted_ms_from"] == 0 and buckets[-1]["predicted_ms_to"] is None
+
+
+def test_a_step_with_a_chunk_draws_from_the_steps_with_one():
+    """A served plug-in ran many decode-only steps of 2-3 ms and few small chunk steps: a chunk step
+    the simulator predicts at 3-6 ms takes a chunk step's residual (here +3 ms), not a decode-only
+    step's (0 ms) of the same predicted time, and a decode-only step never takes a chunk step's."""
+    predicted = np.concatenate([np.linspace(2.0, 3.0, 300), np.linspace(4.0, 12.0, 60)])
+    with_chunk = np.arange(360) >= 300
+    noise = StepNoise.of_steps(predicted, predicted + np.where(with_chunk, 3.0, 0.0), with_chunk)
+    assert noise.kinds_apart and noise.steps == 360
+    for block in (0, 50):
+        sampler = EmpiricalNoiseCost(lambda n, c: 3.0 if c == 0 else 3.0 + c / 100, noise, seed=1, block_steps=block)
+        for chunk in (0, 100, 300, 0, 200):
+            assert sampler(2, chunk) - sampler.cost(2, chunk) == (0.0 if chunk == 0 else 3.0)
+    # too few of a kind to keep apart: one set of buckets for both, as a source without kinds
+    few = StepNoise.of_steps(predicted[:340], predicted[:340], with_chunk[:340])
+    assert not few.kinds_apart and few.kinds[0].steps == 340
+
+
+def test_no_bucket_mixes_step_sizes_the_machine_never_ran_between():
+    """300 steps of 12-14 ms (residuals 0-1 ms) and 40 prefills of 45-50 ms (+20 ms, a slow machine's
+    large steps): no 12-14 ms step draws +20 ms, though the 40 are fewer than a bucket's 50, and a step
+    between the two sizes draws from the nearer in log time (the edge at their geometric mean)."""
+    rng = np.random.default_rng(0)
+    predicted = np.concatenate([rng.uniform(12.0, 14.0, 300), rng.uniform(45.0, 50.0, 40)])
+    measured = predicted + np.concatenate([rng.uniform(0.0, 1.0, 300), np.full(40, 20.0)])
+    noise = residual_buckets(predicted, measured)
+    top = noise.bucket_of(50.0)
+    assert noise.residuals_ms[top] == pytest.approx([20.0] * 40)
+    edge = (predicted[:300].max() * predicted[300:].min()) ** 0.5
+    assert noise.upper_edges_ms[top - 1] == pytest.approx(edge)
+    for predicted_ms in (12.0, 14.0, edge - 0.01):
+        assert max(noise.residuals_ms[noise.bucket_of(predicted_ms)]) < 1.0
+    # a size group under MIN_STEPS_PER_GROUP steps joins its neighbour (its top bucket, of 50 steps or more)
+    fewer = 300 + MIN_STEPS_PER_GROUP - 1
+    joined = residual_buckets(predicted[:fewer], measured[:fewer])
+    low_seen, high_seen = joined.predicted_seen_ms[joined.bucket_of(50.0)]
+    assert low_seen < 14.0 and high_seen > 45.0 and len(joined.residuals_ms[joined.bucket_of(50.0)]) >= 50
 
 
 def test_a_chunk_over_several_prompts_leaves_the_residual_of_its_pieces(tmp_path):
@@ -112,16 +159,16 @@ def test_a_chunk_over_several_prompts_leaves_the_residual_of_its_pieces(tmp_path
     writer.close()
     cost.set_offer(None)
     noise = step_noise_from_file(tmp_path / "served.jsonl", cost)
-    assert np.abs(np.concatenate(noise.residuals_ms)).max() < 1e-9
+    assert np.abs(np.concatenate([r for kind in noise.kinds for r in kind.residuals_ms])).max() < 1e-9
     assert cost._offer is None  # the steps' offers are not left set on the cost
 
 
 def test_ties_at_an_edge_merge_a_thin_bucket_into_its_smaller_neighbour():
-    predicted = np.array([1.0] * 120 + [2.0] * 30 + [3.0] * 100)
+    predicted = np.array([1.0] * 120 + [1.2] * 30 + [1.3] * 100)  # one size group (no gap of a factor sqrt 2)
     edges = bucket_edges(predicted)
     counts = np.bincount(np.searchsorted(edges, predicted, side="right"))
-    # 250 steps: 5 buckets, edges at the quantiles 1, 1, 2.4, 3; the empty ones below 1 and in [2.4, 3) merge away
-    assert counts.tolist() == [150, 100] and edges.tolist() == pytest.approx([2.4])
+    # 250 steps: 5 buckets, edges at the quantiles 1, 1, 1.24, 1.3; the empty ones below 1 and in [1.24, 1.3) merge away
+    assert counts.tolist() == [150, 100] and edges.tolist() == pytest.approx([1.24])
     assert bucket_edges(np.linspace(1, 2, 2 * MIN_STEPS_PER_BUCKET - 1)).size == 0  # 99 steps: one bucket
 
 
@@ -130,19 +177,21 @@ def test_the_simulators_drawn_residuals_reproduce_each_buckets_quantiles(step_lo
     result = simulated(chat_300, EngineOptions(step_noise_from=str(step_log)))
     predicted = np.array([COST(int(n), int(c)) for n, c in zip(result.iter_decodes, result.iter_chunk_tokens)])
     drawn = (result.iter_end_ms - result.iter_start_ms) - predicted
-    bucket = np.array([noise.bucket_of(p) for p in predicted])
     floored = np.isclose(predicted + drawn, noise.floor_ms)
     compared = 0
-    for b, residuals in enumerate(noise.residuals_ms):
-        in_bucket = drawn[(bucket == b) & ~floored]
-        # every draw is one of its bucket's residuals (a bootstrap, nothing invented)
-        nearest = np.min(np.abs(in_bucket[:, None] - np.array(residuals)[None, :]), axis=1, initial=np.inf)
-        assert np.all(nearest < 1e-6), b
-        if in_bucket.size >= 400:
-            spread = np.percentile(residuals, 99) - np.percentile(residuals, 1)
-            for q in (10, 50, 90):
-                assert np.percentile(in_bucket, q) == pytest.approx(np.percentile(residuals, q), abs=0.15 * spread)
-            compared += 1
+    for with_chunk, kind in enumerate(noise.kinds):
+        of_kind = (result.iter_chunk_tokens > 0) == bool(with_chunk)
+        bucket = np.array([kind.bucket_of(p) for p in predicted])
+        for b, residuals in enumerate(kind.residuals_ms):
+            in_bucket = drawn[of_kind & (bucket == b) & ~floored]
+            # every draw is one of its kind and bucket's residuals (a bootstrap, nothing invented)
+            nearest = np.min(np.abs(in_bucket[:, None] - np.array(residuals)[None, :]), axis=1, initial=np.inf)
+            assert np.all(nearest < 1e-6), (with_chunk, b)
+            if in_bucket.size >= 400:
+                spread = np.percentile(residuals, 99) - np.percentile(residuals, 1)
+                for q in (10, 50, 90):
+                    assert np.percentile(in_bucket, q) == pytest.approx(np.percentile(residuals, q), abs=0.15 * spread)
+                compared += 1
     assert compared >= 1 and floored.mean() < 0.01
 
 
@@ -191,9 +240,10 @@ def test_the_option_pickles_and_leaves_every_default_result_as_it_was(step_log):
     assert "step_noise_from" not in DEFAULT_OPTIONS.describe() and DEFAULT_OPTIONS.actual_cost(COST, 0) is COST
     described = options.describe()
     assert described["step_noise_from"] == str(step_log) and described["step_noise"]["steps"] == len(SHAPES) * 12
-    assert len(options.describe(COST)["step_noise"]["buckets"]) == len(
-        step_noise_from_file(step_log, COST).residuals_ms
-    )
+    by_kind = options.describe(COST)["step_noise"]["buckets_by_kind"]
+    assert [len(by_kind[name]) for name in ("decode-only", "with-chunk")] == [
+        len(kind.residuals_ms) for kind in step_noise_from_file(step_log, COST).kinds
+    ]
     assert options.label() == f"step_noise_from={step_log}"
 
 

@@ -355,3 +355,17 @@ def test_each_run_is_predicted_by_several_draws_of_its_own_noise(tmp_path):
     assert "twin_draws" not in one and five["twin_draws"] == 5
     assert five["twin_attainment_min"] <= five["twin_attainment"] <= five["twin_attainment_max"]
     assert five["twin_p99_ttft_ms"] != one["twin_p99_ttft_ms"]  # the median of five draws, not the first alone
+    # the steps' shape beside it: the log's chunks of 64-256 tokens, none over its 40 ms budget
+    assert five["real_chunk_tokens_mean"] == pytest.approx(160.0) and five["real_late_step_share"] == 0.0
+    assert five["twin_chunk_tokens_mean"] > 0 and 0.0 <= five["twin_late_step_share"] <= 1.0
+
+
+def test_a_runs_steps_shape_is_its_mean_chunk_beside_decodes_and_its_late_steps():
+    """The same measure for a step log and a simulation: the mean chunk of the steps that ran decodes
+    and a chunk, and the share of the steps with decodes that took longer than their budget."""
+    shape = twin_fidelity.bench.step_shape(
+        [0, 2, 3, 1, 4], [512, 0, 100, 300, 0], [50.0, 10.0, 30.0, 5.0, 25.0], [math.nan, 20.0, 20.0, 20.0, math.nan]
+    )
+    assert shape == {"chunk_tokens_mean": 200.0, "late_step_share": 0.25}  # a step without a budget is not late
+    none = twin_fidelity.bench.step_shape([0, 0], [64, 0], [1.0, 1.0], [math.nan, math.nan])
+    assert math.isnan(none["chunk_tokens_mean"]) and math.isnan(none["late_step_share"])

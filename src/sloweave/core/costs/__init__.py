@@ -7,7 +7,7 @@
 | ``context_analytic`` | ``ContextAnalyticCost``: the analytic cost plus what the KV context adds |
 | ``margins`` | ``ZeroMargin``, ``ConstantMargin``, ``RelativeMargin`` |
 | ``noisy`` | ``NoisyCost``: the simulator's actual time (prediction x seeded noise x bias) |
-| ``empirical_noise`` | ``EmpiricalNoiseCost``: the simulator's actual time (prediction + a residual a real engine's step log measured, by predicted step time) |
+| ``empirical_noise`` | ``EmpiricalNoiseCost``: the simulator's actual time (prediction + a residual a real engine's step log measured, by step kind and predicted step time) |
 | ``kv_memory`` | ``KVMemory``: the KV cache a served model leaves room for, from the model and the GPU |
 | ``step_profiles`` | step-time profiles: their format, ``read_profile``, ``write_profile``, ``validate_profile``, ``ProfileError`` |
 | ``step_grid`` | a profile's steps on their (n, c, context) grid and the check that step time does not drop along it |

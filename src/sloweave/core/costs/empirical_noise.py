@@ -11,10 +11,19 @@ about 5 ms), which no single lognormal sigma has. Here the noise is the machine'
   step's decodes, chunk and KV context (``predict(n, c, decode_kv, prefix)`` for a cost that
   reads the context, ``T(n, c)`` otherwise), not the margin-inclusive plan of the log. The cost
   is normally the one fitted to the same file (``--cost LOG``), so the residuals are the fit's;
-- the buckets, by predicted step time: k = min(16, steps // 50) buckets with edges at the
-  1/k, ..., (k-1)/k quantiles of the predicted times, then any bucket with under 50 steps
-  (ties at an edge) merged into its smaller neighbour: every bucket holds at least 50 steps,
-  and a step predicted outside the file's range draws from the nearest end bucket;
+- the step kinds apart, as the margin keeps them (``step_margin.STEP_KINDS``): a decode-only
+  step draws from the decode-only steps, a step with a chunk from the steps with one, wherever
+  the source holds 50 of each (else one set for both). A served plug-in's few small chunk steps
+  would otherwise share a bucket with its decode-only steps, whose noise is a fraction of theirs;
+- the buckets, by predicted step time, within each kind: first the sizes the source ran, split
+  where no step lies within a factor sqrt(2) of the next (``SIZE_GAP_RATIO``, the margin's bucket
+  width; a size group of under 20 steps joins its nearer neighbour), so that no bucket mixes
+  steps of sizes the machine never ran between (a plug-in's 13 ms steps and its 50 ms prefills
+  without decodes, whose larger noise would land on the 13 ms ones); then, in each size group,
+  k = min(16, steps // 50) buckets with edges at the 1/k, ..., (k-1)/k quantiles of its predicted
+  times, any with under 50 steps (ties at an edge) merged into its smaller neighbour. A step
+  predicted between two groups draws from the nearer (the edge at their geometric mean), one
+  outside the file's range from the nearest end bucket;
 - each simulated iteration (``EmpiricalNoiseCost``) takes its predicted time p, draws one
   residual of p's bucket uniformly (a bootstrap, from a seeded numpy Generator built fresh per
   run, so the same seed gives the same times, bit for bit) and lasts max(p + residual, floor);
@@ -42,17 +51,24 @@ from pathlib import Path
 import numpy as np
 
 from sloweave.core.costs.protocols import ContextAware, CostModel, predict_each, uncounted
+from sloweave.core.costs.step_margin import STEP_KINDS
 from sloweave.core.costs.step_profiles import ProfileError, offers_of, read_profile
 from sloweave.core.validate import STEP_COUNT
 
 MIN_STEPS_PER_BUCKET = 50
 MAX_NOISE_BUCKETS = 16
+# Predicted step times further apart than this factor, with no step between, are sizes of their own.
+SIZE_GAP_RATIO = 2.0**0.5
+MIN_STEPS_PER_GROUP = 20
 _UNIFORM_BLOCK = 4096  # uniforms drawn at once: one Generator call per block, not per iteration
 _CACHED_FILES = 4
 _CACHED_NOISES = 8
 BUCKET_RULE = (
-    f"k = min({MAX_NOISE_BUCKETS}, steps // {MIN_STEPS_PER_BUCKET}) buckets by predicted step time, edges at its "
-    f"quantiles 1/k .. (k-1)/k; a bucket under {MIN_STEPS_PER_BUCKET} steps merged into its smaller neighbour"
+    f"per step kind (decode-only, with a chunk; one set for both unless each has {MIN_STEPS_PER_BUCKET} steps), "
+    f"the predicted step times split at gaps wider than a factor {SIZE_GAP_RATIO:.4g} (a group under "
+    f"{MIN_STEPS_PER_GROUP} steps joins its nearer neighbour), then in each group k = min({MAX_NOISE_BUCKETS}, "
+    f"steps // {MIN_STEPS_PER_BUCKET}) buckets by predicted step time, edges at its quantiles 1/k .. (k-1)/k; "
+    f"a bucket under {MIN_STEPS_PER_BUCKET} steps merged into its smaller neighbour"
 )
 FLOOR_RULE = "the smallest step time measured in the source: the machine never ran a faster step"
 PREDICTOR = (
@@ -168,8 +184,44 @@ def predicted_times(samples: StepSamples, cost: CostModel) -> np.ndarray:
 
 
 def bucket_edges(predicted_ms: np.ndarray) -> np.ndarray:
-    """Upper edges of the buckets (``BUCKET_RULE``): a step of prediction p is in bucket
-    ``searchsorted(edges, p, side="right")``; the last bucket is open."""
+    """Upper edges of the buckets (``BUCKET_RULE``, within one step kind): a step of prediction p is
+    in bucket ``searchsorted(edges, p, side="right")``; the last bucket is open."""
+    ordered = np.sort(np.asarray(predicted_ms, dtype=np.float64))
+    groups = _size_groups(ordered)
+    edges = [_quantile_edges(ordered[start:end]) for start, end in groups]
+    for (_, end), (start, _) in zip(groups, groups[1:]):  # between two groups: the nearer draws
+        low, high = ordered[end - 1], ordered[start]
+        edges.append(np.array([(low * high) ** 0.5 if low > 0 else (low + high) / 2]))
+    return np.unique(np.concatenate(edges)) if edges else np.empty(0)
+
+
+def _size_groups(ordered_ms: np.ndarray) -> list[tuple[int, int]]:
+    """[start, end) index ranges of sorted predicted times, cut where the next is more than
+    ``SIZE_GAP_RATIO`` times the last; a group of under ``MIN_STEPS_PER_GROUP`` steps joins the
+    neighbour nearer in log time (the smallest first)."""
+    cuts = np.flatnonzero(ordered_ms[1:] > SIZE_GAP_RATIO * ordered_ms[:-1]) + 1
+    bounds = [0, *cuts.tolist(), ordered_ms.size]
+    groups = list(zip(bounds[:-1], bounds[1:]))
+    while len(groups) > 1:
+        sizes = [end - start for start, end in groups]
+        g = int(np.argmin(sizes))
+        if sizes[g] >= MIN_STEPS_PER_GROUP:
+            break
+        into_lower = g == len(groups) - 1 or (
+            g > 0 and _log_gap(ordered_ms, groups[g - 1], groups[g]) <= _log_gap(ordered_ms, groups[g], groups[g + 1])
+        )
+        first = g - 1 if into_lower else g
+        groups[first : first + 2] = [(groups[first][0], groups[first + 1][1])]
+    return groups
+
+
+def _log_gap(ordered_ms: np.ndarray, lower: tuple[int, int], upper: tuple[int, int]) -> float:
+    """How far apart two neighbouring size groups lie in log time, between their nearest steps."""
+    return float(np.log(max(ordered_ms[upper[0]], 1e-9) / max(ordered_ms[lower[1] - 1], 1e-9)))
+
+
+def _quantile_edges(predicted_ms: np.ndarray) -> np.ndarray:
+    """One size group's edges: k quantile buckets, a thin one merged into its smaller neighbour."""
     k = min(MAX_NOISE_BUCKETS, predicted_ms.size // MIN_STEPS_PER_BUCKET)
     edges = np.unique(np.quantile(predicted_ms, np.arange(1, k) / k)) if k > 1 else np.empty(0)
     while edges.size:
@@ -228,8 +280,12 @@ class EmpiricalStepNoise:
         }
 
 
-def residual_buckets(predicted_ms, measured_ms, source: str = "given steps") -> EmpiricalStepNoise:
-    """The residuals measured - predicted of these steps in buckets of predicted time (``BUCKET_RULE``)."""
+def residual_buckets(
+    predicted_ms, measured_ms, source: str = "given steps", positions=None, floor_ms: float | None = None
+) -> EmpiricalStepNoise:
+    """The residuals measured - predicted of these steps in buckets of predicted time (``BUCKET_RULE``,
+    one step kind). ``positions``: each step's index on the source's timeline (by default its order
+    here); ``floor_ms``: the source's fastest step (by default these steps')."""
     predicted_ms = np.asarray(predicted_ms, dtype=np.float64)
     measured_ms = np.asarray(measured_ms, dtype=np.float64)
     if predicted_ms.shape != measured_ms.shape or predicted_ms.ndim != 1:
@@ -242,6 +298,7 @@ def residual_buckets(predicted_ms, measured_ms, source: str = "given steps") -> 
             )
     if predicted_ms.size < MIN_STEPS_PER_BUCKET:
         raise StepNoiseError(f"step noise source {source}: {predicted_ms.size} steps, at least {MIN_STEPS_PER_BUCKET}")
+    positions = np.arange(predicted_ms.size) if positions is None else np.asarray(positions, dtype=np.int64)
     edges = bucket_edges(predicted_ms)
     bucket = np.searchsorted(edges, predicted_ms, side="right")
     residuals = measured_ms - predicted_ms
@@ -251,24 +308,63 @@ def residual_buckets(predicted_ms, measured_ms, source: str = "given steps") -> 
         int(predicted_ms.size),
         tuple(edges.tolist()),
         tuple(tuple(residuals[m].tolist()) for m in members),
-        tuple(tuple(m.tolist()) for m in members),
+        tuple(tuple(positions[m].tolist()) for m in members),
         tuple((float(predicted_ms[m].min()), float(predicted_ms[m].max())) for m in members),
-        float(measured_ms.min()),
+        float(measured_ms.min()) if floor_ms is None else float(floor_ms),
     )
+
+
+@dataclass(frozen=True)
+class StepNoise:
+    """A source's residuals by step kind: ``kinds[0]`` for decode-only steps, ``kinds[1]`` for steps
+    with a chunk (the same buckets twice where the source holds too few of a kind to keep them apart)."""
+
+    source: str
+    steps: int
+    kinds: tuple[EmpiricalStepNoise, EmpiricalStepNoise]
+    floor_ms: float
+
+    @classmethod
+    def of_steps(cls, predicted_ms, measured_ms, with_chunk, source: str = "given steps") -> StepNoise:
+        """The residual buckets of these steps, each kind apart when both have ``MIN_STEPS_PER_BUCKET``."""
+        predicted_ms, measured_ms = np.asarray(predicted_ms, dtype=np.float64), np.asarray(measured_ms, np.float64)
+        with_chunk = np.asarray(with_chunk, dtype=bool)
+        together = residual_buckets(predicted_ms, measured_ms, source)
+        members = [np.flatnonzero(~with_chunk), np.flatnonzero(with_chunk)]
+        if min(m.size for m in members) < MIN_STEPS_PER_BUCKET:
+            return cls(source, together.steps, (together, together), together.floor_ms)
+        kinds = tuple(
+            residual_buckets(predicted_ms[m], measured_ms[m], source, positions=m, floor_ms=together.floor_ms)
+            for m in members
+        )
+        return cls(source, together.steps, kinds, together.floor_ms)
+
+    @property
+    def kinds_apart(self) -> bool:
+        return self.kinds[0] is not self.kinds[1]
+
+    def describe(self) -> dict:
+        """The source, the rules, and per kind its buckets (``EmpiricalStepNoise.describe``)."""
+        described = self.kinds[0].describe()
+        buckets = {name: kind.describe()["buckets"] for name, kind in zip(STEP_KINDS, self.kinds)}
+        del described["buckets"]
+        return described | {"steps": self.steps, "kinds_apart": self.kinds_apart, "buckets_by_kind": buckets}
 
 
 _noises: OrderedDict = OrderedDict()
 
 
-def step_noise_from_file(path: str | Path, cost: CostModel) -> EmpiricalStepNoise:
-    """The residual buckets of the steps in ``path`` against ``cost``; built once per file and cost
-    object in a process (the cache keeps the cost, so its id is not reused while it is kept)."""
+def step_noise_from_file(path: str | Path, cost: CostModel) -> StepNoise:
+    """The residual buckets of the steps in ``path`` against ``cost``, by step kind; built once per file
+    and cost object in a process (the cache keeps the cost, so its id is not reused while it is kept)."""
     samples = read_step_samples(path)
     key = (samples.source, samples.sha256, id(cost))
     if key in _noises:
         _noises.move_to_end(key)
         return _noises[key][1]
-    noise = residual_buckets(predicted_times(samples, cost), samples.measured_ms, samples.source)
+    noise = StepNoise.of_steps(
+        predicted_times(samples, cost), samples.measured_ms, samples.chunk_tokens > 0, samples.source
+    )
     _noises[key] = (cost, noise)
     while len(_noises) > _CACHED_NOISES:
         _noises.popitem(last=False)
@@ -277,24 +373,27 @@ def step_noise_from_file(path: str | Path, cost: CostModel) -> EmpiricalStepNois
 
 class EmpiricalNoiseCost:
     """The simulator's "actual" iteration time: the cost's prediction plus a residual the machine
-    showed at that predicted time (a seeded bootstrap, or with ``block_steps`` > 0 blocks of the
-    source's timeline), never below the floor. Stateful: build one per run
+    showed for a step of that kind at that predicted time (a seeded bootstrap, or with
+    ``block_steps`` > 0 blocks of the source's timeline), never below the floor. ``noise``: a
+    ``StepNoise``, or one ``EmpiricalStepNoise`` for both kinds. Stateful: build one per run
     (``sloweave.sim.options.EngineOptions.actual_cost`` does)."""
 
-    __slots__ = (
-        "cost", "noise", "seed", "block_steps", "_rng", "_uniform", "_next", "_edges", "_residuals", "_floor",
-        "_step", "_start",
-    )  # fmt: skip
+    __slots__ = ("cost", "noise", "seed", "block_steps", "_rng", "_uniform", "_next", "_kinds", "_floor", "_step",
+                 "_start")  # fmt: skip
 
-    def __init__(self, cost: CostModel, noise: EmpiricalStepNoise, seed: int, block_steps: int = 0) -> None:
-        if not isinstance(noise, EmpiricalStepNoise):
-            raise StepNoiseError(f"noise must be an EmpiricalStepNoise, got {type(noise).__name__}")
+    def __init__(self, cost: CostModel, noise: StepNoise | EmpiricalStepNoise, seed: int, block_steps: int = 0) -> None:
+        if isinstance(noise, EmpiricalStepNoise):
+            noise = StepNoise(noise.source, noise.steps, (noise, noise), noise.floor_ms)
+        if not isinstance(noise, StepNoise):
+            raise StepNoiseError(f"noise must be a StepNoise or an EmpiricalStepNoise, got {type(noise).__name__}")
         STEP_COUNT.check(block_steps, "block_steps")
         self.cost, self.noise, self.seed, self.block_steps = cost, noise, seed, block_steps
         self._rng = np.random.default_rng(seed)
         self._uniform: list[float] = []
         self._next = 0
-        self._edges, self._residuals, self._floor = noise.upper_edges_ms, noise.residuals_ms, noise.floor_ms
+        # per kind: (upper edges, residuals per bucket, source positions per bucket)
+        self._kinds = tuple((kind.upper_edges_ms, kind.residuals_ms, kind.positions) for kind in noise.kinds)
+        self._floor = noise.floor_ms
         self._step = self._start = 0
 
     def _draw(self) -> float:
@@ -307,22 +406,23 @@ class EmpiricalNoiseCost:
 
     def __call__(self, n_decodes: int, chunk_tokens: int) -> float:
         predicted_ms = self.cost(n_decodes, chunk_tokens)
-        bucket = bisect.bisect_right(self._edges, predicted_ms)
-        residuals = self._residuals[bucket]
+        edges, by_bucket, positions = self._kinds[chunk_tokens > 0]
+        bucket = bisect.bisect_right(edges, predicted_ms)
+        residuals = by_bucket[bucket]
         if self.block_steps:
-            residual_ms = residuals[self._nearest_in_time(bucket)]
+            residual_ms = residuals[self._nearest_in_time(positions[bucket])]
         else:
             residual_ms = residuals[int(self._draw() * len(residuals))]
         actual_ms = predicted_ms + residual_ms
         return actual_ms if actual_ms > self._floor else self._floor
 
-    def _nearest_in_time(self, bucket: int) -> int:
-        """The index, in ``bucket``, of its source step nearest to this iteration's place on the timeline."""
+    def _nearest_in_time(self, positions: tuple[int, ...]) -> int:
+        """The index, among a bucket's source steps (``positions``), of the one nearest to this
+        iteration's place on the timeline."""
         if self._step % self.block_steps == 0:
             self._start = int(self._draw() * self.noise.steps)
         t = (self._start + self._step % self.block_steps) % self.noise.steps
         self._step += 1
-        positions = self.noise.positions[bucket]
         j = bisect.bisect_left(positions, t)
         if j == len(positions) or (j > 0 and t - positions[j - 1] <= positions[j] - t):
             return j - 1
