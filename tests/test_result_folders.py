@@ -448,3 +448,23 @@ def test_every_destination_state_ends_complete_refused_or_untouched(tmp_path_fac
     assert (root / "out.incomplete").exists() == (kept or untouched)
     if kept:
         assert "INCOMPLETE" in _names(root / "out.incomplete")
+
+
+def test_a_result_file_says_which_code_made_it(tmp_path):
+    """The package version does not tell two trees apart (a result predicted by an earlier tree put
+    first on the path, to set it against this one): every result file names the code's folder and,
+    in a git work tree, its commit."""
+    import json
+
+    import sloweave
+    from sloweave.studies.outputs import write_result_json
+
+    write_result_json(tmp_path / "result.json", {"settings": {"seed": 0}})
+    code = json.loads((tmp_path / "result.json").read_text())["sloweave_code"]
+    package = Path(sloweave.__file__).resolve().parent
+    assert code["path"] == str(package)
+    head = subprocess.run(["git", "-C", str(package), "rev-parse", "HEAD"], capture_output=True, text=True)
+    if head.returncode == 0:  # a work tree (a clone, as CI runs it): its commit, and how many files differ
+        assert code["git_commit"] == head.stdout.strip() and isinstance(code["files_changed_since_commit"], int)
+    else:
+        assert code["git_commit"] is None

@@ -2,15 +2,18 @@
 
 JSON has no NaN or Infinity; a missing or unbounded number is written as ``null`` (the
 file's own fields say what it stands for, e.g. a capacity the run was too short to
-measure). Every payload carries the package version and the settings that produced it.
+measure). Every payload carries the package version, where its code was imported from (and in a
+git work tree that code's commit), and the settings that produced it.
 The folders they go in are ``sloweave.studies.result_folders``'.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
+import subprocess
 from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -29,6 +32,28 @@ def package_version() -> str:
         return metadata.version("sloweave")
     except metadata.PackageNotFoundError:
         return "unknown (not installed)"
+
+
+@functools.cache
+def code_source() -> dict:
+    """Where the running sloweave was imported from and, in a git work tree, that tree's commit and
+    how many of its files differ from it. The package version alone does not tell two trees apart:
+    a result made by an earlier tree put first on the path (to set it against this one) says so here."""
+    path = Path(__file__).resolve().parents[1]  # the package this module belongs to
+
+    def git(*args: str) -> str | None:
+        try:
+            done = subprocess.run(["git", "-C", str(path), *args], capture_output=True, text=True, timeout=10)
+        except (OSError, subprocess.SubprocessError):
+            return None
+        return done.stdout.strip() if done.returncode == 0 else None
+
+    changed = git("status", "--porcelain", "--", ".")
+    return {
+        "path": str(path),
+        "git_commit": git("rev-parse", "HEAD"),
+        "files_changed_since_commit": None if changed is None else len(changed.splitlines()),
+    }
 
 
 def _strict(value):
@@ -54,7 +79,9 @@ def strict_json(payload: dict) -> str:
 
 def write_result_json(path: Path, payload: dict) -> None:
     """``payload`` with the package version, as strict JSON, written whole or not at all."""
-    write_text_atomic(path, strict_json({"sloweave_version": package_version(), **payload}))
+    write_text_atomic(
+        path, strict_json({"sloweave_version": package_version(), "sloweave_code": code_source(), **payload})
+    )
 
 
 def check_writable(out: Path, label: str, is_file: bool = False) -> None:
