@@ -476,18 +476,11 @@ def validate_iterations(
 
 
 def source_state() -> dict:
-    """Which sloweave source the figures come from (read-only git queries)."""
-    import subprocess
+    """Which sloweave source the figures come from (``sloweave.studies.outputs.code_source``)."""
+    from sloweave.studies.outputs import code_source
 
-    def git(*cmd):
-        proc = subprocess.run(["git", *cmd], capture_output=True, text=True, cwd=REPO)
-        return proc.stdout.strip() if proc.returncode == 0 else None
-
-    changed = git("status", "--porcelain", "--", "src")
-    return {
-        "commit": git("rev-parse", "HEAD"),
-        "src_files_changed_since_commit": None if changed is None else len(changed.splitlines()),
-    }
+    code = code_source()
+    return {"commit": code["git_commit"], "src_files_changed_since_commit": code["files_changed_since_commit"]}
 
 
 def strict(value):

@@ -297,9 +297,18 @@ def as_twin_reads(log: Path, step_time: str) -> Path:
     if step_time == "measured":
         return log
     from sloweave.core.costs.step_profiles import write_profile
-    from sloweave.core.step_log import profile_rows, read_step_log
+    from sloweave.core.step_log import profile_rows
 
-    return write_profile(profile_rows(read_step_log(log), step_time), log.with_suffix(f".{step_time}.csv"))
+    return write_profile(profile_rows(step_log_of(log), step_time), log.with_suffix(f".{step_time}.csv"))
+
+
+@functools.cache
+def step_log_of(log: Path):
+    """A run's step log, read once: the twin's machine and noise, the real run's step shape and the
+    served steps against the profile all read it."""
+    from sloweave.core.step_log import read_step_log
+
+    return read_step_log(log)
 
 
 def heldout_noise_log(row: dict, args, log_dir: Path) -> Path:
@@ -358,11 +367,9 @@ def predict_row(row: dict, args, costs: Costs, log_dir: Path) -> None:
 def real_step_shape(log: Path) -> dict:
     """The real run's steps as ``bench.step_shape`` sets them against its twin's (``real_`` columns),
     from its step log: the steps as they ran and as the plug-in timed them against their budgets."""
-    from sloweave.core.step_log import read_step_log
-
     if not log.exists():
         return {}
-    steps = read_step_log(log).steps
+    steps = step_log_of(log).steps
     shape = bench.step_shape(steps["ran_decode_tokens"], steps["ran_prefill_tokens"], steps["measured_ms"],
                              steps["budget_ms"])  # fmt: skip
     return {f"real_{k}": v for k, v in shape.items()}
@@ -408,13 +415,12 @@ def served_against_profile(runs: pd.DataFrame, log_dir: Path) -> pd.DataFrame:
     """Per engine and chunk size: the steps as served (measured) against the profile's price of
     the same step (the log's ``base_predicted_ms``: the plug-in's cost before online correction),
     over every measured run's log; steps that ran other than planned are left out."""
-    from sloweave.core.step_log import read_step_log
 
     frames = []
     for row in runs.dropna(subset=["real_attainment"]).to_dict("records"):
         log = run_log_of(log_dir, row["engine"], row["load"], row["seed"])
         if log.exists():
-            steps = read_step_log(log).steps
+            steps = step_log_of(log).steps
             as_planned = (steps["decode_tokens"] == steps["ran_decode_tokens"]) & (
                 steps["chunk_tokens"] == steps["ran_prefill_tokens"]
             )
