@@ -22,6 +22,13 @@ the other buckets' value is stretched by the bucket's own spread over theirs (in
 ranges): the few large steps of a run spread wider than the many small ones they pool with.
 Quantiles are re-read every ``refresh_steps`` observed steps, not per call.
 
+Stalls (the machine busy elsewhere) delay a step whatever it holds. A residual past the largest
+budget a decision has had is one no margin could have kept to a deadline, nor a step without the
+chunk: it is left out of the pools once decode-only steps show such stalls too, at a like rate
+per millisecond of step (``without_stalls``); left in, a spell of them held every chunk back for
+2,000 steps after it ended. A shorter stall, past a decision's slack, counts only as the risk the
+chunk adds (``StepMargin.set_step``).
+
 The corrected model plus margin stays monotone in the chunk: within a kind (fixed for every
 c >= 1) the total is g(p) = max(p + a_b + r_b p, F_b), a_b, r_b >= 0 the bucket's additive and
 relative parts, F_b the largest total any lower bucket can reach (its upper edge plus its
@@ -41,6 +48,10 @@ import numpy as np
 PREDICTED_MS_EDGES = (0.0, *(2.0 ** (k / 2) for k in range(-4, 35)))
 DECODE_ONLY, WITH_CHUNK = 0, 1
 _UPPER_EDGES_MS = np.array(PREDICTED_MS_EDGES[1:])
+# a step's time in each bucket, for the time the steps of a window took (the geometric middle)
+_BUCKET_MIDDLES_MS = np.array(
+    [PREDICTED_MS_EDGES[1] / 2, *np.sqrt(_UPPER_EDGES_MS[:-1] * _UPPER_EDGES_MS[1:]), PREDICTED_MS_EDGES[-1]]
+)
 STEP_KINDS = ("decode-only", "with-chunk")
 # A bucket's window: its quantile at P99.7 is then about its third largest residual.
 BUCKET_WINDOW_STEPS = 1000
@@ -66,6 +77,12 @@ UNDER_COVERAGE_SIGNIFICANCE = 0.05
 # plug-in's scheduling inside vLLM (measured on its CPU build: 60 us of 400 us a step). 32 steps
 # add 32 residuals to windows of up to 1,000 and are a fraction of a second of serving.
 TABLE_REFRESH_STEPS = 32
+# A residual past the largest budget a decision has had is a stall no margin could have kept to
+# its deadline, nor a step without the chunk: the machine's (busy elsewhere), not the chunk's. It
+# is left out of the margin's pools while decode-only steps show such stalls too, and steps with a
+# chunk show them at most this many times as often per millisecond of step (a stall comes in wall
+# time: a longer step is caught by more of them; far more often than that, they are the chunk's).
+STALL_RATE_RATIO = 4.0
 # A decision whose decode-only step would itself miss its budget for a share p0 of like steps reads
 # its margins at the quantile less p0, rounded up to this grid (%): each level read is one more
 # table per refresh, and a burst of stalls moves p0 slowly.
@@ -226,6 +243,11 @@ def _spread(residuals_ms: np.ndarray) -> float:
     return float(high - low)
 
 
+def _share_past(sorted_ms: np.ndarray, limit_ms: float) -> float:
+    """The share of sorted residuals above ``limit_ms``."""
+    return (sorted_ms.size - int(np.searchsorted(sorted_ms, limit_ms, side="right"))) / sorted_ms.size
+
+
 def _under_covers(residuals_ms: np.ndarray, margin_ms: float, quantile: float) -> bool:
     """Whether more of these steps exceed ``margin_ms`` than ``quantile`` allows, beyond chance: the
     binomial tail of that many exceedances (or more) under the quantile's rate is below
@@ -240,6 +262,25 @@ def _under_covers(residuals_ms: np.ndarray, margin_ms: float, quantile: float) -
         term *= (steps - k) / (k + 1) * rate / (1.0 - rate)
         below += term
     return False
+
+
+def without_stalls(windows: list[list[np.ndarray]], stall_ms: float) -> list[list[np.ndarray]]:
+    """``windows`` (``StepResiduals.windows()``) less the residuals past ``stall_ms``, where they
+    are the machine's (``STALL_RATE_RATIO``): decode-only steps have some, and steps with a chunk
+    have them at most that many times as often per millisecond of step. Otherwise as they are."""
+    past = [[int(np.count_nonzero(window > stall_ms)) for window in of_kind] for of_kind in windows]
+    decode_only_stalls, with_chunk_stalls = sum(past[DECODE_ONLY]), sum(past[WITH_CHUNK])
+    if not decode_only_stalls:
+        return windows
+    decode_only_ms, with_chunk_ms = (
+        float(np.dot([window.size for window in of_kind], _BUCKET_MIDDLES_MS)) for of_kind in windows
+    )
+    if with_chunk_stalls * decode_only_ms > STALL_RATE_RATIO * decode_only_stalls * with_chunk_ms:
+        return windows
+    return [
+        [window[window <= stall_ms] if stalls else window for window, stalls in zip(of_kind, stalls_of_kind)]
+        for of_kind, stalls_of_kind in zip(windows, past)
+    ]
 
 
 def margin_table(
@@ -318,16 +359,19 @@ class StepMargin:
         self._read_at = -1
         self._windows: list[list[np.ndarray]] = []
         self._tables: dict[float, tuple] = {}  # per quantile read, this refresh's tables
-        self._decode_only_pools: dict[int, np.ndarray | None] = {}  # per bucket, sorted
+        self._sorted_pools: dict[tuple[int, int], np.ndarray | None] = {}  # per kind and bucket
         self.level = quantile  # the quantile the decision ``set_step`` announced reads
+        # residuals past this are stalls (``without_stalls``): the largest budget told, on the buckets' grid
+        self.stall_ms = math.inf
 
     def _refresh(self) -> None:
         """Every ``refresh_steps`` observed steps, the windows are read again and the tables made anew."""
         epoch = self.residuals.observed // self.refresh_steps
         if epoch != self._read_at:
-            self._windows = self.residuals.windows()
+            windows = self.residuals.windows()
+            self._windows = windows if self.stall_ms == math.inf else without_stalls(windows, self.stall_ms)
             self._tables.clear()
-            self._decode_only_pools.clear()
+            self._sorted_pools.clear()
             self._read_at = epoch
 
     def tables(self, level: float | None = None) -> tuple:
@@ -346,36 +390,65 @@ class StepMargin:
 
     def set_step(self, n_decodes: int, budget_ms: float) -> None:
         """The decision about to be taken: its decode batch and budget. Where a decode-only step of
-        that batch would itself miss the budget for a share p0 of the residuals its margin is read
-        from, every margin of the decision is read at the quantile less p0, so a step with a chunk
-        misses at most 1 - quantile more often than the decode-only step would. Past the median
-        (the decode-only step itself likely late) the quantile as it is; p0 = 0 on a quiet machine."""
+        that batch would itself miss the budget for a share p of like steps (``_stalled_share``),
+        every margin of the decision is read at the quantile less p: a step with a chunk is late
+        for its chunk (a residual past its margin that would not have made the decode-only step
+        late) at most 1 - quantile of the time. Past the median (the decode-only step itself
+        likely late) the quantile as it is; p = 0 on a quiet machine."""
         self.level = self.quantile
         if not n_decodes or not budget_ms < math.inf or self.residuals.observed < self.min_steps:
             return
+        if not budget_ms <= self.stall_ms < math.inf:
+            self._stalls_past(budget_ms)
         decode_only_ms = self.cost(n_decodes, 0)
-        pool = self._decode_only_pool(predicted_bucket(decode_only_ms))
-        slack_ms = budget_ms - decode_only_ms
-        if pool is None or pool[-1] <= slack_ms:
+        pool = self._sorted_pool(DECODE_ONLY, predicted_bucket(decode_only_ms))
+        if pool is None or pool[-1] <= budget_ms - decode_only_ms:
             return
-        late = pool.size - int(np.searchsorted(pool, slack_ms, side="right"))
-        level = self.quantile - 100.0 * late / pool.size
+        level = self.quantile - 100.0 * self._stalled_share(pool, decode_only_ms, budget_ms)
         if level >= 50.0:
             self.level = min(math.ceil(round(level / ADDED_RISK_GRID, 9)) * ADDED_RISK_GRID, self.quantile)
 
-    def _decode_only_pool(self, bucket: int) -> np.ndarray | None:
-        """The residuals a decode-only step's margin at ``bucket`` is read from, sorted (None: too few)."""
+    def _stalled_share(self, decode_only_pool: np.ndarray, decode_only_ms: float, budget_ms: float) -> float:
+        """The largest share of steps a stall makes late whatever they hold, among the pools this
+        decision's steps read: the decode-only step's (p0: residuals past its slack, the budget less
+        its time) and those of the steps with a chunk it could plan, predicted between the
+        decode-only step and the budget (residuals past the same slack: that late, the decode-only
+        step would have been late too). A stall comes in wall time: a step with a chunk, up to r
+        times as long as the decode-only step, is caught by up to r times as many, so a pool of
+        steps with a chunk counts up to r p0, and nothing where decode-only steps show no stall (a
+        chunk that is itself slow is not the machine's)."""
+        slack_ms = budget_ms - decode_only_ms
+        p0 = _share_past(decode_only_pool, slack_ms)
+        stalled = p0
+        for bucket in range(predicted_bucket(decode_only_ms), predicted_bucket(budget_ms) + 1):
+            pool = self._sorted_pool(WITH_CHUNK, bucket)
+            if pool is not None and decode_only_ms > 0:
+                longest = min(PREDICTED_MS_EDGES[bucket + 1], budget_ms) / decode_only_ms
+                stalled = max(stalled, min(_share_past(pool, slack_ms), p0 * longest))
+        return stalled
+
+    def _stalls_past(self, budget_ms: float) -> None:
+        """A budget larger than any before: residuals past it (rounded up to the buckets' next
+        edge, so that the tables are rebuilt only a few times) are stalls from the next refresh."""
+        stall_ms = PREDICTED_MS_EDGES[min(predicted_bucket(budget_ms) + 1, len(PREDICTED_MS_EDGES) - 1)]
+        if stall_ms != self.stall_ms:
+            self.stall_ms = stall_ms
+            self._read_at = -1
+
+    def _sorted_pool(self, kind: int, bucket: int) -> np.ndarray | None:
+        """The residuals a step's margin of ``kind`` at ``bucket`` is read from, sorted (None: too
+        few), once per refresh."""
         self._refresh()
-        if bucket not in self._decode_only_pools:
+        if (kind, bucket) not in self._sorted_pools:
             needed = steps_for_quantile(self.quantile)
             counts, span = _counts_and_span(self._windows, needed)
             pool = None
             if span is not None:
                 low, high = span
-                key = _pool(counts, min(max(bucket, low), high), DECODE_ONLY, low, high, needed)
+                key = _pool(counts, min(max(bucket, low), high), kind, low, high, needed)
                 pool = np.sort(np.concatenate([self._windows[k][b] for k, b in key]))
-            self._decode_only_pools[bucket] = pool
-        return self._decode_only_pools[bucket]
+            self._sorted_pools[kind, bucket] = pool
+        return self._sorted_pools[kind, bucket]
 
     def __call__(self, n_decodes: int, chunk_tokens: int) -> float:
         return self.margin_for(n_decodes, chunk_tokens, self.cost(n_decodes, chunk_tokens))
@@ -395,6 +468,7 @@ class StepMargin:
         """The margin per bucket that has one of its own or pooled (for a run's record)."""
         tables = self.tables() if self.residuals.observed >= self.min_steps else None
         described = {"quantile": self.quantile, "bucket_lower_edges_ms": list(PREDICTED_MS_EDGES)}
+        described["stalls_past_ms"] = self.stall_ms if self.stall_ms < math.inf else None
         windows = self.residuals.windows()
         for kind, name in enumerate(STEP_KINDS):
             described[f"steps_{name}"] = [window.size for window in windows[kind]]
