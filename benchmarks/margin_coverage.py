@@ -36,7 +36,7 @@ import pandas as pd
 
 from sloweave.core.costs.calibrated import DEFAULT_MARGIN_QUANTILE, MARGIN_FORMS, self_correcting
 from sloweave.core.costs.fitted import ContextualCost
-from sloweave.core.costs.step_margin import PREDICTED_MS_EDGES, STEP_KINDS, predicted_bucket
+from sloweave.core.costs.step_residuals import PREDICTED_MS_EDGES, STEP_KINDS, predicted_bucket
 from sloweave.studies.outputs import write_result_json
 
 REPO = Path(__file__).resolve().parent.parent

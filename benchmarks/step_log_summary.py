@@ -2,7 +2,9 @@
 
 For each log: the chunks the engine ran, how many steps left prompt tokens waiting, and for
 those the budget, the prediction with its margin, the margin itself and the measured time; a
-step counts as deadline-bound when prediction + margin came within a quarter of its budget.
+step counts as deadline-bound when prediction + margin came within a quarter of its budget. The
+seconds of the log's clock (from its first step) in which most steps with decodes ran no chunk
+while prompts waited say how long prefill was starved (after a slow spell, for example).
 A least-squares fit of the measured step time (fixed + per decode + per prefill token) says
 what the run's steps cost. Printed, and written as strict JSON with ``--out``::
 
@@ -22,6 +24,7 @@ import numpy as np
 from sloweave.core.step_log import read_step_log
 
 DEADLINE_BOUND_SHARE = 0.25  # prediction + margin within this share of the budget
+STARVED_SHARE = 0.5  # a second is starved when more than this share of its decoding steps ran no chunk, prompts waiting
 
 
 def percentiles(values, points=(10, 50, 90)) -> list[float] | None:
@@ -30,6 +33,24 @@ def percentiles(values, points=(10, 50, 90)) -> list[float] | None:
 
 def share(mask) -> float | None:
     return round(float(mask.mean()), 4) if len(mask) else None
+
+
+def starved_seconds(steps) -> list[int]:
+    """The seconds of the log's clock in which most steps with decodes ran no chunk while prompts waited."""
+    decoding = steps[steps["ran_decode_tokens"] > 0]
+    second = ((decoding["start_ms"] - steps["start_ms"].min()) // 1000).astype(int)
+    starved = (decoding["ran_prefill_tokens"] == 0) & (decoding["pending_prompt_tokens"] > 0)
+    shares = starved.groupby(second).mean()
+    return shares.index[shares > STARVED_SHARE].tolist()
+
+
+def longest_run(seconds: list[int]) -> int:
+    """The most consecutive seconds in ``seconds`` (sorted)."""
+    longest = run = 0
+    for i, second in enumerate(seconds):
+        run = run + 1 if i and second == seconds[i - 1] + 1 else 1
+        longest = max(longest, run)
+    return longest
 
 
 def summarise(path: Path) -> dict:
@@ -62,6 +83,8 @@ def summarise(path: Path) -> dict:
         "fit_fixed_ms": round(float(coef[0]), 3),
         "fit_us_per_decode": round(float(coef[1]) * 1e3, 2),
         "fit_ms_per_1k_prefill_tokens": round(float(coef[2]) * 1e3, 3),
+        "starved_seconds": len(starved := starved_seconds(steps)),
+        "longest_starved_run_s": longest_run(starved),
         "aged_steps": int(steps["aged"].sum()),
         "infeasible_steps": int(steps["infeasible"].sum()),
     }

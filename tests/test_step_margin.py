@@ -16,6 +16,7 @@ from sloweave.core.costs.calibrated import (
     AdaptiveMargin,
     self_correcting,
 )
+from sloweave.core.costs import step_margin
 from sloweave.core.costs.fitted import ContextualCost
 from sloweave.core.costs.step_margin import (
     DECODE_ONLY,
@@ -476,3 +477,50 @@ def test_plugin_config_takes_the_margin_form_only_with_online_correction():
         with pytest.raises(PluginConfigError, match=f"margin_form '{form}' needs online_correction"):
             PluginConfig(margin_form=form)
     assert PluginConfig().margin_form is None  # no online correction: no adaptive margin to shape
+
+
+def test_after_a_noisy_spell_a_quiet_machine_brings_the_margin_back(monkeypatch):
+    """What vLLM's CPU engine did after two processes spun on its cores for 6 s: the spell's
+    residuals (up to the budget) stood in the windows for 2,000 steps and held every chunk back,
+    and only decode-only steps ran, 300 a second, while prompts waited. Once more decode-only steps
+    in a row stay within the windows' decode-only tail than chance allows at the rate they left it
+    before, the residuals before them are forgotten."""
+    rng = np.random.default_rng(0)
+
+    def chunk_margin_after_a_spell() -> tuple[float, int]:
+        correction = self_correcting(
+            LinearCost(base_ms=2.0, per_decode_ms=0.0, per_token_ms=0.02), margin_form="per-step"
+        )
+        margin, residuals = correction.margin, correction.margin.residuals
+        for _ in range(1500):
+            residuals.add(False, 2.0, 2.0 + float(rng.uniform(-1.0, 1.0)))
+            residuals.add(True, 10.0, 10.0 + float(rng.uniform(-1.0, 1.0)))
+        for _ in range(100):  # the spell: every step 5-20 ms late
+            residuals.add(False, 2.0, 2.0 + float(rng.uniform(5.0, 20.0)))
+            residuals.add(True, 10.0, 10.0 + float(rng.uniform(5.0, 20.0)))
+        for _ in range(600):  # after it only decode-only steps run (the margin holds chunks back)
+            residuals.add(False, 2.0, 2.0 + float(rng.uniform(-1.0, 1.0)))
+        return margin(1, 400), residuals.since_step
+
+    with monkeypatch.context() as patched:  # the rule off: the spell holds
+        patched.setattr(step_margin, "quieter_since", lambda residuals, fewest_steps: None)
+        held, _ = chunk_margin_after_a_spell()
+    assert held >= 15.0
+    back, since = chunk_margin_after_a_spell()
+    assert back <= 2.0 and 3200 <= since <= 3800  # forgotten from the spell's end, not before
+
+
+def test_a_machine_whose_noise_holds_forgets_nothing():
+    """Over 30,000 steps of steady noise (a heavy tail: 2 % of steps 3-6 ms late, as this CPU's
+    once-a-second interruption), the quiet test never fires."""
+    rng = np.random.default_rng(1)
+    correction = self_correcting(LinearCost(base_ms=2.0, per_decode_ms=0.0, per_token_ms=0.02), margin_form="per-step")
+    margin, residuals = correction.margin, correction.margin.residuals
+    for step in range(15_000):
+        for chunk in (0, 400) if step % 3 else (0,):
+            late = float(rng.uniform(3.0, 6.0)) if rng.random() < 0.02 else 0.0
+            predicted = 2.0 + 0.02 * chunk
+            residuals.add(chunk > 0, predicted, predicted + float(rng.normal(0.0, 0.3)) + late)
+        if step % 32 == 0 and step >= 500:  # (past the fewest steps a table is read from alone)
+            margin.tables()
+    assert residuals.since_step == 0

@@ -23,7 +23,8 @@ import numpy as np
 
 from sloweave.core.costs.protocols import CostModel, OfferAware
 from sloweave.core.costs.fitted import N_BUCKET_EDGES, ContextualCost, ResidualMargin
-from sloweave.core.costs.step_margin import HORIZON_STEPS, TABLE_REFRESH_STEPS, StepMargin, StepResiduals
+from sloweave.core.costs.step_margin import TABLE_REFRESH_STEPS, StepMargin
+from sloweave.core.costs.step_residuals import HORIZON_STEPS, StepResiduals
 from sloweave.core.validate import finite_number, whole_number
 
 

@@ -11,7 +11,7 @@ about 5 ms), which no single lognormal sigma has. Here the noise is the machine'
   step's decodes, chunk and KV context (``predict(n, c, decode_kv, prefix)`` for a cost that
   reads the context, ``T(n, c)`` otherwise), not the margin-inclusive plan of the log. The cost
   is normally the one fitted to the same file (``--cost LOG``), so the residuals are the fit's;
-- the step kinds apart, as the margin keeps them (``step_margin.STEP_KINDS``): a decode-only
+- the step kinds apart, as the margin keeps them (``step_residuals.STEP_KINDS``): a decode-only
   step draws from the decode-only steps, a step with a chunk from the steps with one, wherever
   the source holds 50 of each (else one set for both). A served plug-in's few small chunk steps
   would otherwise share a bucket with its decode-only steps, whose noise is a fraction of theirs;
@@ -51,7 +51,7 @@ from pathlib import Path
 import numpy as np
 
 from sloweave.core.costs.protocols import ContextAware, CostModel, predict_each, uncounted
-from sloweave.core.costs.step_margin import STEP_KINDS
+from sloweave.core.costs.step_residuals import STEP_KINDS
 from sloweave.core.costs.step_profiles import ProfileError, offers_of, read_profile
 from sloweave.core.validate import STEP_COUNT
 

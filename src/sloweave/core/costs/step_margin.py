@@ -6,14 +6,10 @@ noise is mostly additive (a 5 ms decode-only step and a 50 ms step with a chunk 
 few milliseconds each), so r is set by the small steps and multiplied onto the large ones,
 and the small ones, a minority of the pool, are under-covered at the same time.
 
-``StepResiduals`` keeps the residuals in milliseconds (measured - corrected prediction) per
-step kind (decode-only, with a chunk) and per predicted-time bucket (edges a factor sqrt(2)
-apart), each in a bounded window, and only those of the last ``HORIZON_STEPS`` steps of any
-kind: a burst of stalls (the machine busy elsewhere) gives the steps with a chunk a margin that
-keeps chunks from running, so their buckets would hold the burst for as long as the margin
-stands, and it would stand for ever (measured on vLLM's CPU engine: 2 % of steps with a chunk
-minutes after the burst, prompts waiting). ``StepMargin`` reads, for a step of corrected prediction p,
-the ``quantile`` of its bucket's residuals. A bucket with fewer than ``POOLED_STEPS`` steps
+``StepResiduals`` (``step_residuals``) keeps the residuals in milliseconds per step kind and
+predicted-time bucket, windowed and bounded in age, and says which of them the margin keeps.
+``StepMargin`` reads, for a step of corrected prediction p, the ``quantile`` of its bucket's
+residuals. A bucket with fewer than ``POOLED_STEPS`` steps
 pools its nearest buckets (the larger side first: noise grows with the step), at each predicted
 time its own kind's residuals before the other kind's; with too few steps in all, the margin is
 the relative one, r x p. A pooled bucket that has steps of its own tests the pool's value on
@@ -22,12 +18,9 @@ the other buckets' value is stretched by the bucket's own spread over theirs (in
 ranges): the few large steps of a run spread wider than the many small ones they pool with.
 Quantiles are re-read every ``refresh_steps`` observed steps, not per call.
 
-Stalls (the machine busy elsewhere) delay a step whatever it holds. A residual past the largest
-budget a decision has had is one no margin could have kept to a deadline, nor a step without the
-chunk: it is left out of the pools once decode-only steps show such stalls too, at a like rate
-per millisecond of step (``without_stalls``); left in, a spell of them held every chunk back for
-2,000 steps after it ended. A shorter stall, past a decision's slack, counts only as the risk the
-chunk adds (``StepMargin.set_step``).
+A stall (the machine busy elsewhere) past a decision's slack counts only as the risk the chunk
+adds (``StepMargin.set_step``); one past every budget is left out of the pools, and a spell is
+forgotten once the machine is quiet again (``step_residuals``).
 
 The corrected model plus margin stays monotone in the chunk: within a kind (fixed for every
 c >= 1) the total is g(p) = max(p + a_b + r_b p, F_b), a_b, r_b >= 0 the bucket's additive and
@@ -37,28 +30,24 @@ margin), so g never drops at a bucket edge; T'(n, c) is monotone in c, hence so 
 
 from __future__ import annotations
 
-import bisect
 import math
 from collections.abc import Callable
 
 import numpy as np
 
-# Lower edges of the predicted-time buckets, in ms: 2**(k/2) from 0.25 ms to 2**17 ms (131 s),
-# and a first bucket from 0. A factor sqrt(2) keeps additive noise near constant within a bucket.
-PREDICTED_MS_EDGES = (0.0, *(2.0 ** (k / 2) for k in range(-4, 35)))
-DECODE_ONLY, WITH_CHUNK = 0, 1
-_UPPER_EDGES_MS = np.array(PREDICTED_MS_EDGES[1:])
-# a step's time in each bucket, for the time the steps of a window took (the geometric middle)
-_BUCKET_MIDDLES_MS = np.array(
-    [PREDICTED_MS_EDGES[1] / 2, *np.sqrt(_UPPER_EDGES_MS[:-1] * _UPPER_EDGES_MS[1:]), PREDICTED_MS_EDGES[-1]]
+from sloweave.core.costs.step_residuals import (
+    DECODE_ONLY,
+    PREDICTED_MS_EDGES,
+    STEP_KINDS,
+    WITH_CHUNK,
+    StepResiduals,
+    predicted_bucket,
+    quieter_since,
+    without_stalls,
 )
-STEP_KINDS = ("decode-only", "with-chunk")
-# A bucket's window: its quantile at P99.7 is then about its third largest residual.
-BUCKET_WINDOW_STEPS = 1000
-# A residual counts for this many steps of either kind, then it is dropped: twice the pool, so a
-# full pool of fresh steps stays possible, and a burst of stalls is forgotten within seconds of
-# decode-only steps.
-HORIZON_STEPS = 2 * 1000
+
+_UPPER_EDGES_MS = np.array(PREDICTED_MS_EDGES[1:])
+
 # The fewest residuals a margin is read from (a thin bucket pools up to this many): with only the
 # fewest the quantile needs (333 at P99.7) the covering value is the pool's largest, and one slow
 # step (a 100 ms stall of the machine among 3 ms steps) would set the margin of every step near it.
@@ -77,21 +66,10 @@ UNDER_COVERAGE_SIGNIFICANCE = 0.05
 # plug-in's scheduling inside vLLM (measured on its CPU build: 60 us of 400 us a step). 32 steps
 # add 32 residuals to windows of up to 1,000 and are a fraction of a second of serving.
 TABLE_REFRESH_STEPS = 32
-# A residual past the largest budget a decision has had is a stall no margin could have kept to
-# its deadline, nor a step without the chunk: the machine's (busy elsewhere), not the chunk's. It
-# is left out of the margin's pools while decode-only steps show such stalls too, and steps with a
-# chunk show them at most this many times as often per millisecond of step (a stall comes in wall
-# time: a longer step is caught by more of them; far more often than that, they are the chunk's).
-STALL_RATE_RATIO = 4.0
 # A decision whose decode-only step would itself miss its budget for a share p0 of like steps reads
 # its margins at the quantile less p0, rounded up to this grid (%): each level read is one more
 # table per refresh, and a burst of stalls moves p0 slowly.
 ADDED_RISK_GRID = 0.1
-
-
-def predicted_bucket(predicted_ms: float) -> int:
-    """The bucket of a corrected prediction (an index into ``PREDICTED_MS_EDGES``)."""
-    return max(bisect.bisect_right(PREDICTED_MS_EDGES, predicted_ms) - 1, 0)
 
 
 def steps_for_quantile(quantile: float) -> int:
@@ -105,59 +83,6 @@ def covering_value(residuals_ms: np.ndarray, quantile: float) -> float:
     n = residuals_ms.size
     rank = min(math.ceil(round((n + 1) * quantile / 100.0, 9)), n)
     return float(np.partition(residuals_ms, rank - 1)[rank - 1])
-
-
-class StepResiduals:
-    """Residuals in ms of the corrected prediction, per step kind and predicted-time bucket,
-    windowed, and only those of the last ``horizon_steps`` steps.
-
-    Each bucket's window is a ring of ``window_steps`` numbers, made on its first step, beside
-    the step number of each: a quantile reads it as an array, with no copy out of a Python
-    container."""
-
-    def __init__(self, window_steps: int = BUCKET_WINDOW_STEPS, horizon_steps: int = HORIZON_STEPS) -> None:
-        for name, value in (("window_steps", window_steps), ("horizon_steps", horizon_steps)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a whole number >= 1, got {value!r}")
-        self.window_steps = window_steps
-        self.horizon_steps = horizon_steps
-        self.rings: list[list[np.ndarray | None]] = [[None] * len(PREDICTED_MS_EDGES) for _ in STEP_KINDS]
-        self.step_numbers: list[list[np.ndarray | None]] = [[None] * len(PREDICTED_MS_EDGES) for _ in STEP_KINDS]
-        self.added = np.zeros((len(STEP_KINDS), len(PREDICTED_MS_EDGES)), dtype=np.int64)
-        self.observed = 0
-
-    def add(self, with_chunk: bool, predicted_ms: float, measured_ms: float) -> None:
-        """One step: its corrected prediction and its measured time (finite, >= 0 ms)."""
-        if not (0 <= predicted_ms < math.inf and 0 <= measured_ms < math.inf):
-            raise ValueError(
-                f"a step needs finite times >= 0 ms, got predicted_ms={predicted_ms!r}, measured_ms={measured_ms!r}"
-            )
-        kind, bucket = int(with_chunk), predicted_bucket(predicted_ms)
-        ring = self.rings[kind][bucket]
-        if ring is None:
-            ring = self.rings[kind][bucket] = np.empty(self.window_steps)
-            self.step_numbers[kind][bucket] = np.empty(self.window_steps, dtype=np.int64)
-        added = int(self.added[kind, bucket])
-        ring[added % self.window_steps] = measured_ms - predicted_ms
-        self.step_numbers[kind][bucket][added % self.window_steps] = self.observed
-        self.added[kind, bucket] = added + 1
-        self.observed += 1
-
-    def windows(self) -> list[list[np.ndarray]]:
-        """Per kind and bucket, the residuals in its window from the last ``horizon_steps`` steps
-        (in no particular order; empty where none)."""
-        oldest = self.observed - self.horizon_steps
-        held = np.minimum(self.added, self.window_steps)
-        empty = np.empty(0)
-        windows = []
-        for kind in range(len(STEP_KINDS)):
-            rings, numbers, per_bucket = self.rings[kind], self.step_numbers[kind], [empty] * len(PREDICTED_MS_EDGES)
-            for bucket in np.flatnonzero(held[kind]).tolist():
-                n = int(held[kind, bucket])
-                residuals = rings[bucket][:n]
-                per_bucket[bucket] = residuals[numbers[bucket][:n] >= oldest]
-            windows.append(per_bucket)
-        return windows
 
 
 def _nearest_first(bucket: int, kind: int, low: int, high: int):
@@ -264,25 +189,6 @@ def _under_covers(residuals_ms: np.ndarray, margin_ms: float, quantile: float) -
     return False
 
 
-def without_stalls(windows: list[list[np.ndarray]], stall_ms: float) -> list[list[np.ndarray]]:
-    """``windows`` (``StepResiduals.windows()``) less the residuals past ``stall_ms``, where they
-    are the machine's (``STALL_RATE_RATIO``): decode-only steps have some, and steps with a chunk
-    have them at most that many times as often per millisecond of step. Otherwise as they are."""
-    past = [[int(np.count_nonzero(window > stall_ms)) for window in of_kind] for of_kind in windows]
-    decode_only_stalls, with_chunk_stalls = sum(past[DECODE_ONLY]), sum(past[WITH_CHUNK])
-    if not decode_only_stalls:
-        return windows
-    decode_only_ms, with_chunk_ms = (
-        float(np.dot([window.size for window in of_kind], _BUCKET_MIDDLES_MS)) for of_kind in windows
-    )
-    if with_chunk_stalls * decode_only_ms > STALL_RATE_RATIO * decode_only_stalls * with_chunk_ms:
-        return windows
-    return [
-        [window[window <= stall_ms] if stalls else window for window, stalls in zip(of_kind, stalls_of_kind)]
-        for of_kind, stalls_of_kind in zip(windows, past)
-    ]
-
-
 def margin_table(
     windows: list[list[np.ndarray]],
     kind: int,
@@ -368,6 +274,9 @@ class StepMargin:
         """Every ``refresh_steps`` observed steps, the windows are read again and the tables made anew."""
         epoch = self.residuals.observed // self.refresh_steps
         if epoch != self._read_at:
+            # each forgetting ends at the last step past the tail: again, until the rest is like the steps since
+            while (quiet_from := quieter_since(self.residuals, steps_for_quantile(self.quantile) + 1)) is not None:
+                self.residuals.since_step = quiet_from
             windows = self.residuals.windows()
             self._windows = windows if self.stall_ms == math.inf else without_stalls(windows, self.stall_ms)
             self._tables.clear()

@@ -1,0 +1,34 @@
+"""benchmarks/step_log_summary.py: what limited a served run's chunks, from its step log. No real
+engine runs here."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from sloweave.core.step_log import FORMAT, STEP_FIELDS
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import step_log_summary  # noqa: E402
+
+
+def test_the_seconds_a_run_starved_its_prompts_are_counted(tmp_path):
+    """Steps every 10 ms for 10 s, prompts always waiting: with a chunk, but without one in seconds
+    3-5 and 8 (a margin holding chunks back), and in second 7 without one only every third step."""
+    lines = [{"kind": "header", "format": FORMAT}]
+    for i in range(1000):
+        second = i // 100
+        starved = second in (3, 4, 5, 8) or (second == 7 and i % 3 == 0)
+        values = dict.fromkeys(STEP_FIELDS, 0)
+        values.update(step=i, start_ms=10.0 * i, measured_ms=5.0, decode_tokens=4, ran_decode_tokens=4,
+                      chunk_tokens=0 if starved else 256, ran_prefill_tokens=0 if starved else 256,
+                      pending_prompt_tokens=2048, token_budget=2048, budget_ms=20.0, offer=[], predicted_ms=5.0,
+                      margin_ms=1.0, base_predicted_ms=5.0, infeasible=False, aged=False)  # fmt: skip
+        lines.append({"kind": "step", **values})
+    log = tmp_path / "steps.jsonl"
+    log.write_text("".join(json.dumps(line) + "\n" for line in lines), encoding="utf-8")
+    summary = step_log_summary.summarise(log)
+    assert summary["starved_seconds"] == 4
+    assert summary["longest_starved_run_s"] == 3
+    assert summary["decode_only_steps_with_prompts_waiting"] == 400 + 33
