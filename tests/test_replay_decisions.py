@@ -9,7 +9,7 @@ from pathlib import Path
 
 import numpy as np
 
-from sloweave.core.costs import step_margin
+from sloweave.core.costs import step_residuals
 from sloweave.core.step_log import FORMAT, STEP_FIELDS
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
@@ -69,7 +69,7 @@ def test_after_a_spell_the_decision_prefills_again_once_the_machine_is_quiet(tmp
     config = replay_decisions.DEFAULT_CONFIG | {"margin_form": "per-step"}
     after = replay_decisions.replay(log, config, 2048, window_s=2.0)["windows"]
     with monkeypatch.context() as patched:
-        patched.setattr(step_margin, "quieter_since", lambda residuals, fewest_steps: None)
+        patched.setattr(step_residuals, "quieter_since", lambda residuals, fewest_steps: None)
         held = replay_decisions.replay(log, config, 2048, window_s=2.0)["windows"]
     before_spell = after[2]["mean_chunk_tokens"]
     assert after[:5] == held[:5] and before_spell > 0  # nothing forgotten before the spell, nor in it

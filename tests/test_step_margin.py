@@ -16,7 +16,7 @@ from sloweave.core.costs.calibrated import (
     AdaptiveMargin,
     self_correcting,
 )
-from sloweave.core.costs import step_margin
+from sloweave.core.costs import step_residuals
 from sloweave.core.costs.fitted import ContextualCost
 from sloweave.core.costs.step_margin import (
     DECODE_ONLY,
@@ -503,7 +503,7 @@ def test_after_a_noisy_spell_a_quiet_machine_brings_the_margin_back(monkeypatch)
         return margin(1, 400), residuals.since_step
 
     with monkeypatch.context() as patched:  # the rule off: the spell holds
-        patched.setattr(step_margin, "quieter_since", lambda residuals, fewest_steps: None)
+        patched.setattr(step_residuals, "quieter_since", lambda residuals, fewest_steps: None)
         held, _ = chunk_margin_after_a_spell()
     assert held >= 15.0
     back, since = chunk_margin_after_a_spell()
@@ -524,3 +524,32 @@ def test_a_machine_whose_noise_holds_forgets_nothing():
         if step % 32 == 0 and step >= 500:  # (past the fewest steps a table is read from alone)
             margin.tables()
     assert residuals.since_step == 0
+
+
+def test_a_factor_the_spell_taught_goes_with_it():
+    """After two processes spun on vLLM's CPU engine's cores for 6 s, its steps with a chunk and 4-7
+    decodes kept the correction factor the spell taught (about 4x) and ran no chunk for 6 s after
+    it, the margin back to the machine's noise: no such step ran to correct the factor. Once the
+    machine-wide correction has moved by more than 3x since a factor was set, it borrows that."""
+    correction = self_correcting(LinearCost(base_ms=2.0, per_decode_ms=0.0, per_token_ms=0.02), margin_form="per-step")
+    calibrator, rng = correction.calibrator, np.random.default_rng(0)
+    for _ in range(600):
+        calibrator.observe(1, 0, 2.0, 2.0 * float(rng.uniform(0.95, 1.05)))
+        calibrator.observe(5, 400, 10.0, 10.0 * float(rng.uniform(0.95, 1.05)))
+    chunk_before = calibrator.factor(5, True)
+    for _ in range(60):  # the spell: every step 4x as long; a chunk's factor learns it
+        calibrator.observe(1, 0, 2.0, 8.0)
+        calibrator.observe(5, 400, 10.0, 40.0)
+    assert calibrator.factor(5, True) >= 3.5 and calibrator.factor(1, False) >= 3.5
+    for _ in range(100):  # quiet again, decode-only steps only (chunks held back)
+        calibrator.observe(1, 0, 2.0, 2.0 * float(rng.uniform(0.95, 1.05)))
+    assert calibrator.factor(1, False) <= 1.1
+    assert abs(calibrator.factor(5, True) - calibrator.factor(1, False)) <= 0.2  # borrowed: not 4x
+    # a steady machine keeps every factor it learnt, stalls and all
+    steady = self_correcting(LinearCost(base_ms=2.0, per_decode_ms=0.0, per_token_ms=0.02), margin_form="per-step")
+    for step in range(3000):
+        stall = 50.0 if step % 97 == 0 else 0.0
+        steady.calibrator.observe(1, 0, 2.0, 2.0 * float(rng.uniform(0.95, 1.05)) + stall)
+        if step % 5 == 0:
+            steady.calibrator.observe(5, 400, 10.0, 13.0 * float(rng.uniform(0.95, 1.05)))
+    assert steady.calibrator.factor(5, True) >= 1.2 and chunk_before <= 1.05

@@ -23,7 +23,7 @@ import numpy as np
 
 from sloweave.core.costs.protocols import CostModel, OfferAware
 from sloweave.core.costs.fitted import N_BUCKET_EDGES, ContextualCost, ResidualMargin
-from sloweave.core.costs.step_margin import TABLE_REFRESH_STEPS, StepMargin
+from sloweave.core.costs.step_margin import TABLE_REFRESH_STEPS, StepMargin, steps_for_quantile
 from sloweave.core.costs.step_residuals import HORIZON_STEPS, StepResiduals
 from sloweave.core.validate import finite_number, whole_number
 
@@ -43,6 +43,12 @@ MAX_STEP_RATIO = 1e6
 # to 0.8) must not keep the factor the slowness taught; the per-step margin forgets a residual on the
 # same horizon.
 FACTOR_HORIZON_STEPS = HORIZON_STEPS
+# Nor does a factor stand once the machine-wide correction has moved by more than this factor since
+# it was set: the machine changed (a spell began or ended), and a step kind the change keeps from
+# running would keep what it was taught before (measured on vLLM's CPU engine: after two processes
+# spun on its cores for 6 s, steps with a chunk and 4-7 decodes kept a factor of about 4 and none ran
+# for 6 s while prompts waited). One stall moves it by at most alpha x log(max_factor) (0.42): never this.
+LOG_MACHINE_CHANGE = math.log(3.0)
 
 
 class OnlineCalibrator:
@@ -70,6 +76,7 @@ class OnlineCalibrator:
         self.log_factor = np.zeros((len(N_BUCKET_EDGES), 2))
         self.observations = np.zeros((len(N_BUCKET_EDGES), 2), dtype=np.int64)
         self.last_step = np.zeros((len(N_BUCKET_EDGES), 2), dtype=np.int64)  # steps seen when each was last set
+        self.global_at = np.zeros((len(N_BUCKET_EDGES), 2))  # the machine-wide log factor then
         # Until a bucket has data, borrow the mean correction of the buckets that have some:
         # drift is mostly machine-wide, so it transfers.
         self._global = 0.0
@@ -107,9 +114,12 @@ class OnlineCalibrator:
         ]
 
     def _stands(self, bucket: int, kind: int) -> bool:
-        """Whether a bucket's own factor stands: it has seen a step, and at most ``FACTOR_HORIZON_STEPS`` came after."""
-        return bool(self.observations[bucket, kind]) and (
-            self._global_seen - self.last_step[bucket, kind] <= FACTOR_HORIZON_STEPS
+        """Whether a bucket's own factor stands: it has seen a step, at most ``FACTOR_HORIZON_STEPS``
+        came after, and the machine-wide correction has moved less than ``MACHINE_CHANGE`` since."""
+        return (
+            bool(self.observations[bucket, kind])
+            and self._global_seen - self.last_step[bucket, kind] <= FACTOR_HORIZON_STEPS
+            and abs(self._global - self.global_at[bucket, kind]) <= LOG_MACHINE_CHANGE
         )
 
     def observe(self, n_decodes: int, chunk_tokens: int, predicted_ms: float, measured_ms: float) -> None:
@@ -147,6 +157,7 @@ class OnlineCalibrator:
         self.observations[i, j] += 1
         self.last_step[i, j] = self._global_seen + 1
         self._global += (self.alpha if self._global_seen else 1.0) * (error - self._global)
+        self.global_at[i, j] = self._global
         self._global_seen += 1
         self._factors = None
 
@@ -372,7 +383,7 @@ def self_correcting(
     corrected = CalibratedCost(as_contextual(cost), calibrator)
     margin = AdaptiveMargin(corrected, fallback or ProfileFreeMargin(), quantile, min_steps)
     if margin_form == "per-step":
-        calibrator.step_residuals = StepResiduals()
+        calibrator.step_residuals = StepResiduals(quiet_steps=steps_for_quantile(quantile) + 1)
         margin = StepMargin(
             corrected, calibrator.step_residuals, margin, quantile, max(min_steps, 1), TABLE_REFRESH_STEPS
         )

@@ -42,7 +42,6 @@ from sloweave.core.costs.step_residuals import (
     WITH_CHUNK,
     StepResiduals,
     predicted_bucket,
-    quieter_since,
     without_stalls,
 )
 
@@ -274,9 +273,6 @@ class StepMargin:
         """Every ``refresh_steps`` observed steps, the windows are read again and the tables made anew."""
         epoch = self.residuals.observed // self.refresh_steps
         if epoch != self._read_at:
-            # each forgetting ends at the last step past the tail: again, until the rest is like the steps since
-            while (quiet_from := quieter_since(self.residuals, steps_for_quantile(self.quantile) + 1)) is not None:
-                self.residuals.since_step = quiet_from
             windows = self.residuals.windows()
             self._windows = windows if self.stall_ms == math.inf else without_stalls(windows, self.stall_ms)
             self._tables.clear()

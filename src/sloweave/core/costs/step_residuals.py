@@ -56,6 +56,8 @@ STALL_RATE_RATIO = 4.0
 # than the windows say: the residuals before are forgotten.
 QUIET_TAIL_SHARE = 0.02
 QUIET_SIGNIFICANCE = 1e-4
+# How often (in observed steps) the windows are asked whether the machine is quieter than they say.
+QUIET_CHECK_STEPS = 32
 
 
 def predicted_bucket(predicted_ms: float) -> int:
@@ -71,8 +73,14 @@ class StepResiduals:
     the step number of each: a quantile reads it as an array, with no copy out of a Python
     container."""
 
-    def __init__(self, window_steps: int = BUCKET_WINDOW_STEPS, horizon_steps: int = HORIZON_STEPS) -> None:
-        for name, value in (("window_steps", window_steps), ("horizon_steps", horizon_steps)):
+    def __init__(
+        self, window_steps: int = BUCKET_WINDOW_STEPS, horizon_steps: int = HORIZON_STEPS, quiet_steps: int = 334
+    ) -> None:
+        for name, value in (
+            ("window_steps", window_steps),
+            ("horizon_steps", horizon_steps),
+            ("quiet_steps", quiet_steps),
+        ):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a whole number >= 1, got {value!r}")
         self.window_steps = window_steps
@@ -81,7 +89,10 @@ class StepResiduals:
         self.step_numbers: list[list[np.ndarray | None]] = [[None] * len(PREDICTED_MS_EDGES) for _ in STEP_KINDS]
         self.added = np.zeros((len(STEP_KINDS), len(PREDICTED_MS_EDGES)), dtype=np.int64)
         self.observed = 0
-        self.since_step = 0  # residuals of earlier steps are forgotten (``quieter_since``)
+        # residuals of steps before this are forgotten: the fewest quiet decode-only steps in a row
+        # that say so (``quieter_since``; a margin's fewest at its quantile), and the step they start at
+        self.quiet_steps = quiet_steps
+        self.since_step = 0
 
     def add(self, with_chunk: bool, predicted_ms: float, measured_ms: float) -> None:
         """One step: its corrected prediction and its measured time (finite, >= 0 ms)."""
@@ -99,6 +110,10 @@ class StepResiduals:
         self.step_numbers[kind][bucket][added % self.window_steps] = self.observed
         self.added[kind, bucket] = added + 1
         self.observed += 1
+        if self.observed % QUIET_CHECK_STEPS == 0:
+            # each forgetting ends at the last step past the tail: again, until the rest is like the steps since
+            while (quiet_from := quieter_since(self, self.quiet_steps)) is not None:
+                self.since_step = quiet_from
 
     def windows(self) -> list[list[np.ndarray]]:
         """Per kind and bucket, the residuals in its window from the last ``horizon_steps`` steps
