@@ -56,8 +56,10 @@ STALL_RATE_RATIO = 4.0
 # than the windows say: the residuals before are forgotten.
 QUIET_TAIL_SHARE = 0.02
 QUIET_SIGNIFICANCE = 1e-4
-# How often (in observed steps) the windows are asked whether the machine is quieter than they say.
-QUIET_CHECK_STEPS = 32
+# How often (in observed steps) the windows are asked whether the machine is quieter than they say
+# (a check costs about 0.1 ms: every 64 steps, not on the margin's table rebuilds, every 32).
+QUIET_CHECK_STEPS = 64
+QUIET_CHECK_AT = 48
 
 
 def predicted_bucket(predicted_ms: float) -> int:
@@ -110,7 +112,7 @@ class StepResiduals:
         self.step_numbers[kind][bucket][added % self.window_steps] = self.observed
         self.added[kind, bucket] = added + 1
         self.observed += 1
-        if self.observed % QUIET_CHECK_STEPS == 0:
+        if self.observed % QUIET_CHECK_STEPS == QUIET_CHECK_AT:
             # each forgetting ends at the last step past the tail: again, until the rest is like the steps since
             while (quiet_from := quieter_since(self, self.quiet_steps)) is not None:
                 self.since_step = quiet_from
@@ -131,8 +133,8 @@ class StepResiduals:
             windows.append(per_bucket)
         return windows
 
-    def in_order(self, kind: int) -> tuple[np.ndarray, np.ndarray]:
-        """The residuals of ``kind`` in the windows and their step numbers, oldest first."""
+    def of_kind(self, kind: int) -> tuple[np.ndarray, np.ndarray]:
+        """The residuals of ``kind`` in the windows and their step numbers (in no particular order)."""
         oldest = max(self.observed - self.horizon_steps, self.since_step)
         residuals, numbers = [np.empty(0)], [np.empty(0, dtype=np.int64)]
         for ring, ring_numbers, added in zip(self.rings[kind], self.step_numbers[kind], self.added[kind].tolist()):
@@ -141,9 +143,14 @@ class StepResiduals:
                 kept = ring_numbers[:n] >= oldest
                 residuals.append(ring[:n][kept])
                 numbers.append(ring_numbers[:n][kept])
-        numbers_ = np.concatenate(numbers)
-        order = np.argsort(numbers_, kind="stable")
-        return np.concatenate(residuals)[order], numbers_[order]
+        return np.concatenate(residuals), np.concatenate(numbers)
+
+
+def _tail_ms(values: np.ndarray) -> float:
+    """The value ``QUIET_TAIL_SHARE`` of ``values`` exceed (a partition, not a sort: this runs every
+    ``QUIET_CHECK_STEPS`` steps)."""
+    at = int((1.0 - QUIET_TAIL_SHARE) * (values.size - 1))
+    return float(np.partition(values, at)[at])
 
 
 def quieter_since(residuals: StepResiduals, fewest_steps: int) -> int | None:
@@ -152,32 +159,34 @@ def quieter_since(residuals: StepResiduals, fewest_steps: int) -> int | None:
     (``QUIET_SIGNIFICANCE``), and at least ``fewest_steps`` (as many as a margin is read from):
     the first of them within their own tail (the spell's last steps, below the windows' tail, go
     with it); None otherwise."""
-    ordered, numbers = residuals.in_order(DECODE_ONLY)
-    if ordered.size <= fewest_steps:
+    values, numbers = residuals.of_kind(DECODE_ONLY)
+    if values.size <= fewest_steps:
         return None
-    past = np.flatnonzero(ordered > np.quantile(ordered, 1.0 - QUIET_TAIL_SHARE, method="lower"))
-    if not past.size or past[-1] == ordered.size - 1:
+    past = values > _tail_ms(values)
+    if not past.any():
         return None
-    rate, quiet_steps = past.size / (past[-1] + 1), ordered.size - 1 - past[-1]
+    later = numbers > numbers[past].max()
+    quiet_steps = int(np.count_nonzero(later))
+    if quiet_steps < fewest_steps:
+        return None
+    rate = np.count_nonzero(past) / (values.size - quiet_steps)
     # (1 - rate) ** quiet_steps, the chance of so many quiet steps in a row
     log_chance = quiet_steps * math.log1p(-rate) if rate < 1.0 else -math.inf
-    if quiet_steps < fewest_steps or log_chance >= math.log(QUIET_SIGNIFICANCE):
+    if log_chance >= math.log(QUIET_SIGNIFICANCE):
         return None
     # the spell's last steps, within the windows' tail but past the quiet steps' own, go with it
-    quiet = ordered[past[-1] + 1 :]
-    quiet_tail_ms = np.quantile(quiet, 1.0 - QUIET_TAIL_SHARE, method="lower")
-    lead = int(np.argmax(quiet <= quiet_tail_ms))
-    return int(numbers[past[-1] + 1 + lead])
+    quiet = values[later]
+    return int(numbers[later & (values <= _tail_ms(quiet))].min())
 
 
 def without_stalls(windows: list[list[np.ndarray]], stall_ms: float) -> list[list[np.ndarray]]:
     """``windows`` (``StepResiduals.windows()``) less the residuals past ``stall_ms``, where they
     are the machine's (``STALL_RATE_RATIO``): decode-only steps have some, and steps with a chunk
     have them at most that many times as often per millisecond of step. Otherwise as they are."""
+    if not np.any(np.concatenate(windows[DECODE_ONLY]) > stall_ms):  # the usual case, at every table rebuild
+        return windows
     past = [[int(np.count_nonzero(window > stall_ms)) for window in of_kind] for of_kind in windows]
     decode_only_stalls, with_chunk_stalls = sum(past[DECODE_ONLY]), sum(past[WITH_CHUNK])
-    if not decode_only_stalls:
-        return windows
     decode_only_ms, with_chunk_ms = (
         float(np.dot([window.size for window in of_kind], _BUCKET_MIDDLES_MS)) for of_kind in windows
     )
