@@ -115,7 +115,7 @@ class OnlineCalibrator:
 
     def _stands(self, bucket: int, kind: int) -> bool:
         """Whether a bucket's own factor stands: it has seen a step, at most ``FACTOR_HORIZON_STEPS``
-        came after, and the machine-wide correction has moved less than ``MACHINE_CHANGE`` since."""
+        came after, and the machine-wide correction has moved by at most ``LOG_MACHINE_CHANGE`` since."""
         return (
             bool(self.observations[bucket, kind])
             and self._global_seen - self.last_step[bucket, kind] <= FACTOR_HORIZON_STEPS
