@@ -264,7 +264,8 @@ class StepMargin:
         self._read_at = -1
         self._windows: list[list[np.ndarray]] = []
         self._tables: dict[float, tuple] = {}  # per quantile read, this refresh's tables
-        self._sorted_pools: dict[tuple[int, int], np.ndarray | None] = {}  # per kind and bucket
+        self._sorted_pools: dict[tuple, np.ndarray] = {}  # per pool (``_pool``'s key), sorted
+        self._pool_of: dict[tuple[int, int], np.ndarray | None] = {}  # per kind and bucket, one of those
         self.level = quantile  # the quantile the decision ``set_step`` announced reads
         # residuals past this are stalls (``without_stalls``): the largest budget told, on the buckets' grid
         self.stall_ms = math.inf
@@ -277,6 +278,7 @@ class StepMargin:
             self._windows = windows if self.stall_ms == math.inf else without_stalls(windows, self.stall_ms)
             self._tables.clear()
             self._sorted_pools.clear()
+            self._pool_of.clear()
             self._read_at = epoch
 
     def tables(self, level: float | None = None) -> tuple:
@@ -325,9 +327,11 @@ class StepMargin:
         slack_ms = budget_ms - decode_only_ms
         p0 = _share_past(decode_only_pool, slack_ms)
         stalled = p0
+        if decode_only_ms <= 0:
+            return stalled
         for bucket in range(predicted_bucket(decode_only_ms), predicted_bucket(budget_ms) + 1):
             pool = self._sorted_pool(WITH_CHUNK, bucket)
-            if pool is not None and decode_only_ms > 0:
+            if pool is not None:
                 longest = min(PREDICTED_MS_EDGES[bucket + 1], budget_ms) / decode_only_ms
                 stalled = max(stalled, min(_share_past(pool, slack_ms), p0 * longest))
         return stalled
@@ -342,18 +346,21 @@ class StepMargin:
 
     def _sorted_pool(self, kind: int, bucket: int) -> np.ndarray | None:
         """The residuals a step's margin of ``kind`` at ``bucket`` is read from, sorted (None: too
-        few), once per refresh."""
+        few), once per refresh: looked up per bucket (every decision asks), sorted once per pool (the
+        buckets past the ones seen, and thin neighbours, share one)."""
         self._refresh()
-        if (kind, bucket) not in self._sorted_pools:
+        if (kind, bucket) not in self._pool_of:
             needed = steps_for_quantile(self.quantile)
             counts, span = _counts_and_span(self._windows, needed)
             pool = None
             if span is not None:
                 low, high = span
                 key = _pool(counts, min(max(bucket, low), high), kind, low, high, needed)
-                pool = np.sort(np.concatenate([self._windows[k][b] for k, b in key]))
-            self._sorted_pools[kind, bucket] = pool
-        return self._sorted_pools[kind, bucket]
+                if key not in self._sorted_pools:
+                    self._sorted_pools[key] = np.sort(np.concatenate([self._windows[k][b] for k, b in key]))
+                pool = self._sorted_pools[key]
+            self._pool_of[kind, bucket] = pool
+        return self._pool_of[kind, bucket]
 
     def __call__(self, n_decodes: int, chunk_tokens: int) -> float:
         return self.margin_for(n_decodes, chunk_tokens, self.cost(n_decodes, chunk_tokens))

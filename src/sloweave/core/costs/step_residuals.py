@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import bisect
 import math
+from collections.abc import Iterator
 
 import numpy as np
 
@@ -117,32 +118,34 @@ class StepResiduals:
             while (quiet_from := quieter_since(self, self.quiet_steps)) is not None:
                 self.since_step = quiet_from
 
-    def windows(self) -> list[list[np.ndarray]]:
-        """Per kind and bucket, the residuals in its window from the last ``horizon_steps`` steps
-        (in no particular order; empty where none)."""
+    def _held(self, kind: int) -> Iterator[tuple[int, np.ndarray, np.ndarray, np.ndarray]]:
+        """Per bucket of ``kind`` holding steps: (bucket, its ring's residuals, their step numbers,
+        which of them count: from the last ``horizon_steps`` steps and since ``since_step``)."""
         oldest = max(self.observed - self.horizon_steps, self.since_step)
-        held = np.minimum(self.added, self.window_steps)
+        held = np.minimum(self.added[kind], self.window_steps)
+        for bucket in np.flatnonzero(held).tolist():
+            n = int(held[bucket])
+            numbers = self.step_numbers[kind][bucket][:n]
+            yield bucket, self.rings[kind][bucket][:n], numbers, numbers >= oldest
+
+    def windows(self) -> list[list[np.ndarray]]:
+        """Per kind and bucket, the residuals in its window that count (``_held``; in no particular
+        order; empty where none)."""
         empty = np.empty(0)
         windows = []
         for kind in range(len(STEP_KINDS)):
-            rings, numbers, per_bucket = self.rings[kind], self.step_numbers[kind], [empty] * len(PREDICTED_MS_EDGES)
-            for bucket in np.flatnonzero(held[kind]).tolist():
-                n = int(held[kind, bucket])
-                residuals = rings[bucket][:n]
-                per_bucket[bucket] = residuals[numbers[bucket][:n] >= oldest]
+            per_bucket = [empty] * len(PREDICTED_MS_EDGES)
+            for bucket, residuals, _, kept in self._held(kind):
+                per_bucket[bucket] = residuals[kept]
             windows.append(per_bucket)
         return windows
 
     def of_kind(self, kind: int) -> tuple[np.ndarray, np.ndarray]:
-        """The residuals of ``kind`` in the windows and their step numbers (in no particular order)."""
-        oldest = max(self.observed - self.horizon_steps, self.since_step)
+        """The residuals of ``kind`` that count and their step numbers (in no particular order)."""
         residuals, numbers = [np.empty(0)], [np.empty(0, dtype=np.int64)]
-        for ring, ring_numbers, added in zip(self.rings[kind], self.step_numbers[kind], self.added[kind].tolist()):
-            n = min(added, self.window_steps)
-            if ring is not None and n:
-                kept = ring_numbers[:n] >= oldest
-                residuals.append(ring[:n][kept])
-                numbers.append(ring_numbers[:n][kept])
+        for _, ring, ring_numbers, kept in self._held(kind):
+            residuals.append(ring[kept])
+            numbers.append(ring_numbers[kept])
         return np.concatenate(residuals), np.concatenate(numbers)
 
 
