@@ -87,7 +87,6 @@ def main() -> None:
     args = parser.parse_args()
     if not args.window_s >= 0:
         parser.error(f"--window-s must be 0 (no windows) or more seconds, got {args.window_s}")
-    import sloweave
     from sloweave.studies.outputs import write_result_json
 
     result = replay(args.step_log, args.config, args.max_chunk_tokens, args.window_s)
@@ -97,8 +96,7 @@ def main() -> None:
     if args.out is not None:
         digest = hashlib.sha256(args.step_log.read_bytes()).hexdigest()
         write_result_json(args.out, {"step_log": str(args.step_log), "step_log_sha256": digest, "config": args.config,
-                                     "window_s": args.window_s,
-                                     "sloweave_imported_from": str(Path(sloweave.__file__).parent), **result})  # fmt: skip
+                                     "window_s": args.window_s, **result})  # fmt: skip
 
 
 if __name__ == "__main__":

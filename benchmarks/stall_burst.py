@@ -13,7 +13,7 @@ learned margin or correction that keeps what the burst taught it stays down).
 An earlier tree is measured the same way with its ``src/`` first on the path (``git archive REV
 src | tar -x -C /tmp/rev``, then ``PYTHONPATH=/tmp/rev/src``). Writes ``runs.csv`` (one row per
 engine and run) and ``summary.json`` (strict JSON: settings, version, where sloweave was
-imported from, the machine's load) under ``--out``.
+imported from as ``sloweave_code``, the machine's load) under ``--out``.
 """
 
 from __future__ import annotations
@@ -88,7 +88,6 @@ def serve(name: str, args: argparse.Namespace, model_dir: str) -> list[dict]:
 
 def main() -> None:
     args = parse_args()
-    import sloweave
     from sloweave.studies.outputs import check_writable, write_result_json
     from sloweave.vllm_plugin.offline import tiny_model_dir
 
@@ -101,7 +100,7 @@ def main() -> None:
     print(runs.pivot(index="run", columns="engine", values="attainment").round(3).to_string())
     write_result_json(args.out / "summary.json", {
         "settings": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
-        "sloweave_imported_from": str(Path(sloweave.__file__).parent), "load_1min_start": load_start,
+        "load_1min_start": load_start,
         "load_1min_end": os.getloadavg()[0], "wall_s": time.time() - started,
         "attainment": runs[["engine", "run", "burst", "attainment"]].to_dict("records"),
     })  # fmt: skip
