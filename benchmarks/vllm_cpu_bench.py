@@ -242,11 +242,13 @@ def simulated(
     step_noise_from: str | None = None,
     noise_seed: int = 0,
     noise_block_steps: int = 0,
+    noise_pace_ms: float = 0.0,
 ) -> dict:
     """The simulator's prediction for one engine: the same workload, the fitted cost (the machine's
     time; the policy decides with ``policy_cost``, by default the same), plus, with ``step_noise_from``,
     the residuals of that step log or profile against ``cost`` (``EngineOptions.step_noise_from``),
-    drawn along its timeline in blocks of ``noise_block_steps`` steps (0: each step independently).
+    drawn along its timeline in blocks of ``noise_block_steps`` steps (0: each step independently), or
+    with the machine's pace over ``noise_pace_ms`` kept apart (``EngineOptions.step_noise_pace_ms``).
     ``plugin``: the plug-in's options the simulator shares (``plugin_sim_options``)."""
     from sloweave.core.policy import make_policy
     from sloweave.sim.metrics import evaluate
@@ -258,6 +260,7 @@ def simulated(
         correction=deadline_aware,
         step_noise_from=step_noise_from,
         step_noise_block_steps=noise_block_steps,
+        step_noise_pace_ms=noise_pace_ms,
         **((plugin or {}) if deadline_aware else {}),
     )
     policy = make_policy(policy_name, cost=cost if policy_cost is None else policy_cost, max_chunk_tokens=max_chunk)

@@ -156,6 +156,32 @@ def test_the_twin_reads_each_steps_cycle_unless_asked_for_the_step_as_measured(t
     assert twin_fidelity.as_twin_reads(log, "measured") == log
 
 
+def test_the_plugins_twin_starts_warm_with_the_steps_its_engine_ran_before_the_run(tmp_path):
+    """The served plug-in carries its correction from run to run: its twin first observes the last
+    --warm-steps steps of the engine's log before the run (none of the run's own), as cycles."""
+    write_log(tmp_path / "sloweave-engine.jsonl", 400)  # steps 0-299 before the run, 300-399 the run
+    row = {"engine": "sloweave", "load": 1.0, "seed": 0}
+    twin_fidelity.cut_log(tmp_path / "sloweave-engine.jsonl", 301, 401, twin_fidelity.run_log_of(tmp_path, **row))
+    args = twin_fidelity.parse_args(["--warm-steps", "200", "--twin-step-time", "measured"])
+    warm = twin_fidelity.warm_log(row, args, tmp_path)
+    assert warm == tmp_path / "sloweave-load1-seed0.warm.jsonl"
+    assert read_step_log(warm).steps["step"].tolist() == list(range(100, 300))
+    assert twin_fidelity.warm_log(row, twin_fidelity.parse_args(["--warm-steps", "0"]), tmp_path) is None
+    first = {"engine": "sloweave", "load": 0.7, "seed": 0}  # a run with too few steps before it starts cold
+    twin_fidelity.cut_log(tmp_path / "sloweave-engine.jsonl", 31, 301, twin_fidelity.run_log_of(tmp_path, **first))
+    assert twin_fidelity.warm_log(first, args, tmp_path) is None
+
+
+def test_the_twin_is_warm_and_paced_unless_asked_and_takes_one_way_of_keeping_the_drift():
+    args = twin_fidelity.parse_args([])
+    assert (args.warm_steps, args.noise_pace_ms, args.noise_block_steps) == (2000, 1000.0, 0)
+    blocks = twin_fidelity.parse_args(["--noise-pace-ms", "0", "--noise-block-steps", "500"])
+    assert (blocks.noise_pace_ms, blocks.noise_block_steps) == (0.0, 500)
+    for bad in (["--noise-block-steps", "500"], ["--warm-steps", "-1"], ["--noise-pace-ms", "nan"]):
+        with pytest.raises(SystemExit):
+            twin_fidelity.parse_args(bad)
+
+
 def test_served_steps_are_set_against_the_profiles_price_by_chunk_size(tmp_path):
     write_log(twin_fidelity.run_log_of(tmp_path, "vllm-tuned-256", 1.0, 0), 4)  # 64-token chunks, 5-8 ms at 5
     runs = pd.DataFrame(
@@ -341,7 +367,19 @@ def write_varied_log(path: Path, steps: int) -> None:
 
 def test_each_run_is_predicted_by_several_draws_of_its_own_noise(tmp_path):
     write_varied_log(twin_fidelity.run_log_of(tmp_path, "vllm-tuned-512", 1.0, 0), 400)
-    argv = ["--seeds", "0", "--requests", "60", "--rate-rps", "40", "--twin-step-time", "measured"]
+    # drawn independently (a pace of this small log would leave each draw little of its own)
+    argv = [
+        "--seeds",
+        "0",
+        "--requests",
+        "60",
+        "--rate-rps",
+        "40",
+        "--twin-step-time",
+        "measured",
+        "--noise-pace-ms",
+        "0",
+    ]
     costs = twin_fidelity.Costs(twin_fidelity.DEFAULT_PROFILE, 100.0)
     rows = {}
     for draws in (1, 5):

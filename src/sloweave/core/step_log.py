@@ -31,8 +31,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from sloweave.core.validate import (
+    CLOCK_MS,
     MARGIN_MS,
-    MAX_SECONDS,
     REQUEST_COUNT,
     SEED,
     TOKEN_COUNT,
@@ -88,7 +88,7 @@ _TOKENS = (
 )
 FIELD_RANGES = {
     "step": (SEED, False),
-    "start_ms": (Range(0, MAX_SECONDS * 1000, " of milliseconds"), False),
+    "start_ms": (CLOCK_MS, False),
     **{name: (TOKEN_COUNT, False) for name in _TOKENS},
     **{name: (MARGIN_MS, False) for name in ("measured_ms", "predicted_ms", "margin_ms")},
     **{name: (MARGIN_MS, True) for name in ("budget_ms", "base_predicted_ms")},
@@ -357,6 +357,7 @@ def profile_rows(log: StepLog, step_time: str = "measured") -> "pd.DataFrame":
             "decode_kv_tokens": np.where(ran == planned, kv, scaled),
             "prefill_prefix_tokens": steps["prefill_prefix_tokens"].to_numpy(),
             "step_ms": steps["measured_ms"].to_numpy(),
+            "start_ms": steps["start_ms"].to_numpy(dtype=np.float64),
             "offer": [
                 format_offer(_chunk_prompts(chunk, offer))
                 for chunk, offer in zip(steps["ran_prefill_tokens"].tolist(), steps[OFFER_FIELD])

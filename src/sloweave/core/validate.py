@@ -82,6 +82,7 @@ STEP_COUNT = Range(0, MAX_TOKENS, " of steps", whole=True)  # a block of engine 
 DURATION_MS = Range(0, MAX_MS, " of milliseconds", low_open=True)  # a target, an aging threshold
 MARGIN_MS = Range(0, MAX_MS, " of milliseconds")  # a margin, a tolerance, a step time (0 allowed)
 TIME_S = Range(0, MAX_SECONDS, " of seconds")  # an arrival time, a window's start
+CLOCK_MS = Range(0, MAX_SECONDS * 1000, " of milliseconds")  # a clock reading: a step's start
 DURATION_S = Range(0, MAX_SECONDS, " of seconds", low_open=True)  # a window, a horizon
 SCALE = Range(MIN_SCALE, MAX_SCALE)  # a factor on rates, lengths or times
 NOISE_SIGMA = Range(0, MAX_NOISE_SIGMA)

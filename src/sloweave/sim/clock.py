@@ -8,6 +8,8 @@
   would be taken from, FCFS, as (remaining tokens, prefix), so a chunk spread over several
   prompts is priced piece by piece (each on its own prefix, each a request of the batch), the
   same way for the decision and for the iteration's time;
+- the time (a duration that ``reads_clock``: the machine's measured noise with its pace): the
+  simulated clock at each iteration's start, through ``set_time_ms``, None for the others;
 - online correction (optional): with an ``OnlineCalibrator`` and a policy whose cost is a
   ``CalibratedCost``, every iteration's actual time is folded into the calibrator against
   the base model's prediction, as the CPU runtime does with measured step times.
@@ -43,6 +45,7 @@ class IterationClock:
         # One model to tell (the usual case): its own methods, one call less per decision each.
         self.set_offer = feed.offer_models[0].set_offer if len(feed.offer_models) == 1 else feed.set_offer
         self._decode_kv = self._prefix = 0
+        self.set_time_ms = duration.set_time_ms if getattr(duration, "reads_clock", False) else None
         if correction is None:
             # nothing to learn: the cost itself (one call less per iteration), and a cost object's
             # bound ``__call__`` at that, which CPython calls faster than the object

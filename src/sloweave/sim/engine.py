@@ -113,15 +113,15 @@ class Engine:
         return next(self._steps, False)
 
     def _iterations(self, pause: bool):
-        """The iterations from the engine's state on: with ``pause`` one per ``next()`` (True after
-        each, an idle jump too), else all in one go. A generator, so that the parts, which of them
-        act every iteration and their methods are bound to locals once: the body runs once per
-        simulated iteration."""
+        """The iterations from the engine's state on: with ``pause`` one per ``next()`` (True after each, an idle
+        jump too), else all in one go. A generator, so that the parts, which of them act every iteration and their
+        methods are bound to locals once: the body runs once per simulated iteration."""
         arrivals, batch, queue, waiting = self.arrivals, self.batch, self.queue, self.queue.waiting
         kv, memory, deadlines, clock = self.kv, self.memory, self.deadlines, self.clock
         decide, iteration_ms, offered = self.decide, clock.iteration_ms, self.packing.prompt_tokens
         gate_acts, kv_limited, reads_context = arrivals.gate.acts_each_iteration, memory.limited, clock.reads_context
         fixed_budget_ms, per_token_updates = deadlines.fixed_budget_ms, deadlines.per_token_updates
+        set_time_ms = clock.set_time_ms
         finishing_at, batch_cap, horizon_ms = batch.finishing_at, self.batch_cap, self.horizon_ms
         starts, ends, decodes, chunks, budgets, infeasibles = self.recorder.iteration_writers()
         # `while True`: CPython 3.11 specializes a generator's bytecode after a few backward jumps
@@ -151,6 +151,8 @@ class Engine:
             chunk, infeasible = decide(n, waiting_tokens, budget_ms)
             if chunk < 0 or chunk > waiting_tokens:
                 raise self._bad_chunk(chunk, waiting_tokens)
+            if set_time_ms is not None:  # the machine's time depends on the clock (its pace)
+                set_time_ms(now_ms)
             self.end_ms = end_ms = now_ms + iteration_ms(n, chunk)
             starts(now_ms)
             ends(end_ms)

@@ -29,10 +29,12 @@ from sloweave.core.costs.empirical_noise import EmpiricalNoiseCost, read_step_sa
 from sloweave.core.costs.kv_memory import KVMemory
 from sloweave.core.costs.noisy import NoisyCost
 from sloweave.core.costs.protocols import CostModel
+from sloweave.core.costs.warm_start import warm_correction
 from sloweave.core.policy import Aging, Policy
 from sloweave.core.validate import (
     BATCH_SIZE,
     DURATION_MS,
+    MARGIN_MS,
     NOISE_SIGMA,
     SCALE,
     STEP_COUNT,
@@ -95,9 +97,22 @@ class EngineOptions:
         values=STEP_COUNT,
         flag="--noise-block-steps",
     )
+    step_noise_pace_ms: float = setting(
+        0.0,
+        "with step_noise_from (a step log, or a profile with start_ms): keep the machine's drift apart from its noise. "
+        "The file's median measured / predicted over this many ms around each moment is replayed along the simulated "
+        "clock from the file's start, and the residuals are taken against that paced prediction. 0: no pace",
+        values=MARGIN_MS,
+        flag="--noise-pace-ms",
+    )
     correction: bool = setting(
         False,
         "deadline-aware policies correct the model online and keep an adaptive P99.7 margin (no hand-set margin)",
+    )
+    warm_from: str | None = setting(
+        None,
+        "with --correction: a step log or step-time profile whose steps the online correction observes, in order, "
+        "before the run (a served engine's state when a run begins: the steps it served before)",
     )
     margin_form: str = setting(
         DEFAULT_MARGIN_FORM,
@@ -132,12 +147,21 @@ class EngineOptions:
         NOISE_SIGMA.check(self.noise_sigma, "noise_sigma")
         SCALE.check(self.bias, "bias")  # 1 = the model is exact
         STEP_COUNT.check(self.step_noise_block_steps, "step_noise_block_steps")
+        MARGIN_MS.check(self.step_noise_pace_ms, "step_noise_pace_ms")
         if self.step_noise_from is not None:
             self._check_step_noise()
         elif self.step_noise_block_steps:
             raise ValueError("step_noise_block_steps draws the residuals of step_noise_from: give that file too")
+        elif self.step_noise_pace_ms:
+            raise ValueError("step_noise_pace_ms paces the machine of step_noise_from: give that file too")
+        if self.step_noise_block_steps and self.step_noise_pace_ms:
+            raise ValueError(
+                "step_noise_block_steps and step_noise_pace_ms are two ways to keep the machine's drift: give one"
+            )
         if not isinstance(self.correction, bool):
             raise ValueError(f"correction must be true or false, got {self.correction!r}")
+        if self.warm_from is not None:
+            self._check_warm_from()
         if self.margin_form not in MARGIN_FORMS:
             raise ValueError(f"margin_form must be one of {', '.join(MARGIN_FORMS)}, got {self.margin_form!r}")
         if self.margin_form != DEFAULT_MARGIN_FORM and not self.correction:
@@ -165,16 +189,29 @@ class EngineOptions:
             )
         read_step_samples(source)
 
+    def _check_warm_from(self) -> None:
+        source = self.warm_from
+        if not isinstance(source, (str, PathLike)) or not str(source).strip():
+            raise ValueError(f"warm_from must be the path of a step log or step-time profile, got {source!r}")
+        if not self.correction:
+            raise ValueError("warm_from warms the online correction: give correction too")
+        object.__setattr__(self, "warm_from", str(source))
+        read_step_samples(source)
+
     @property
     def exact_prediction(self) -> bool:
         return self.noise_sigma == 0 and self.bias == 1.0 and self.step_noise_from is None
 
     def describe(self, cost: CostModel | None = None) -> dict:
-        """Every option; ``kv_memory`` and ``step_noise_from`` (with its block) only when set (a run without them records
-        what it always has). The noise source is described by its file (the same whatever the cost);
-        given the run's ``cost``, with its residual buckets against that cost too."""
-        noise_keys = ("step_noise_from", "step_noise_block_steps")
-        described = {k: v for k, v in asdict(self).items() if k != "kv_memory" and k not in noise_keys}
+        """Every option; ``kv_memory``, ``warm_from`` and ``step_noise_from`` (with its block and pace) only when set
+        (a run without them records what it always has). The noise source is described by its file (the same
+        whatever the cost); given the run's ``cost``, with its residual buckets against that cost too."""
+        noise_keys = ("step_noise_from", "step_noise_block_steps", "step_noise_pace_ms")
+        left_out = ("kv_memory", "warm_from", *noise_keys)
+        described = {k: v for k, v in asdict(self).items() if k not in left_out}
+        if self.warm_from is not None:
+            warm = read_step_samples(self.warm_from)
+            described["warm_from"] = {"source": warm.source, "sha256": warm.sha256, "steps": warm.steps}
         if self.kv_memory is not None:
             described["kv_memory"] = self.kv_memory.describe()
         if self.step_noise_from is not None:
@@ -182,7 +219,7 @@ class EngineOptions:
             noise = (
                 read_step_samples(self.step_noise_from)
                 if cost is None
-                else step_noise_from_file(self.step_noise_from, cost)
+                else step_noise_from_file(self.step_noise_from, cost, self.step_noise_pace_ms)
             )
             described["step_noise"] = noise.describe()
         return described
@@ -199,7 +236,7 @@ class EngineOptions:
             return cost
         seed = NOISE_SEED_OFFSET + noise_seed
         if self.step_noise_from is not None:
-            noise = step_noise_from_file(self.step_noise_from, cost)
+            noise = step_noise_from_file(self.step_noise_from, cost, self.step_noise_pace_ms)
             return EmpiricalNoiseCost(cost, noise, seed, self.step_noise_block_steps)
         return NoisyCost(cost, self.noise_sigma, seed=seed, bias=self.bias)
 
@@ -216,12 +253,14 @@ class EngineOptions:
 
         The policy predicts with its own cost (normally ``cost``); the iteration really
         takes ``cost`` x noise x bias, or ``cost`` plus a residual of ``step_noise_from``. With ``correction`` a deadline-aware policy gets a
-        fresh calibrator per run (its state is the run's own).
+        fresh calibrator per run (its state is the run's own), which first observes ``warm_from``'s steps where given.
         """
         calibrator = None
         if self.correction and policy.uses_deadlines:
             corrected = self_correcting(policy.cost, margin_form=self.margin_form)
             policy, calibrator = replace(policy, cost=corrected.cost, margin=corrected.margin), corrected.calibrator
+            if self.warm_from is not None:
+                warm_correction(calibrator, corrected.cost.base, self.warm_from)
         return simulate(
             workload,
             policy,

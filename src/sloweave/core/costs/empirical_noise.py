@@ -31,6 +31,11 @@ about 5 ms), which no single lognormal sigma has. Here the noise is the machine'
   of slow steps, which independent draws scatter. Iteration k reads the source's timeline at
   t = start + (k mod block_steps) (wrapping at its end; ``start`` drawn uniformly, seeded, at each
   block's first iteration) and takes the residual of the step of p's bucket nearest to t;
+- or, with a pace (``pace_window_ms``, a source with start times): the machine's drift over
+  seconds kept apart from the step-to-step noise (``machine_pace``). The residuals are taken
+  against the paced prediction (p x the pace at the step's time), and an iteration at t ms on the
+  simulated clock lasts p x pace(t) + a residual drawn as above: a twin of a run is slow when the
+  run was, and its policy's online correction can follow the drift as the real one did;
 - the floor is the smallest step time measured in the file: the machine never ran a faster
   step, and a residual drawn from a bucket's slower steps onto a prediction at the bucket's
   low end cannot make a step faster than that (or negative). A relative floor (0.1 p) would let
@@ -52,7 +57,8 @@ import numpy as np
 
 from sloweave.core.costs.protocols import ContextAware, CostModel, predict_each, uncounted
 from sloweave.core.costs.step_residuals import STEP_KINDS
-from sloweave.core.costs.step_profiles import ProfileError, offers_of, read_profile
+from sloweave.core.costs.machine_pace import MachinePace
+from sloweave.core.costs.step_profiles import START_COLUMN, ProfileError, offers_of, read_profile
 from sloweave.core.validate import STEP_COUNT
 
 MIN_STEPS_PER_BUCKET = 50
@@ -93,6 +99,7 @@ class StepSamples:
     prefill_prefix_tokens: np.ndarray
     measured_ms: np.ndarray
     offers: tuple  # per step, the prompts its chunk spans ((tokens, computed), ...), or None: one
+    start_ms: np.ndarray | None = None  # per step, its start on the engine's clock, where the source has it
 
     @property
     def steps(self) -> int:
@@ -152,6 +159,7 @@ def read_step_samples(path: str | Path) -> StepSamples:
         *(frame[c].to_numpy(np.int64) for c in columns),
         frame["step_ms"].to_numpy(np.float64),
         tuple(offers_of(frame)),
+        frame[START_COLUMN].to_numpy(np.float64) if START_COLUMN in frame.columns else None,
     )
     _files[key] = samples
     while len(_files) > _CACHED_FILES:
@@ -281,11 +289,17 @@ class EmpiricalStepNoise:
 
 
 def residual_buckets(
-    predicted_ms, measured_ms, source: str = "given steps", positions=None, floor_ms: float | None = None
+    predicted_ms,
+    measured_ms,
+    source: str = "given steps",
+    positions=None,
+    floor_ms: float | None = None,
+    expected_ms=None,
 ) -> EmpiricalStepNoise:
     """The residuals measured - predicted of these steps in buckets of predicted time (``BUCKET_RULE``,
     one step kind). ``positions``: each step's index on the source's timeline (by default its order
-    here); ``floor_ms``: the source's fastest step (by default these steps')."""
+    here); ``floor_ms``: the source's fastest step (by default these steps'); ``expected_ms``: what
+    each residual is taken against, where not the prediction itself (the paced prediction)."""
     predicted_ms = np.asarray(predicted_ms, dtype=np.float64)
     measured_ms = np.asarray(measured_ms, dtype=np.float64)
     if predicted_ms.shape != measured_ms.shape or predicted_ms.ndim != 1:
@@ -301,7 +315,7 @@ def residual_buckets(
     positions = np.arange(predicted_ms.size) if positions is None else np.asarray(positions, dtype=np.int64)
     edges = bucket_edges(predicted_ms)
     bucket = np.searchsorted(edges, predicted_ms, side="right")
-    residuals = measured_ms - predicted_ms
+    residuals = measured_ms - (predicted_ms if expected_ms is None else np.asarray(expected_ms, dtype=np.float64))
     members = [np.flatnonzero(bucket == b) for b in range(edges.size + 1)]
     return EmpiricalStepNoise(
         source,
@@ -323,21 +337,30 @@ class StepNoise:
     steps: int
     kinds: tuple[EmpiricalStepNoise, EmpiricalStepNoise]
     floor_ms: float
+    pace: MachinePace | None = None  # the machine's drift, kept apart from the residuals
 
     @classmethod
-    def of_steps(cls, predicted_ms, measured_ms, with_chunk, source: str = "given steps") -> StepNoise:
-        """The residual buckets of these steps, each kind apart when both have ``MIN_STEPS_PER_BUCKET``."""
+    def of_steps(
+        cls, predicted_ms, measured_ms, with_chunk, source: str = "given steps", pace: MachinePace | None = None,
+        start_ms=None,
+    ) -> StepNoise:  # fmt: skip
+        """The residual buckets of these steps, each kind apart when both have ``MIN_STEPS_PER_BUCKET``;
+        with a ``pace`` (and each step's ``start_ms``) taken against the paced prediction."""
         predicted_ms, measured_ms = np.asarray(predicted_ms, dtype=np.float64), np.asarray(measured_ms, np.float64)
         with_chunk = np.asarray(with_chunk, dtype=bool)
-        together = residual_buckets(predicted_ms, measured_ms, source)
+        expected = None if pace is None else predicted_ms * pace.of_source_steps(start_ms)
+        together = residual_buckets(predicted_ms, measured_ms, source, expected_ms=expected)
         members = [np.flatnonzero(~with_chunk), np.flatnonzero(with_chunk)]
         if min(m.size for m in members) < MIN_STEPS_PER_BUCKET:
-            return cls(source, together.steps, (together, together), together.floor_ms)
+            return cls(source, together.steps, (together, together), together.floor_ms, pace)
         kinds = tuple(
-            residual_buckets(predicted_ms[m], measured_ms[m], source, positions=m, floor_ms=together.floor_ms)
+            residual_buckets(
+                predicted_ms[m], measured_ms[m], source, positions=m, floor_ms=together.floor_ms,
+                expected_ms=None if expected is None else expected[m],
+            )
             for m in members
-        )
-        return cls(source, together.steps, kinds, together.floor_ms)
+        )  # fmt: skip
+        return cls(source, together.steps, kinds, together.floor_ms, pace)
 
     @property
     def kinds_apart(self) -> bool:
@@ -348,22 +371,33 @@ class StepNoise:
         described = self.kinds[0].describe()
         buckets = {name: kind.describe()["buckets"] for name, kind in zip(STEP_KINDS, self.kinds)}
         del described["buckets"]
-        return described | {"steps": self.steps, "kinds_apart": self.kinds_apart, "buckets_by_kind": buckets}
+        pace = {"pace": self.pace.describe()} if self.pace is not None else {}
+        return described | {"steps": self.steps, "kinds_apart": self.kinds_apart, "buckets_by_kind": buckets} | pace
 
 
 _noises: OrderedDict = OrderedDict()
 
 
-def step_noise_from_file(path: str | Path, cost: CostModel) -> StepNoise:
-    """The residual buckets of the steps in ``path`` against ``cost``, by step kind; built once per file
-    and cost object in a process (the cache keeps the cost, so its id is not reused while it is kept)."""
+def step_noise_from_file(path: str | Path, cost: CostModel, pace_window_ms: float = 0.0) -> StepNoise:
+    """The residual buckets of the steps in ``path`` against ``cost``, by step kind, with the machine's
+    pace over ``pace_window_ms`` kept apart where it is not 0; built once per file, cost object and
+    window in a process (the cache keeps the cost, so its id is not reused while it is kept)."""
     samples = read_step_samples(path)
-    key = (samples.source, samples.sha256, id(cost))
+    key = (samples.source, samples.sha256, id(cost), pace_window_ms)
     if key in _noises:
         _noises.move_to_end(key)
         return _noises[key][1]
+    predicted = predicted_times(samples, cost)
+    pace = None
+    if pace_window_ms:
+        if samples.start_ms is None:
+            raise StepNoiseError(
+                f"step noise source {samples.source}: no step start times ({START_COLUMN}), which a pace reads: "
+                "give a step log, or a profile written from one"
+            )
+        pace = MachinePace.of_steps(samples.start_ms, predicted, samples.measured_ms, pace_window_ms, samples.source)
     noise = StepNoise.of_steps(
-        predicted_times(samples, cost), samples.measured_ms, samples.chunk_tokens > 0, samples.source
+        predicted, samples.measured_ms, samples.chunk_tokens > 0, samples.source, pace, samples.start_ms
     )
     _noises[key] = (cost, noise)
     while len(_noises) > _CACHED_NOISES:
@@ -379,7 +413,7 @@ class EmpiricalNoiseCost:
     (``sloweave.sim.options.EngineOptions.actual_cost`` does)."""
 
     __slots__ = ("cost", "noise", "seed", "block_steps", "_rng", "_uniform", "_next", "_kinds", "_floor", "_step",
-                 "_start")  # fmt: skip
+                 "_start", "_pace", "_now_ms")  # fmt: skip
 
     def __init__(self, cost: CostModel, noise: StepNoise | EmpiricalStepNoise, seed: int, block_steps: int = 0) -> None:
         if isinstance(noise, EmpiricalStepNoise):
@@ -387,7 +421,13 @@ class EmpiricalNoiseCost:
         if not isinstance(noise, StepNoise):
             raise StepNoiseError(f"noise must be a StepNoise or an EmpiricalStepNoise, got {type(noise).__name__}")
         STEP_COUNT.check(block_steps, "block_steps")
+        if block_steps and noise.pace is not None:
+            raise StepNoiseError(
+                "a paced noise draws its residuals independently: blocks of the timeline would replay its drift twice"
+            )
         self.cost, self.noise, self.seed, self.block_steps = cost, noise, seed, block_steps
+        self._pace = noise.pace.at if noise.pace is not None else None
+        self._now_ms = 0.0
         self._rng = np.random.default_rng(seed)
         self._uniform: list[float] = []
         self._next = 0
@@ -413,8 +453,19 @@ class EmpiricalNoiseCost:
             residual_ms = residuals[self._nearest_in_time(positions[bucket])]
         else:
             residual_ms = residuals[int(self._draw() * len(residuals))]
+        if self._pace is not None:
+            predicted_ms *= self._pace(self._now_ms)
         actual_ms = predicted_ms + residual_ms
         return actual_ms if actual_ms > self._floor else self._floor
+
+    def set_time_ms(self, now_ms: float) -> None:
+        """The simulated clock at the next iteration's start (the engine tells it each iteration
+        when the noise is paced; ``reads_clock``)."""
+        self._now_ms = now_ms
+
+    @property
+    def reads_clock(self) -> bool:
+        return self._pace is not None
 
     def _nearest_in_time(self, positions: tuple[int, ...]) -> int:
         """The index, among a bucket's source steps (``positions``), of the one nearest to this

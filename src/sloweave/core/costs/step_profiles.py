@@ -16,6 +16,8 @@ column                      type   meaning
                                    was taken from, FCFS, as ``tokens:computed;...`` (the first
                                    one's computed tokens are ``prefill_prefix_tokens``); empty:
                                    one prompt
+``start_ms``                float  optional: the step's start on the engine's clock (a step log's),
+                                   for the machine's pace over time (``machine_pace``)
 ==========================  =====  =============================================================
 
 Other columns (``repeat``, ...) are kept but ignored. Files are CSV (``.csv``) or JSON
@@ -38,7 +40,15 @@ from sloweave.core.atomic import atomic_path, write_text_atomic
 from sloweave.core.cells import numbers, show
 from sloweave.core.csv_shape import check_csv_shape, located
 from sloweave.core.step_log import StepLogError, profile_rows, read_step_log
-from sloweave.core.validate import DURATION_MS, MAX_MS, MAX_TOKENS, TOKEN_COUNT, RepeatedKeyError, one_value_per_key
+from sloweave.core.validate import (
+    CLOCK_MS,
+    DURATION_MS,
+    MAX_MS,
+    MAX_TOKENS,
+    TOKEN_COUNT,
+    RepeatedKeyError,
+    one_value_per_key,
+)
 
 PROFILE_FORMAT = "sloweave-profile"
 STEP_LOG_SUFFIX = ".jsonl"  # a served engine's step log (sloweave.core.step_log), read as a profile
@@ -46,6 +56,7 @@ PROFILE_VERSION = 1
 REQUIRED_COLUMNS = ("n_decodes", "chunk_tokens", "decode_kv_tokens", "prefill_prefix_tokens", "step_ms")
 INT_COLUMNS = ("n_decodes", "chunk_tokens", "decode_kv_tokens", "prefill_prefix_tokens", "context_tokens")
 OFFER_COLUMN = "offer"
+START_COLUMN = "start_ms"
 
 
 class ProfileError(ValueError):
@@ -155,6 +166,14 @@ def validate_profile(frame: pd.DataFrame, where: str = "profile", lines: list[in
             f"{at(bad[0])}step_ms={show(frame['step_ms'].iloc[bad[0]])}; expected {DURATION_MS.describe()}"
         )
     frame["step_ms"] = step
+    if START_COLUMN in frame.columns:
+        start = numbers(frame[START_COLUMN])
+        bad = np.flatnonzero(~np.isfinite(start) | (start < CLOCK_MS.low) | (start > CLOCK_MS.high))
+        if bad.size:
+            raise ProfileError(
+                f"{at(bad[0])}{START_COLUMN}={show(frame[START_COLUMN].iloc[bad[0]])}; expected {CLOCK_MS.describe()}"
+            )
+        frame[START_COLUMN] = start
     empty = np.flatnonzero((frame["n_decodes"].to_numpy() == 0) & (frame["chunk_tokens"].to_numpy() == 0))
     if empty.size:
         raise ProfileError(f"{at(empty[0])}an empty step (n_decodes=0 and chunk_tokens=0)")
