@@ -126,7 +126,7 @@ def test_the_pace_option_needs_a_timed_source_and_is_one_way_of_keeping_the_drif
     untimed = tmp_path / "untimed.csv"
     drifting_steps().drop(columns="start_ms").to_csv(untimed, index=False)
     with pytest.raises(StepNoiseError, match=r"no step start times \(start_ms\)"):
-        EngineOptions(step_noise_from=str(untimed), step_noise_pace_ms=1000.0).actual_cost(COST, 0)
+        EngineOptions(step_noise_from=str(untimed), step_noise_pace_ms=1000.0)
     with pytest.raises(ValueError, match="step_noise_pace_ms paces the machine of step_noise_from"):
         EngineOptions(step_noise_pace_ms=1000.0)
     with pytest.raises(ValueError, match="two ways to keep the machine's drift"):
@@ -190,7 +190,7 @@ def test_a_warm_start_begins_where_the_served_engine_left_off(tmp_path):
         EngineOptions(correction=True, warm_from=str(tmp_path / "absent.csv"))
 
 
-def test_the_command_line_takes_the_pace_and_the_warm_start(drifting_profile):
+def test_the_command_line_takes_the_pace_and_the_warm_start(drifting_profile, tmp_path):
     from click.testing import CliRunner
 
     from sloweave.cli import main
@@ -205,3 +205,7 @@ def test_the_command_line_takes_the_pace_and_the_warm_start(drifting_profile):
     assert json.loads(result.stdout)["engine"]["warm_from"]["steps"] == len(drifting_steps())
     refused = CliRunner().invoke(main, ["simulate", "--requests", "10", "--warm-from", str(drifting_profile)])
     assert refused.exit_code == 2 and "give correction too" in refused.output
+    untimed = tmp_path / "untimed.csv"
+    drifting_steps().drop(columns="start_ms").to_csv(untimed, index=False)
+    refused = CliRunner().invoke(main, [*args[:3], "--step-noise-from", str(untimed), "--noise-pace-ms", "1000"])
+    assert refused.exit_code == 2 and "no step start times (start_ms)" in refused.output

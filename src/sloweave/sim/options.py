@@ -25,7 +25,7 @@ import numpy as np
 
 from sloweave.core.admission import ADMISSION_ACTIONS, AdmissionControl
 from sloweave.core.costs.calibrated import DEFAULT_MARGIN_FORM, MARGIN_FORMS, self_correcting
-from sloweave.core.costs.empirical_noise import EmpiricalNoiseCost, read_step_samples, step_noise_from_file
+from sloweave.core.costs.empirical_noise import EmpiricalNoiseCost, read_step_samples, start_times, step_noise_from_file
 from sloweave.core.costs.kv_memory import KVMemory
 from sloweave.core.costs.noisy import NoisyCost
 from sloweave.core.costs.protocols import CostModel
@@ -187,7 +187,9 @@ class EngineOptions:
                 f"one): give one or the other, not step_noise_from with noise_sigma={self.noise_sigma:g}, "
                 f"bias={self.bias:g}"
             )
-        read_step_samples(source)
+        samples = read_step_samples(source)
+        if self.step_noise_pace_ms:
+            start_times(samples)  # a pace needs them: refused here, before any simulation
 
     def _check_warm_from(self) -> None:
         source = self.warm_from

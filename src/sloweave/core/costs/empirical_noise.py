@@ -167,6 +167,16 @@ def read_step_samples(path: str | Path) -> StepSamples:
     return samples
 
 
+def start_times(samples: StepSamples) -> np.ndarray:
+    """The steps' start times, which the machine's pace reads; refused where the source has none."""
+    if samples.start_ms is None:
+        raise StepNoiseError(
+            f"step noise source {samples.source}: no step start times ({START_COLUMN}), which a pace reads: "
+            "give a step log, or a profile written from one"
+        )
+    return samples.start_ms
+
+
 def predicted_times(samples: StepSamples, cost: CostModel) -> np.ndarray:
     """``cost``'s prediction for every step of ``samples``, with the step's KV context when it reads one."""
     steps = zip(
@@ -390,12 +400,9 @@ def step_noise_from_file(path: str | Path, cost: CostModel, pace_window_ms: floa
     predicted = predicted_times(samples, cost)
     pace = None
     if pace_window_ms:
-        if samples.start_ms is None:
-            raise StepNoiseError(
-                f"step noise source {samples.source}: no step start times ({START_COLUMN}), which a pace reads: "
-                "give a step log, or a profile written from one"
-            )
-        pace = MachinePace.of_steps(samples.start_ms, predicted, samples.measured_ms, pace_window_ms, samples.source)
+        pace = MachinePace.of_steps(
+            start_times(samples), predicted, samples.measured_ms, pace_window_ms, samples.source
+        )
     noise = StepNoise.of_steps(
         predicted, samples.measured_ms, samples.chunk_tokens > 0, samples.source, pace, samples.start_ms
     )
