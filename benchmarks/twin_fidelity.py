@@ -21,7 +21,11 @@ plug-in's own cost and online correction for the plug-in; max_num_seqs 128):
   plug-in with ``budget_rule: fixed`` (vLLM's own budget every step, scheduled as vanilla vLLM
   schedules, token for token; each step planned and logged). ``--static-twin-cost plugin-log``
   serves them with vLLM's own scheduler and times their twins by the plug-in's steps of the same
-  workload; ``profile`` by the profile, still with the plug-in's noise;
+  workload; ``profile`` by the profile, still with the plug-in's noise. The machine's pace (its
+  median measured / predicted over ``--noise-pace-ms`` windows, 1 s) is kept apart from the noise
+  and replayed along the twin's clock, so the twin is slow when the run was; and the plug-in's twin
+  first observes the last ``--warm-steps`` (2,000) steps its engine ran before the run, as the served
+  plug-in's correction had (``EngineOptions.warm_from``);
 - **plain**: the bench's own prediction (the cost fitted to the profile, no noise): the
   simulator before the twin;
 - **held-out**: a prediction of a run the simulator has not seen: the profile's cost plus the
