@@ -177,10 +177,7 @@ class EngineOptions:
     def _check_step_noise(self) -> None:
         """A path (kept as text: the options stay plain and picklable) to a file of enough measured
         steps, read now (once per process) so a bad file is refused before any simulation."""
-        source = self.step_noise_from
-        if not isinstance(source, (str, PathLike)) or not str(source).strip():
-            raise ValueError(f"step_noise_from must be the path of a step log or step-time profile, got {source!r}")
-        object.__setattr__(self, "step_noise_from", str(source))
+        source = self._path_of("step_noise_from")
         if self.noise_sigma != 0 or self.bias != 1.0:
             raise ValueError(
                 "step_noise_from replaces noise_sigma and bias (the machine's measured noise instead of a lognormal "
@@ -192,13 +189,19 @@ class EngineOptions:
             start_times(samples)  # a pace needs them: refused here, before any simulation
 
     def _check_warm_from(self) -> None:
-        source = self.warm_from
-        if not isinstance(source, (str, PathLike)) or not str(source).strip():
-            raise ValueError(f"warm_from must be the path of a step log or step-time profile, got {source!r}")
+        source = self._path_of("warm_from")
         if not self.correction:
             raise ValueError("warm_from warms the online correction: give correction too")
-        object.__setattr__(self, "warm_from", str(source))
         read_step_samples(source)
+
+    def _path_of(self, name: str) -> str:
+        """The option ``name``, a path to a step log or step-time profile, kept as text (the options stay
+        plain and picklable)."""
+        source = getattr(self, name)
+        if not isinstance(source, (str, PathLike)) or not str(source).strip():
+            raise ValueError(f"{name} must be the path of a step log or step-time profile, got {source!r}")
+        object.__setattr__(self, name, str(source))
+        return str(source)
 
     @property
     def exact_prediction(self) -> bool:
