@@ -80,6 +80,7 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import vllm_cpu_bench as bench  # noqa: E402  (the engines, workloads and measurement are the bench's)
 
+from sloweave.core.costs.empirical_noise import MIN_STEPS_PER_BUCKET  # noqa: E402
 from sloweave.core.step_log import STEP_TIMES  # noqa: E402
 
 PLUGIN_ENGINE = "sloweave"
@@ -352,20 +353,17 @@ def predict_row(row: dict, args, costs: Costs, log_dir: Path) -> None:
     plugin = (
         bench.plugin_sim_options(bench.default_plugin_config(args.tpot_ms, args.profile_file)) if is_plugin else None
     )
-    warm = warm_log(row, args, log_dir) if is_plugin else None
-    if warm is not None:
-        plugin = plugin | {"warm_from": str(warm)}
-        row["twin_warm_from"] = warm.name
-    try:
+    try:  # the plain simulator as it was: cold, on the profile, no noise
         plain = bench.simulated(workload, row["policy"], costs.profile.model, args, row["budget"], plugin)
         row.update({f"plain_{k}": plain[k] for k in METRICS})
+        warmed = warmed_options(plugin, row, args, log_dir)
         fitted, noise = twin_source(row, args, log_dir)
         machine, row["twin_fit_error"] = (
             (costs.profile.model, math.nan) if fitted == args.profile_file else costs.of_log(fitted)
         )
         draws = [
             bench.simulated(
-                workload, row["policy"], machine, args, row["budget"], plugin,
+                workload, row["policy"], machine, args, row["budget"], warmed,
                 policy_cost=costs.profile.model if is_plugin else None,
                 step_noise_from=str(noise), noise_seed=noise_seed, noise_block_steps=args.noise_block_steps,
                 noise_pace_ms=args.noise_pace_ms,
@@ -381,7 +379,7 @@ def predict_row(row: dict, args, costs: Costs, log_dir: Path) -> None:
         try:
             other = as_twin_reads(heldout_noise_log(row, args, log_dir), args.twin_step_time)
             heldout = bench.simulated(
-                workload, row["policy"], costs.profile.model, args, row["budget"], plugin,
+                workload, row["policy"], costs.profile.model, args, row["budget"], warmed_options(plugin, row, args, log_dir),
                 step_noise_from=str(other), noise_seed=row["seed"], noise_block_steps=args.noise_block_steps,
                 noise_pace_ms=args.noise_pace_ms,
             )  # fmt: skip
@@ -391,26 +389,33 @@ def predict_row(row: dict, args, costs: Costs, log_dir: Path) -> None:
             prediction_failed(row, "held-out ", err)
 
 
+def warmed_options(plugin: dict | None, row: dict, args, log_dir: Path) -> dict | None:
+    """The plug-in's options for its twin and held-out prediction: warmed with ``warm_log`` where there is one
+    (recorded in the row); a fixed budget's (None) as they are."""
+    warm = warm_log(row, args, log_dir) if plugin is not None else None
+    if warm is None:
+        return plugin
+    row["twin_warm_from"] = warm.name
+    return plugin | {"warm_from": str(warm)}
+
+
 def warm_log(row: dict, args, log_dir: Path) -> Path | None:
-    """The last ``--warm-steps`` steps the engine ran before this run (its engine log's lines before the
-    run's first step, written beside the run's log as ``<run>.warm.jsonl``), as the twin reads them;
-    None with ``--warm-steps 0`` or fewer than ``MIN_WARM_STEPS`` of them (the twin starts cold)."""
+    """The last ``--warm-steps`` N steps the engine ran before this run (its engine log's lines before the
+    run's first step, written beside the run's log as ``<run>.warm<N>.jsonl``), as the twin reads them;
+    None with ``--warm-steps 0`` or fewer than ``MIN_STEPS_PER_BUCKET`` of them (the twin starts cold)."""
     if not args.warm_steps:
         return None
     run_log = run_log_of(log_dir, row["engine"], row["load"], row["seed"])
-    out = run_log.with_suffix(".warm.jsonl")
+    out = run_log.with_suffix(f".warm{args.warm_steps}.jsonl")
     if not out.exists():
         engine_lines = (log_dir / f"{row['engine']}-engine.jsonl").read_text(encoding="utf-8").splitlines(keepends=True)
         run_lines = run_log.read_text(encoding="utf-8").splitlines(keepends=True)
         first = engine_lines.index(run_lines[1]) if len(run_lines) > 1 else len(engine_lines)
         before = engine_lines[1:first][-args.warm_steps :]
-        if len(before) < MIN_WARM_STEPS:
+        if len(before) < MIN_STEPS_PER_BUCKET:  # read_step_samples' fewest
             return None
         out.write_text(engine_lines[0] + "".join(before), encoding="utf-8")
     return as_twin_reads(out, args.twin_step_time)
-
-
-MIN_WARM_STEPS = 50  # read_step_samples' fewest
 
 
 def real_step_shape(log: Path) -> dict:

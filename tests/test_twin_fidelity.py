@@ -164,7 +164,7 @@ def test_the_plugins_twin_starts_warm_with_the_steps_its_engine_ran_before_the_r
     twin_fidelity.cut_log(tmp_path / "sloweave-engine.jsonl", 301, 401, twin_fidelity.run_log_of(tmp_path, **row))
     args = twin_fidelity.parse_args(["--warm-steps", "200", "--twin-step-time", "measured"])
     warm = twin_fidelity.warm_log(row, args, tmp_path)
-    assert warm == tmp_path / "sloweave-load1-seed0.warm.jsonl"
+    assert warm == tmp_path / "sloweave-load1-seed0.warm200.jsonl"
     assert read_step_log(warm).steps["step"].tolist() == list(range(100, 300))
     assert twin_fidelity.warm_log(row, twin_fidelity.parse_args(["--warm-steps", "0"]), tmp_path) is None
     first = {"engine": "sloweave", "load": 0.7, "seed": 0}  # a run with too few steps before it starts cold
@@ -349,14 +349,15 @@ def test_the_fidelity_table_counts_the_runs_inside_their_twins_range():
     assert "real_within_twin_range" not in twin_fidelity.fidelity_table(runs_frame())  # one draw: no range
 
 
-def write_varied_log(path: Path, steps: int) -> None:
+def write_varied_log(path: Path, steps: int, slower_for: int = 0) -> None:
     """A step log whose steps vary in decodes and chunk (a regression can be fitted to it), each
-    measured 0-30 % over a linear cost: noise for the twin to draw."""
+    measured 0-30 % over a linear cost: noise for the twin to draw; the first ``slower_for`` steps
+    (a machine busy before a run) take 20 times as long."""
     rng = np.random.default_rng(7)
     lines = [{"kind": "header", "format": FORMAT}]
     for i in range(steps):
         decodes, chunk = 1 + i % 16, 64 * (i % 5)
-        step_ms = (2.0 + 0.05 * decodes + 0.01 * chunk) * (1.0 + 0.3 * rng.random())
+        step_ms = (2.0 + 0.05 * decodes + 0.01 * chunk) * (1.0 + 0.3 * rng.random()) * (20.0 if i < slower_for else 1.0)
         values = dict.fromkeys(STEP_FIELDS, 0)
         values.update(step=i, start_ms=20.0 * i, measured_ms=step_ms, decode_tokens=decodes, ran_decode_tokens=decodes,
                       chunk_tokens=chunk, ran_prefill_tokens=chunk, token_budget=2048, budget_ms=40.0, offer=[],
@@ -407,3 +408,34 @@ def test_a_runs_steps_shape_is_its_mean_chunk_beside_decodes_and_its_late_steps(
     assert shape == {"chunk_tokens_mean": 200.0, "late_step_share": 0.25}  # a step without a budget is not late
     none = twin_fidelity.bench.step_shape([0, 0], [64, 0], [1.0, 1.0], [math.nan, math.nan])
     assert math.isnan(none["chunk_tokens_mean"]) and math.isnan(none["late_step_share"])
+
+
+def test_only_the_twin_and_the_held_out_prediction_are_warmed_the_plain_simulator_stays_as_it_was(tmp_path):
+    # steps 0-299 before the run, on a machine then 20 times slower (what the warmed twin learns), 300-599 the run
+    write_varied_log(tmp_path / "sloweave-engine.jsonl", 600, slower_for=300)
+    twin_fidelity.cut_log(
+        tmp_path / "sloweave-engine.jsonl", 301, 601, twin_fidelity.run_log_of(tmp_path, "sloweave", 1.0, 0)
+    )
+    costs = twin_fidelity.Costs(twin_fidelity.DEFAULT_PROFILE, 100.0)
+    rows = {}
+    for warm in ("0", "200"):
+        argv = [
+            "--seeds",
+            "0",
+            "--requests",
+            "60",
+            "--rate-rps",
+            "40",
+            "--twin-step-time",
+            "measured",
+            "--warm-steps",
+            warm,
+        ]
+        rows[warm] = {"engine": "sloweave", "policy": "sloweave-multi", "budget": 2048, "load": 1.0, "seed": 0,
+                      "rate_rps": 40.0, "error": "", "real_attainment": 0.5}  # fmt: skip
+        twin_fidelity.predict_row(rows[warm], twin_fidelity.parse_args(argv), costs, tmp_path)
+    cold, warm = rows["0"], rows["200"]
+    assert cold["error"] == warm["error"] == ""
+    assert "twin_warm_from" not in cold and warm["twin_warm_from"] == "sloweave-load1-seed0.warm200.jsonl"
+    assert all(cold[f"plain_{k}"] == warm[f"plain_{k}"] for k in twin_fidelity.METRICS)
+    assert cold["twin_p99_ttft_ms"] != warm["twin_p99_ttft_ms"]  # the warm start reached the twin
