@@ -86,6 +86,9 @@ from sloweave.core.step_log import STEP_TIMES  # noqa: E402
 PLUGIN_ENGINE = "sloweave"
 PLUGIN_POLICY = "sloweave-multi"
 DEFAULT_PROFILE = Path(__file__).resolve().parent / "results-vllm-cpu" / "at-load" / "profile.csv"
+# The step as measured, then the engine loop after it (EngineLoop): what the served plug-in observed, and
+# the time it did not see; the other choices take one of the logged times as the whole step.
+LOOP_STEP_TIME = "loop"
 METRICS = {"attainment": "attainment", "goodput_rps": "goodput_rps", "p99_ttft_ms": "p99_ttft_ms",
            "p99_tpot_ms": "p99_tpot_ms"}  # fmt: skip
 
@@ -111,9 +114,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
              "its noise is its own log's either way, against that machine",
     )  # fmt: skip
     parser.add_argument(
-        "--twin-step-time", choices=STEP_TIMES, default="cycle",
-        help="the logged time the twin's machine and noise are fitted to: each step's cycle (with the engine "
-             "loop's work up to the next step) or the step as the plug-in measures it",
+        "--twin-step-time", choices=(LOOP_STEP_TIME, *STEP_TIMES), default="cycle",
+        help="the logged time the twin's machine and noise are fitted to: the step as the plug-in measures it "
+             "with the engine loop after it on the twin's clock (loop: what the plug-in observes is the step "
+             "alone), each step's cycle (with the engine loop's work up to the next step), or the step alone",
     )  # fmt: skip
     parser.add_argument(
         "--twin-max-fit-error", type=float, default=100.0, help="refuse a step log whose fit is off by more (median)"
@@ -314,9 +318,9 @@ def twin_source(row: dict, args, log_dir: Path) -> tuple[Path, Path]:
 
 @functools.cache
 def as_twin_reads(log: Path, step_time: str) -> Path:
-    """A step log as the twin's machine and noise read it: the log itself (``measured``: the steps as
-    the plug-in timed them), or a profile of its cycles written beside it (``<log>.cycle.csv``)."""
-    if step_time == "measured":
+    """A step log as the twin's machine and noise read it: the log itself (``measured`` and ``loop``: the
+    steps as the plug-in timed them), or a profile of its cycles written beside it (``<log>.cycle.csv``)."""
+    if step_time in ("measured", LOOP_STEP_TIME):
         return log
     from sloweave.core.costs.step_profiles import write_profile
     from sloweave.core.step_log import profile_rows
@@ -348,30 +352,12 @@ def heldout_noise_log(row: dict, args, log_dir: Path) -> Path:
 def predict_row(row: dict, args, costs: Costs, log_dir: Path) -> None:
     """The twin's and the plain simulator's predictions for one real run, into ``row``."""
     workload = bench.workload_for(args, row["seed"], row["rate_rps"])
-    is_plugin = row["engine"] == PLUGIN_ENGINE
-    # the plug-in's margin form and size grid as served (its SLOWEAVE_* variables included)
-    plugin = (
-        bench.plugin_sim_options(bench.default_plugin_config(args.tpot_ms, args.profile_file)) if is_plugin else None
-    )
+    plugin = plugin_options(row, args)
     try:  # the plain simulator as it was: cold, on the profile, no noise
         plain = bench.simulated(workload, row["policy"], costs.profile.model, args, row["budget"], plugin)
         row.update({f"plain_{k}": plain[k] for k in METRICS})
-        warmed = warmed_options(plugin, row, args, log_dir)
-        fitted, noise = twin_source(row, args, log_dir)
-        machine, row["twin_fit_error"] = (
-            (costs.profile.model, math.nan) if fitted == args.profile_file else costs.of_log(fitted)
-        )
-        draws = [
-            bench.simulated(
-                workload, row["policy"], machine, args, row["budget"], warmed,
-                policy_cost=costs.profile.model if is_plugin else None,
-                step_noise_from=str(noise), noise_seed=noise_seed, noise_block_steps=args.noise_block_steps,
-                noise_pace_ms=args.noise_pace_ms,
-            )
-            for noise_seed in noise_seeds(row["seed"], args.noise_draws)
-        ]  # fmt: skip
+        draws = twin_draws(row, row, args, costs, log_dir, workload)
         row.update(over_draws(draws, row["real_attainment"], args.target))
-        row["twin_cost"], row["twin_noise"] = fitted.name, noise.name
         row.update(real_step_shape(run_log_of(log_dir, row["engine"], row["load"], row["seed"])))
     except Exception as err:  # noqa: BLE001 - a twin that cannot be built is a result
         prediction_failed(row, "", err)
@@ -381,12 +367,48 @@ def predict_row(row: dict, args, costs: Costs, log_dir: Path) -> None:
             heldout = bench.simulated(
                 workload, row["policy"], costs.profile.model, args, row["budget"], warmed_options(plugin, row, args, log_dir),
                 step_noise_from=str(other), noise_seed=row["seed"], noise_block_steps=args.noise_block_steps,
-                noise_pace_ms=args.noise_pace_ms,
+                noise_pace_ms=args.noise_pace_ms, loop_from=loop_source(other, args),
             )  # fmt: skip
             row.update({f"heldout_{k}": heldout[k] for k in METRICS})
             row["heldout_noise"] = other.name
         except Exception as err:  # noqa: BLE001 - the twin's prediction stands without it
             prediction_failed(row, "held-out ", err)
+
+
+def plugin_options(row: dict, args) -> dict | None:
+    """The plug-in's margin form and size grid as served (its SLOWEAVE_* variables included), for its
+    engine's runs; None for a fixed budget's."""
+    if row["engine"] != PLUGIN_ENGINE:
+        return None
+    return bench.plugin_sim_options(bench.default_plugin_config(args.tpot_ms, args.profile_file))
+
+
+def twin_draws(row: dict, machine_row: dict, args, costs: Costs, log_dir: Path, workload) -> list[dict]:
+    """The twin's simulations of ``row``'s run, one per noise draw: its engine's policy on the machine of
+    ``machine_row`` (an engine at the same load and seed; ``row`` itself for the run's own twin), whose step
+    log gives the fitted cost, the noise, the pace, the engine loop and, for the plug-in's policy, the warm
+    start. What the machine was read from goes into ``machine_row`` (``twin_cost``, ``twin_noise``,
+    ``twin_fit_error``, ``twin_warm_from``)."""
+    warmed = warmed_options(plugin_options(row, args), machine_row, args, log_dir)
+    fitted, noise = twin_source(machine_row, args, log_dir)
+    machine, machine_row["twin_fit_error"] = (
+        (costs.profile.model, math.nan) if fitted == args.profile_file else costs.of_log(fitted)
+    )
+    machine_row["twin_cost"], machine_row["twin_noise"] = fitted.name, noise.name
+    return [
+        bench.simulated(
+            workload, row["policy"], machine, args, row["budget"], warmed,
+            policy_cost=costs.profile.model if row["engine"] == PLUGIN_ENGINE else None,
+            step_noise_from=str(noise), noise_seed=noise_seed, noise_block_steps=args.noise_block_steps,
+            noise_pace_ms=args.noise_pace_ms, loop_from=loop_source(noise, args),
+        )
+        for noise_seed in noise_seeds(row["seed"], args.noise_draws)
+    ]  # fmt: skip
+
+
+def loop_source(log: Path, args) -> str | None:
+    """With ``--twin-step-time loop``, the step log whose engine loop the twin's clock adds after each step."""
+    return str(log) if args.twin_step_time == LOOP_STEP_TIME else None
 
 
 def warmed_options(plugin: dict | None, row: dict, args, log_dir: Path) -> dict | None:
@@ -636,6 +658,7 @@ def _engine_capacity(args, s: Served, costs: Costs, combined: Path) -> tuple[flo
         step_noise_from=str(combined),
         step_noise_block_steps=args.noise_block_steps,
         step_noise_pace_ms=args.noise_pace_ms,
+        loop_from=loop_source(combined, args),
         **plugin,
         **({"warm_from": str(combined)} if args.warm_steps and s.deadline_aware else {}),
     )

@@ -243,12 +243,14 @@ def simulated(
     noise_seed: int = 0,
     noise_block_steps: int = 0,
     noise_pace_ms: float = 0.0,
+    loop_from: str | None = None,
 ) -> dict:
     """The simulator's prediction for one engine: the same workload, the fitted cost (the machine's
     time; the policy decides with ``policy_cost``, by default the same), plus, with ``step_noise_from``,
     the residuals of that step log or profile against ``cost`` (``EngineOptions.step_noise_from``),
     drawn along its timeline in blocks of ``noise_block_steps`` steps (0: each step independently), or
-    with the machine's pace over ``noise_pace_ms`` kept apart (``EngineOptions.step_noise_pace_ms``).
+    with the machine's pace over ``noise_pace_ms`` kept apart (``EngineOptions.step_noise_pace_ms``);
+    ``loop_from``: a step log whose engine loop the clock adds after each step (``EngineOptions.loop_from``).
     ``plugin``: the plug-in's options the simulator shares (``plugin_sim_options``)."""
     from sloweave.core.policy import make_policy
     from sloweave.sim.metrics import evaluate
@@ -261,6 +263,7 @@ def simulated(
         step_noise_from=step_noise_from,
         step_noise_block_steps=noise_block_steps,
         step_noise_pace_ms=noise_pace_ms,
+        loop_from=loop_from,
         **((plugin or {}) if deadline_aware else {}),
     )
     policy = make_policy(policy_name, cost=cost if policy_cost is None else policy_cost, max_chunk_tokens=max_chunk)

@@ -180,6 +180,26 @@ def test_a_thin_bucket_its_pool_under_covers_takes_its_own_spread():
     assert margin > pooled and np.count_nonzero(own > margin) <= 1 and margin <= 1.5 * own.max()
 
 
+def test_a_stretch_never_passes_the_worst_of_the_buckets_own_steps():
+    """What vLLM's CPU engine did after a warm-up of decode-only steps (2,000 of them, 1.6 ms each,
+    spread by 0.17 ms): the first 43 steps of a chunk bucket, late by up to 6.3 ms, were under-covered
+    by that pool, and its value stretched by their spread over the pool's (12x) gave the bucket a margin
+    of 46 ms: the plug-in parked its chunks below that bucket with 45 ms of its budget to spare."""
+    residuals = StepResiduals()
+    rng = np.random.default_rng(1)
+    for _ in range(2000):  # the warm-up: small decode-only steps, very steady
+        residuals.add(False, 1.6, 1.6 + float(rng.normal(0.0, 0.12)))
+    for _ in range(43):  # the run's first steps with a chunk: late by a few ms, spread by about 2
+        residuals.add(True, 9.0, 9.0 + float(rng.uniform(-1.0, 3.0)))
+    windows = residuals.windows()
+    own = windows[WITH_CHUNK][predicted_bucket(9.0)]
+    additive, _, _ = margin_table(windows, WITH_CHUNK, 99.7, relative_fraction=lambda: 0.5)
+    pooled = covering_value(np.concatenate([w for w in windows[DECODE_ONLY] if w.size]), 99.7)
+    assert np.count_nonzero(own > pooled) >= 2  # the pool under-covers the bucket's own steps
+    assert additive[predicted_bucket(9.0)] == pytest.approx(float(own.max()))  # covered, not stretched past them
+    assert float(own.max()) < 4.0
+
+
 def test_one_stall_or_a_covered_bucket_keeps_the_pools_margin():
     """One late step among a thin bucket's own is chance at P99.7 (a stall is not the bucket's
     spread), and a bucket whose steps stay within the pool's value keeps that value."""

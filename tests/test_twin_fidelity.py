@@ -349,15 +349,17 @@ def test_the_fidelity_table_counts_the_runs_inside_their_twins_range():
     assert "real_within_twin_range" not in twin_fidelity.fidelity_table(runs_frame())  # one draw: no range
 
 
-def write_varied_log(path: Path, steps: int, slower_for: int = 0) -> None:
+def write_varied_log(path: Path, steps: int, slower_for: int = 0, scale: float = 1.0) -> None:
     """A step log whose steps vary in decodes and chunk (a regression can be fitted to it), each
-    measured 0-30 % over a linear cost: noise for the twin to draw; the first ``slower_for`` steps
-    (a machine busy before a run) take 20 times as long."""
+    measured 0-30 % over a linear cost (times ``scale``): noise for the twin to draw; the first ``slower_for``
+    steps (a machine busy before a run) take 20 times as long."""
     rng = np.random.default_rng(7)
     lines = [{"kind": "header", "format": FORMAT}]
     for i in range(steps):
         decodes, chunk = 1 + i % 16, 64 * (i % 5)
-        step_ms = (2.0 + 0.05 * decodes + 0.01 * chunk) * (1.0 + 0.3 * rng.random()) * (20.0 if i < slower_for else 1.0)
+        step_ms = (
+            (2.0 + 0.05 * decodes + 0.01 * chunk) * (1.0 + 0.3 * rng.random()) * (20.0 if i < slower_for else scale)
+        )
         values = dict.fromkeys(STEP_FIELDS, 0)
         values.update(step=i, start_ms=20.0 * i, measured_ms=step_ms, decode_tokens=decodes, ran_decode_tokens=decodes,
                       chunk_tokens=chunk, ran_prefill_tokens=chunk, token_budget=2048, budget_ms=40.0, offer=[],
@@ -439,3 +441,78 @@ def test_only_the_twin_and_the_held_out_prediction_are_warmed_the_plain_simulato
     assert "twin_warm_from" not in cold and warm["twin_warm_from"] == "sloweave-load1-seed0.warm200.jsonl"
     assert all(cold[f"plain_{k}"] == warm[f"plain_{k}"] for k in twin_fidelity.METRICS)
     assert cold["twin_p99_ttft_ms"] != warm["twin_p99_ttft_ms"]  # the warm start reached the twin
+
+
+def swap_pass(tmp_path: Path, argv: list[str]) -> tuple:
+    """A twin folder of two runs at one load and seed: the plug-in's on this machine, tuned 512's on one ten
+    times slower (a pass whose second engine met a slow minute), each predicted by its twin."""
+    write_varied_log(twin_fidelity.run_log_of(tmp_path, "sloweave", 1.0, 0), 400)
+    write_varied_log(twin_fidelity.run_log_of(tmp_path, "vllm-tuned-512", 1.0, 0), 400, scale=10.0)
+    args = twin_fidelity.parse_args(["--out", str(tmp_path), "--log-dir", str(tmp_path), *argv])
+    costs = twin_fidelity.Costs(twin_fidelity.DEFAULT_PROFILE, 100.0)
+    rows = [
+        {"engine": "sloweave", "policy": "sloweave-multi", "budget": 2048, "load": 1.0, "seed": 0, "rate_rps": 40.0,
+         "error": "", "real_attainment": 1.0},
+        {"engine": "vllm-tuned-512", "policy": "sarathi-512", "budget": 512, "load": 1.0, "seed": 0, "rate_rps": 40.0,
+         "error": "", "real_attainment": 0.0},
+    ]  # fmt: skip
+    for row in rows:
+        twin_fidelity.predict_row(row, args, costs, tmp_path)
+        assert row["error"] == "", row["error"]
+    return args, costs, rows
+
+
+SWAP_ARGV = ["--seeds", "0", "--requests", "60", "--rate-rps", "40", "--twin-step-time", "measured",
+             "--noise-pace-ms", "0", "--warm-steps", "0"]  # fmt: skip
+
+
+def test_the_machine_swap_puts_a_gap_the_slow_machine_made_on_the_machine(tmp_path):
+    """Each policy on each run's machine: the four twins split the twin's gap into the policies' and the
+    machines' share, which add up to it, and the diagonal is each run's own twin."""
+    import machine_swap
+
+    args, costs, rows = swap_pass(tmp_path, SWAP_ARGV)
+    (cell,) = machine_swap.swap_table(pd.DataFrame(rows), args, costs, None).to_dict("records")
+    assert cell["plugin_on_own_machine"] == rows[0]["twin_attainment"]
+    assert cell["other_on_own_machine"] == rows[1]["twin_attainment"]
+    assert cell["policy_effect"] + cell["machine_effect"] == pytest.approx(cell["twin_gap"])
+    assert cell["twin_gap"] > 0.5 and cell["machine_effect"] > 0.5 and abs(cell["policy_effect"]) < 0.2
+    assert cell["explained_by"] == "machine" and cell["real_gap"] == 1.0
+    # the plug-in's policy on the slow machine and tuned 512's on the plug-in's: each takes the machine's fate
+    assert cell["plugin_on_other_machine"] < 0.5 < cell["other_on_plugin_machine"]
+
+
+def test_the_machine_swap_reads_a_twin_folder_and_writes_its_own(tmp_path):
+    import machine_swap
+
+    args, _, rows = swap_pass(tmp_path, SWAP_ARGV)
+    pd.DataFrame(rows).to_csv(tmp_path / "runs.csv", index=False)
+    settings = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
+    (tmp_path / "summary.json").write_text(json.dumps({"settings": settings}), encoding="utf-8")
+    machine_swap.main(["--twin-out", str(tmp_path)])
+    out = tmp_path / "machine-swap"
+    assert sorted(p.name for p in out.iterdir()) == ["summary.json", "swap.csv", "swap.png"]
+    (pair,) = json.loads((out / "summary.json").read_text())["pairs"]
+    assert pair["engine"] == "vllm-tuned-512" and pair["explained_by_machine"] == 1 and pair["cells"] == 1
+    with pytest.raises(SystemExit):  # the folder is there: replaced only when asked
+        machine_swap.main(["--twin-out", str(tmp_path)])
+    with pytest.raises(SystemExit, match="no runs of vllm-tuned-256"):
+        machine_swap.main(
+            ["--twin-out", str(tmp_path), "--out", str(tmp_path / "other"), "--engines", "vllm-tuned-256"]
+        )
+    with pytest.raises(SystemExit):
+        machine_swap.main(["--twin-out", str(tmp_path / "absent")])
+
+
+def test_the_twin_with_the_engine_loop_prices_the_step_as_measured_and_adds_the_loop_after_it(tmp_path):
+    """--twin-step-time loop: the machine, noise and warm start are the steps as the plug-in measured them
+    (what it observed), and the clock adds the loop the log shows between steps."""
+    write_log(tmp_path / "sloweave-engine.jsonl", 400)  # a step every 10 ms, each measured at 5 ms and more
+    row = {"engine": "sloweave", "load": 1.0, "seed": 0}
+    twin_fidelity.cut_log(tmp_path / "sloweave-engine.jsonl", 301, 401, twin_fidelity.run_log_of(tmp_path, **row))
+    args = twin_fidelity.parse_args(["--warm-steps", "200", "--twin-step-time", "loop"])
+    log = twin_fidelity.run_log_of(tmp_path, **row)
+    assert twin_fidelity.twin_source(row, args, tmp_path) == (log, log)
+    assert twin_fidelity.warm_log(row, args, tmp_path) == tmp_path / "sloweave-load1-seed0.warm200.jsonl"
+    assert twin_fidelity.loop_source(log, args) == str(log)
+    assert twin_fidelity.loop_source(log, twin_fidelity.parse_args([])) is None

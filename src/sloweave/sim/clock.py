@@ -12,7 +12,9 @@
   simulated clock at each iteration's start, through ``set_time_ms``, None for the others;
 - online correction (optional): with an ``OnlineCalibrator`` and a policy whose cost is a
   ``CalibratedCost``, every iteration's actual time is folded into the calibrator against
-  the base model's prediction, as the CPU runtime does with measured step times.
+  the base model's prediction, as the CPU runtime does with measured step times;
+- the engine loop (optional, ``EngineLoop``): the time a real engine spends between two steps,
+  which the clock adds after each step (``loop_ms``, None without one) and no correction sees.
 """
 
 from __future__ import annotations
@@ -20,13 +22,21 @@ from __future__ import annotations
 from types import FunctionType
 
 from sloweave.core.costs.calibrated import OnlineCalibrator
+from sloweave.core.costs.engine_loop import DrawnLoop, EngineLoop
 from sloweave.core.costs.protocols import Calibrated, ContextFeed
 
 
 class IterationClock:
-    def __init__(self, duration, policy_cost=None, correction: OnlineCalibrator | None = None) -> None:
+    def __init__(
+        self,
+        duration,
+        policy_cost=None,
+        correction: OnlineCalibrator | None = None,
+        loop: EngineLoop | DrawnLoop | None = None,
+    ) -> None:
         self.duration = duration
         self.correction = correction
+        self.loop_ms = None if loop is None else loop.after_step
         self._corrected = policy_cost
         if correction is not None and not (
             isinstance(policy_cost, Calibrated) and policy_cost.calibrator is correction

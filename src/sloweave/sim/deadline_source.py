@@ -12,6 +12,9 @@ earliest deadline needs no per-request update per iteration:
   constant keys, plus j D.
 - ``TrackedDeadlines``: a per-token source checked, every iteration, against the core's
   ``DeadlineTracker`` fed with every token (O(|A|) per iteration; for tests).
+- ``AfterTheLoop``: a shared or per-request source on a clock with an engine loop between
+  iterations (``EngineLoop``): the decision comes a loop after the tokens, and its budget is that
+  much less.
 
 A heap entry is live while the request still runs with the same last iteration (a
 preempted request that comes back gets a new entry).
@@ -129,6 +132,36 @@ class CumulativeTargets(SharedTarget):
             return self.tpot_ms
         seen = [*self._keys, *([] if head is None else [self.targets[head]])]
         return min(seen) if seen else budget_ms
+
+
+class AfterTheLoop:
+    """A shared or per-request source on a clock with an engine loop between iterations: its budgets run
+    from the last iteration's end, when every running request emitted, and the next decision comes a loop
+    later, so the loop has already used that much of each budget (as a served engine's plug-in plans after
+    its loop's work). The lookahead's next fresh budget does not count the next loop."""
+
+    per_token_updates = True  # to be told each iteration's end
+
+    def __init__(self, source: SharedTarget) -> None:
+        self.source = source
+        self.banked, self.per_request = source.banked, source.per_request
+        self.fixed_budget_ms = None  # every budget is less the loop
+        self._forwards_tokens = source.per_token_updates
+        self._last_end_ms = 0.0
+
+    def __getattr__(self, name):
+        return getattr(self.source, name)  # target, started, left, next_fresh_budget_ms
+
+    def emitted(self, running: dict, end_ms: float) -> None:
+        self._last_end_ms = end_ms
+        if self._forwards_tokens:
+            self.source.emitted(running, end_ms)
+
+    def budget_ms(self, now_ms: float, iteration: int, running: dict) -> float:
+        return self.source.budget_ms(now_ms, iteration, running) - (now_ms - self._last_end_ms)
+
+    def late(self, request: int, now_ms: float, iteration: int, predicted_ms: float) -> bool:
+        return self.source.late(request, now_ms, iteration, predicted_ms + (now_ms - self._last_end_ms))
 
 
 class TrackedDeadlines:

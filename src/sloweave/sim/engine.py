@@ -43,6 +43,7 @@ from sloweave.core.admission import AdmissionControl
 from sloweave.core.costs.calibrated import OnlineCalibrator
 from sloweave.core.costs.analytic import AnalyticCost
 from sloweave.core.costs.empirical_noise import EmpiricalNoiseCost
+from sloweave.core.costs.engine_loop import DrawnLoop, EngineLoop
 from sloweave.core.costs.noisy import NoisyCost
 from sloweave.core.costs.protocols import CostModel
 from sloweave.core.policy import Aging, Policy
@@ -52,7 +53,13 @@ from sloweave.core.validate import positive_ms, whole_number
 from sloweave.sim.arrivals import AdmissionGate, AdmitAll, Arrivals
 from sloweave.sim.batch import DecodeBatch
 from sloweave.sim.clock import IterationClock
-from sloweave.sim.deadline_source import CumulativeTargets, PerRequestTargets, SharedTarget, TrackedDeadlines
+from sloweave.sim.deadline_source import (
+    AfterTheLoop,
+    CumulativeTargets,
+    PerRequestTargets,
+    SharedTarget,
+    TrackedDeadlines,
+)
 from sloweave.sim.decide import chunk_decider
 from sloweave.sim.memory import KVCapacity, KVLedger, UnlimitedKV
 from sloweave.sim.queue import FcfsPrompts, OnePrompt, PrefillQueue
@@ -121,7 +128,7 @@ class Engine:
         decide, iteration_ms, offered = self.decide, clock.iteration_ms, self.packing.prompt_tokens
         gate_acts, kv_limited, reads_context = arrivals.gate.acts_each_iteration, memory.limited, clock.reads_context
         fixed_budget_ms, per_token_updates = deadlines.fixed_budget_ms, deadlines.per_token_updates
-        set_time_ms = clock.set_time_ms
+        set_time_ms, loop_ms = clock.set_time_ms, clock.loop_ms
         finishing_at, batch_cap, horizon_ms = batch.finishing_at, self.batch_cap, self.horizon_ms
         starts, ends, decodes, chunks, budgets, infeasibles = self.recorder.iteration_writers()
         # `while True`: CPython 3.11 specializes a generator's bytecode after a few backward jumps
@@ -168,7 +175,7 @@ class Engine:
                 deadlines.emitted(batch.running, end_ms)
             if chunk:
                 queue.take(chunk, self)
-            self.now_ms = end_ms
+            self.now_ms = end_ms if loop_ms is None else end_ms + loop_ms(n)  # the engine's loop after the step
             self.iteration = it + 1
             if pause:
                 yield True
@@ -242,6 +249,7 @@ def simulate(
     kv_capacity_tokens: int | None = None,
     correction: OnlineCalibrator | None = None,
     step_grid_tokens: int = 1,
+    engine_loop: EngineLoop | DrawnLoop | None = None,
 ) -> SimResult:
     """Run ``workload`` under ``policy`` until every request finished (or ``horizon_s``).
 
@@ -257,7 +265,8 @@ def simulate(
     (its TTFT check needs ``ttft_ms``, one target or one per request),
     ``kv_capacity_tokens``, ``correction`` (online correction of a ``CalibratedCost``), and
     ``step_grid_tokens`` (a deadline-aware policy's steps rounded to a size grid where the deadline
-    cut them short, as the vLLM plug-in's; ``core/size_grid.py``). Every option works with every policy.
+    cut them short, as the vLLM plug-in's; ``core/size_grid.py``) and ``engine_loop`` (a real engine's time between
+    steps, ``core/costs/engine_loop.py``). Every option works with every policy.
     """
     return build_engine(
         workload,
@@ -274,6 +283,7 @@ def simulate(
         kv_capacity_tokens=kv_capacity_tokens,
         correction=correction,
         step_grid_tokens=step_grid_tokens,
+        engine_loop=engine_loop,
     ).run()
 
 
@@ -293,6 +303,7 @@ def build_engine(
     kv_capacity_tokens=None,
     correction=None,
     step_grid_tokens=1,
+    engine_loop=None,
 ) -> Engine:
     """The engine for ``simulate``'s options, each option turned into its part."""
     tpot_ms = positive_ms(tpot_ms, "tpot_ms")
@@ -308,7 +319,7 @@ def build_engine(
     # model (never with the noisy clock, which would also draw from the noise stream).
     model = duration.cost if isinstance(duration, (NoisyCost, EmpiricalNoiseCost)) else duration
     predicted = getattr(policy, "predicted_ms", None) or getattr(policy, "cost", None) or model
-    deadlines = _deadline_source(tpot_ms, requests.tpot_ms, deadline_form, check_deadlines)
+    deadlines = _deadline_source(tpot_ms, requests.tpot_ms, deadline_form, check_deadlines, engine_loop is not None)
     queue = PrefillQueue(requests)
     # One prefill per iteration (the paper) or several, first-fit in FCFS order (Sarathi-Serve).
     packing = (
@@ -316,7 +327,7 @@ def build_engine(
     )
     gate = AdmitAll() if admission is None else AdmissionGate(admission, policy, predicted, ttft_of)
     memory = UnlimitedKV() if kv_capacity_tokens is None else KVCapacity(int(kv_capacity_tokens))
-    clock = IterationClock(duration, getattr(policy, "cost", None), correction)
+    clock = IterationClock(duration, getattr(policy, "cost", None), correction, engine_loop)
     return Engine(
         workload,
         policy,
@@ -357,7 +368,8 @@ def _check_options(
         whole_number(kv_capacity_tokens, "kv_capacity_tokens", unit=" of tokens")
 
 
-def _deadline_source(tpot_ms: float, targets: list[float] | None, form: str, checked: bool):
+def _deadline_source(tpot_ms: float, targets: list[float] | None, form: str, checked: bool, looped: bool):
+    """``looped``: an engine loop passes between iterations (a cumulative source reads the clock already)."""
     if form == "cumulative":
         if checked:
             raise ValueError(
@@ -365,6 +377,7 @@ def _deadline_source(tpot_ms: float, targets: list[float] | None, form: str, che
             )
         return CumulativeTargets(tpot_ms, targets)
     source = SharedTarget(tpot_ms) if targets is None else PerRequestTargets(tpot_ms, targets)
+    source = AfterTheLoop(source) if looped else source
     return TrackedDeadlines(source) if checked else source
 
 

@@ -18,6 +18,7 @@ or unlimited and why: ``sloweave.core.costs.kv_memory.KVMemory``); the command l
 
 from __future__ import annotations
 
+import functools
 from dataclasses import asdict, dataclass, replace
 from os import PathLike
 
@@ -26,6 +27,7 @@ import numpy as np
 from sloweave.core.admission import ADMISSION_ACTIONS, AdmissionControl
 from sloweave.core.costs.calibrated import DEFAULT_MARGIN_FORM, MARGIN_FORMS, self_correcting
 from sloweave.core.costs.empirical_noise import EmpiricalNoiseCost, read_step_samples, start_times, step_noise_from_file
+from sloweave.core.costs.engine_loop import EngineLoop
 from sloweave.core.costs.kv_memory import KVMemory
 from sloweave.core.costs.noisy import NoisyCost
 from sloweave.core.costs.protocols import CostModel
@@ -114,6 +116,12 @@ class EngineOptions:
         "with --correction: a step log or step-time profile whose steps the online correction observes, in order, "
         "before the run (a served engine's state when a run begins: the steps it served before)",
     )
+    loop_from: str | None = setting(
+        None,
+        "a served run's step log: after each step the clock moves on by the engine loop's time between steps as that "
+        "log shows it (a base plus a time per decode, fitted, plus one of its residuals drawn with the noise seed), "
+        "which no step's time holds and no correction sees",
+    )
     margin_form: str = setting(
         DEFAULT_MARGIN_FORM,
         "with --correction, the adaptive margin's form: relative (one quantile of measured / predicted - 1, "
@@ -162,6 +170,8 @@ class EngineOptions:
             raise ValueError(f"correction must be true or false, got {self.correction!r}")
         if self.warm_from is not None:
             self._check_warm_from()
+        if self.loop_from is not None:
+            engine_loop_of(self._path_of("loop_from"))  # a bad log refused before any simulation
         if self.margin_form not in MARGIN_FORMS:
             raise ValueError(f"margin_form must be one of {', '.join(MARGIN_FORMS)}, got {self.margin_form!r}")
         if self.margin_form != DEFAULT_MARGIN_FORM and not self.correction:
@@ -208,12 +218,14 @@ class EngineOptions:
         return self.noise_sigma == 0 and self.bias == 1.0 and self.step_noise_from is None
 
     def describe(self, cost: CostModel | None = None) -> dict:
-        """Every option; ``kv_memory``, ``warm_from`` and ``step_noise_from`` (with its block and pace) only when set
+        """Every option; ``kv_memory``, ``warm_from``, ``loop_from`` and ``step_noise_from`` (with its block and pace) only when set
         (a run without them records what it always has). The noise source is described by its file (the same
         whatever the cost); given the run's ``cost``, with its residual buckets against that cost too."""
         noise_keys = ("step_noise_from", "step_noise_block_steps", "step_noise_pace_ms")
-        left_out = ("kv_memory", "warm_from", *noise_keys)
+        left_out = ("kv_memory", "warm_from", "loop_from", *noise_keys)
         described = {k: v for k, v in asdict(self).items() if k not in left_out}
+        if self.loop_from is not None:
+            described["loop_from"] = engine_loop_of(self.loop_from).describe()
         if self.warm_from is not None:
             warm = read_step_samples(self.warm_from)
             described["warm_from"] = {"source": warm.source, "sha256": warm.sha256, "steps": warm.steps}
@@ -279,7 +291,14 @@ class EngineOptions:
             kv_capacity_tokens=self.kv_capacity_tokens,
             correction=calibrator,
             step_grid_tokens=self.step_grid_tokens,
+            engine_loop=None if self.loop_from is None else engine_loop_of(self.loop_from).drawn(noise_seed),
         )
+
+
+@functools.cache
+def engine_loop_of(path: str) -> EngineLoop:
+    """The engine loop of a step log, read once per process."""
+    return EngineLoop.of_step_log(path)
 
 
 DEFAULT_OPTIONS = EngineOptions()
