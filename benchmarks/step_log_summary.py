@@ -4,7 +4,10 @@ For each log: the chunks the engine ran, how many steps left prompt tokens waiti
 those the budget, the prediction with its margin, the margin itself and the measured time; a
 step counts as deadline-bound when prediction + margin came within a quarter of its budget. The
 seconds of the log's clock (from its first step) in which most steps with decodes ran no chunk
-while prompts waited say how long prefill was starved (after a slow spell, for example).
+while prompts waited say how long prefill was starved (after a slow spell, for example), and the
+steps *parked* below a small chunk with a queue waiting and the deadline far off say how often
+something other than the queue or the deadline held the chunk back (a margin that stood far above
+the steps it guards: the per-step margin's stretch after a warm-up, for example).
 A least-squares fit of the measured step time (fixed + per decode + per prefill token) says
 what the run's steps cost. Printed, and written as strict JSON with ``--out``::
 
@@ -25,6 +28,12 @@ from sloweave.core.step_log import read_step_log
 
 DEADLINE_BOUND_SHARE = 0.25  # prediction + margin within this share of the budget
 STARVED_SHARE = 0.5  # a second is starved when more than this share of its decoding steps ran no chunk, prompts waiting
+# A step is parked when it ran decodes and a chunk under PARKED_CHUNK_TOKENS (or none) while at least
+# QUEUED_TOKENS prompt tokens waited and its prediction with margin left more than PARKED_SLACK_SHARE of its
+# budget unspent: neither the queue nor the deadline held the chunk back (a margin did, or the chunk's rate).
+QUEUED_TOKENS = 1024
+PARKED_CHUNK_TOKENS = 256
+PARKED_SLACK_SHARE = 0.3
 
 
 def percentiles(values, points=(10, 50, 90)) -> list[float] | None:
@@ -42,6 +51,16 @@ def starved_seconds(steps) -> list[int]:
     starved = (decoding["ran_prefill_tokens"] == 0) & (decoding["pending_prompt_tokens"] > 0)
     shares = starved.groupby(second).mean()
     return shares.index[shares > STARVED_SHARE].tolist()
+
+
+def parked(steps) -> tuple[int, int, float | None]:
+    """(steps with decodes and a queue, those of them parked, the P99 margin of the queued steps in ms)."""
+    queued = steps[(steps["ran_decode_tokens"] > 0) & (steps["pending_prompt_tokens"] >= QUEUED_TOKENS)]
+    queued = queued[queued["budget_ms"].notna()]
+    slack_ms = queued["budget_ms"] - queued["predicted_ms"]
+    held = (queued["ran_prefill_tokens"] < PARKED_CHUNK_TOKENS) & (slack_ms > PARKED_SLACK_SHARE * queued["budget_ms"])
+    margin = percentiles(queued["margin_ms"], (99,))
+    return len(queued), int(held.sum()), margin[0] if margin else None
 
 
 def longest_run(seconds: list[int]) -> int:
@@ -85,6 +104,7 @@ def summarise(path: Path) -> dict:
         "fit_ms_per_1k_prefill_tokens": round(float(coef[2]) * 1e3, 3),
         "starved_seconds": len(starved := starved_seconds(steps)),
         "longest_starved_run_s": longest_run(starved),
+        **dict(zip(("queued_steps", "parked_steps", "queued_margin_ms_p99"), parked(steps))),
         "aged_steps": int(steps["aged"].sum()),
         "infeasible_steps": int(steps["infeasible"].sum()),
     }

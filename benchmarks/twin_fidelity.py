@@ -17,6 +17,8 @@ plug-in's own cost and online correction for the plug-in; max_num_seqs 128):
   A step's time is its cycle (``--twin-step-time``; ``step_log.cycle_ms``): the step and the
   engine loop's work before the next one (tokens handed to the client, arrivals added), which
   the plug-in's own timing leaves out and a simulator's clock would otherwise never pay.
+  ``--twin-step-time loop`` keeps the loop apart instead (``EngineOptions.loop_from``): the step as
+  the plug-in measured it, what its correction observed, and the loop on the clock after it.
   The log is the engine's own at the same load and seed: the static engines are served by the
   plug-in with ``budget_rule: fixed`` (vLLM's own budget every step, scheduled as vanilla vLLM
   schedules, token for token; each step planned and logged). ``--static-twin-cost plugin-log``
