@@ -7,9 +7,9 @@ for real. Steps:
    context plus one c-token chunk, a prompt's first or, ``--profile-prefixes``, one that starts
    that many tokens into it, vLLM's own scheduler), written in the project's profile format
    and fitted by ``sloweave.core.costs.profile_fit`` (the cost the plug-in decides with).
-2. **Load point**, measured on the real engine: bisection on the arrival rate with vLLM's
-   chunked prefill at ``--search-budget`` (the middle of the candidates) on the tuning seed,
-   for the highest rate at which it still attains ``--target``. (The simulator on the fitted
+2. **Load point**, measured on the real engine: bisection on the arrival rate (8 req/s to
+   ``--search-max-rps``) with vLLM's chunked prefill at ``--search-budget`` (the middle of the
+   candidates) on the tuning seed, for the highest rate at which it still attains ``--target``. (The simulator on the fitted
    profile is not used for this: under serving load the real steps took about twice the
    profiled times, so its load point was an overload for every budget; its prediction is
    reported beside each measurement instead.)
@@ -53,6 +53,7 @@ import pandas as pd
 PLUGIN = "sloweave.vllm_plugin.SLOWeaveScheduler"  # the CPU build schedules synchronously
 VLLM_CPU_DEFAULT_BUDGET = 2048  # `vllm serve`'s max_num_batched_tokens on a CPU (vLLM 0.32)
 VLLM_CPU_DEFAULT_SEQS = 128  # and its max_num_seqs
+LOAD_SEARCH_MIN_RPS = 8.0  # the load search's lowest rate
 WORKLOADS = (
     "chat",
     "mixed",
@@ -108,6 +109,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--search-budget", type=int, default=512)
     parser.add_argument("--search-steps", type=int, default=5)
     parser.add_argument(
+        "--search-max-rps", type=float, default=128.0,
+        help="the load search's highest rate (from 8 req/s); a search that attains at every rate it tries stops the "
+             "bench: the load point is above it",
+    )  # fmt: skip
+    parser.add_argument(
         "--tuned-budgets", default=None, help="skip the tuning (step 3): these two budgets, e.g. 512,256"
     )
     parser.add_argument(
@@ -148,6 +154,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.noise_from is not None and not args.noise_from.is_file():
         parser.error(f"--noise-from {args.noise_from}: no such step log")
+    if not (math.isfinite(args.search_max_rps) and args.search_max_rps > LOAD_SEARCH_MIN_RPS):
+        parser.error(f"--search-max-rps must be a rate above {LOAD_SEARCH_MIN_RPS:g} req/s, got {args.search_max_rps}")
     return args
 
 
@@ -320,11 +328,24 @@ def load_point(args, model_dir: str, vocab: int) -> tuple[float, list[dict]]:
     """Highest rate (req/s) at which vLLM at ``--search-budget`` attains ``--target`` on the
     real engine (tuning seed, ``--requests``), by bisection on the log of the rate."""
     engine = engine_for(model_dir, args.search_budget, warm=args, dtype=args.dtype)
-    rate, _, tried = highest_attaining(
-        engine, args, vocab, args.tuning_seed, 8.0, 128.0, args.search_steps, "load search"
-    )
+    rate, high, tried = highest_attaining(
+        engine, args, vocab, args.tuning_seed, LOAD_SEARCH_MIN_RPS, args.search_max_rps, args.search_steps,
+        "load search",
+    )  # fmt: skip
     shut_down(engine)
+    check_load_point(high, args.search_max_rps)
     return rate, tried
+
+
+def check_load_point(lowest_missed_rps: float, search_max_rps: float) -> None:
+    """A load search that attained at every rate it tried found no load point, only a floor under it: the
+    tuning and the capacity search around it would run below the engine's capacity, and the capacity
+    search's ceiling (1.6x) would censor every engine alike (on a machine twice as fast, 13 of 18 cells)."""
+    if lowest_missed_rps >= search_max_rps:
+        raise SystemExit(
+            f"load search: every rate tried up to {search_max_rps:g} req/s attained the target; the load point is "
+            "above the search's range: raise --search-max-rps or give --rate-rps"
+        )
 
 
 def highest_attaining(engine, args, vocab: int, seed: int, low: float, high: float, steps: int, label: str):
