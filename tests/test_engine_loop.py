@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -133,3 +134,14 @@ def test_the_command_line_takes_the_loop(tmp_path):
     assert json.loads(result.stdout)["engine"]["loop_from"]["per_decode_ms"] == pytest.approx(0.02)
     refused = CliRunner().invoke(main, ["simulate", "--requests", "10", "--loop-from", str(tmp_path / "absent.jsonl")])
     assert refused.exit_code == 2 and "absent.jsonl" in refused.output
+
+
+def test_the_budget_after_the_loop_is_the_per_token_trackers_for_shared_and_own_targets():
+    """check_deadlines holds every budget against the core's DeadlineTracker fed with every token: after
+    a loop the tracker's budget, read at the decision's clock, is the target less the loop."""
+    workload = one_stream()
+    policy = make_policy("sloweave", cost=AnalyticCost())
+    loop = EngineLoop(0.7, 0.05, residuals_ms=(-0.3, 0.0, 0.4))
+    simulate(workload, policy, tpot_ms=25.0, check_deadlines=True, engine_loop=loop.drawn(2))
+    own = replace(workload, tpot_ms=np.where(np.arange(len(workload.arrival_s)) % 2 == 0, 15.0, 40.0))
+    simulate(own, policy, tpot_ms=25.0, check_deadlines=True, engine_loop=loop.drawn(2))

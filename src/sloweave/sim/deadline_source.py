@@ -178,7 +178,7 @@ class TrackedDeadlines:
         self.per_request = True
         self.fixed_budget_ms = None  # every budget is checked
         self.tracker = DeadlineTracker(source.tpot_ms)
-        self._own_targets = isinstance(source, PerRequestTargets)
+        self._own_targets = source.per_request  # its own targets (a per-request source, or one after the loop)
 
     def __getattr__(self, name):
         return getattr(self.source, name)  # target, late, next_fresh_budget_ms
@@ -199,6 +199,8 @@ class TrackedDeadlines:
     def emitted(self, running: dict, end_ms: float) -> None:
         for request in running:
             self.tracker.on_token(request, end_ms)
+        if self.source.per_token_updates:  # a source after the loop keeps the iteration's end
+            self.source.emitted(running, end_ms)
 
     def left(self, request: int) -> None:
         self.tracker.remove(request)
