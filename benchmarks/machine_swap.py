@@ -24,7 +24,6 @@ plug-in with every other engine served (``--engines``: some of them), and writes
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 import numpy as np
@@ -42,25 +41,35 @@ MIN_GAP = 0.05
 
 def twin_args(twin_out: Path, noise_draws: int | None) -> argparse.Namespace:
     """The twin run's own settings, as its summary recorded them (``noise_draws`` replacing its draws)."""
-    settings = json.loads((twin_out / "summary.json").read_text(encoding="utf-8"))["settings"]
+    settings = tf.recorded_settings(twin_out)
     known = [name for name in SETTINGS if name in settings]  # a folder from before a setting existed: its default
     if noise_draws is not None:
         settings = settings | {"noise_draws": noise_draws}
-    log_dir = settings["log_dir"] or str(twin_out / "step-logs")
-    return tf.parse_args(["--out", str(twin_out), "--log-dir", log_dir, *tf.bench.settings_argv(settings, known)])
+    return tf.args_of_settings(twin_out, settings, known)
 
 
-def twin_attainment(policy_row: dict, machine_row: dict, args, costs: tf.Costs) -> float:
-    """The median attainment over the draws of ``policy_row``'s policy on ``machine_row``'s machine."""
-    workload = tf.bench.workload_for(args, policy_row["seed"], policy_row["rate_rps"])
-    draws = tf.twin_draws(policy_row, dict(machine_row), args, costs, args.log_dir, workload)
-    return float(np.median([draw["attainment"] for draw in draws]))
+class Twins:
+    """The median attainment over the draws of one engine's policy on one run's machine, each simulated once:
+    the plug-in's own twin is every pair's corner at its load and seed."""
+
+    def __init__(self, args, costs: tf.Costs) -> None:
+        self.args, self.costs = args, costs
+        self._found: dict[tuple, float] = {}
+
+    def attainment(self, policy_row: dict, machine_row: dict) -> float:
+        key = (policy_row["engine"], machine_row["engine"], policy_row["load"], policy_row["seed"])
+        if key not in self._found:
+            args = self.args
+            workload = tf.bench.workload_for(args, policy_row["seed"], policy_row["rate_rps"])
+            draws = tf.twin_draws(policy_row, dict(machine_row), args, self.costs, args.log_dir, workload)
+            self._found[key] = float(np.median([draw["attainment"] for draw in draws]))
+        return self._found[key]
 
 
-def swap_cell(p: dict, x: dict, args, costs: tf.Costs) -> dict:
+def swap_cell(p: dict, x: dict, twins: Twins) -> dict:
     """The four twins of one load and seed, the plug-in ``p`` against engine ``x``, and the split of their gap."""
-    pp, xx = twin_attainment(p, p, args, costs), twin_attainment(x, x, args, costs)
-    px, xp = twin_attainment(p, x, args, costs), twin_attainment(x, p, args, costs)
+    pp, xx = twins.attainment(p, p), twins.attainment(x, x)
+    px, xp = twins.attainment(p, x), twins.attainment(x, p)
     policy = ((pp - xp) + (px - xx)) / 2
     machine = ((pp - px) + (xp - xx)) / 2
     twin_gap = pp - xx  # = policy + machine
@@ -85,13 +94,13 @@ def swap_table(runs: pd.DataFrame, args, costs: tf.Costs, engines: list[str] | N
     others = [e for e in dict.fromkeys(runs["engine"]) if e != tf.PLUGIN_ENGINE and (not engines or e in engines)]
     if engines and set(engines) - set(others):
         raise SystemExit(f"--engines: no runs of {', '.join(sorted(set(engines) - set(others)))} in the twin folder")
-    rows = []
+    rows, twins = [], Twins(args, costs)
     for (engine, load, seed), p in by_run.items():
         if engine != tf.PLUGIN_ENGINE:
             continue
         for other in others:
             if (other, load, seed) in by_run:
-                rows.append(swap_cell(p, by_run[(other, load, seed)], args, costs))
+                rows.append(swap_cell(p, by_run[(other, load, seed)], twins))
                 print(_shown(rows[-1]), flush=True)
     if not rows:
         raise SystemExit("no load and seed has a real run of the plug-in and of another engine")
@@ -183,7 +192,7 @@ def write_swap(out: Path, given: argparse.Namespace, args, costs: tf.Costs, engi
         write_result_json(folder.path / "summary.json", {
             "settings": {"twin_out": str(given.twin_out), "engines": engines, "noise_draws": args.noise_draws,
                          "min_gap": MIN_GAP},
-            "twin_settings": json.loads((given.twin_out / "summary.json").read_text(encoding="utf-8"))["settings"],
+            "twin_settings": tf.recorded_settings(given.twin_out),
             "split": "policy = ((P|P - X|P) + (P|X - X|X)) / 2, machine = ((P|P - P|X) + (X|P - X|X)) / 2 "
                      "(policy|machine, twin median attainment); policy + machine = P|P - X|X, the twin's gap",
             "pairs": summary,

@@ -62,6 +62,7 @@ under ``--out``, the step logs under ``--log-dir`` (default ``--out/step-logs``)
 from __future__ import annotations
 
 import argparse
+import json
 import functools
 import math
 import os
@@ -751,6 +752,17 @@ def shape_shown(row: dict) -> str:
     get = lambda key: row.get(key, math.nan)  # noqa: E731
     return (f"mean chunk real {get('real_chunk_tokens_mean'):.0f} / twin {get('twin_chunk_tokens_mean'):.0f} tokens, "
             f"late steps real {get('real_late_step_share'):.2%} / twin {get('twin_late_step_share'):.2%}")  # fmt: skip
+
+
+def recorded_settings(twin_out: Path) -> dict:
+    """The settings a finished twin folder's ``summary.json`` recorded."""
+    return json.loads((twin_out / "summary.json").read_text(encoding="utf-8"))["settings"]
+
+
+def args_of_settings(twin_out: Path, settings: dict, names) -> argparse.Namespace:
+    """A finished twin folder's own options: ``names`` of its recorded ``settings``, given as on its command line."""
+    log_dir = settings["log_dir"] or str(twin_out / "step-logs")
+    return parse_args(["--out", str(twin_out), "--log-dir", log_dir, *bench.settings_argv(settings, names)])
 
 
 def real_rows(path: Path) -> list[dict]:

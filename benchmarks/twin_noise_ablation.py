@@ -18,7 +18,6 @@ engine and load (attainment and P99 TPOT of each prediction against the real run
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 import pandas as pd
@@ -34,9 +33,7 @@ SETTINGS = ("requests", "seeds", "loads", "rate_rps", "tuned_budgets", "profile_
 
 def twin_args(twin_out: Path) -> argparse.Namespace:
     """The twin run's own settings, as its summary recorded them."""
-    settings = json.loads((twin_out / "summary.json").read_text())["settings"]
-    log_dir = settings["log_dir"] or str(twin_out / "step-logs")
-    return tf.parse_args(["--out", str(twin_out), "--log-dir", log_dir, *tf.bench.settings_argv(settings, SETTINGS)])
+    return tf.args_of_settings(twin_out, tf.recorded_settings(twin_out), SETTINGS)
 
 
 def ablate_run(row: dict, args, costs: tf.Costs) -> dict:

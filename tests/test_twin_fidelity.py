@@ -368,26 +368,24 @@ def write_varied_log(path: Path, steps: int, slower_for: int = 0, scale: float =
     path.write_text("".join(json.dumps(line) + "\n" for line in lines), encoding="utf-8")
 
 
+# A small pass on a small log: one seed, 60 requests at 40 req/s, the steps as measured.
+SMALL_PASS = ["--seeds", "0", "--requests", "60", "--rate-rps", "40", "--twin-step-time", "measured"]
+
+
+def served_row(engine: str, policy: str, budget: int, real_attainment: float = 0.5) -> dict:
+    """A real run of ``SMALL_PASS`` as ``runs.csv`` holds it before its prediction."""
+    return {"engine": engine, "policy": policy, "budget": budget, "load": 1.0, "seed": 0, "rate_rps": 40.0,
+            "error": "", "real_attainment": real_attainment}  # fmt: skip
+
+
 def test_each_run_is_predicted_by_several_draws_of_its_own_noise(tmp_path):
     write_varied_log(twin_fidelity.run_log_of(tmp_path, "vllm-tuned-512", 1.0, 0), 400)
     # drawn independently (a pace of this small log would leave each draw little of its own)
-    argv = [
-        "--seeds",
-        "0",
-        "--requests",
-        "60",
-        "--rate-rps",
-        "40",
-        "--twin-step-time",
-        "measured",
-        "--noise-pace-ms",
-        "0",
-    ]
+    argv = [*SMALL_PASS, "--noise-pace-ms", "0"]
     costs = twin_fidelity.Costs(twin_fidelity.DEFAULT_PROFILE, 100.0)
     rows = {}
     for draws in (1, 5):
-        rows[draws] = {"engine": "vllm-tuned-512", "policy": "sarathi-512", "budget": 512, "load": 1.0, "seed": 0,
-                       "rate_rps": 40.0, "error": "", "real_attainment": 0.5}  # fmt: skip
+        rows[draws] = served_row("vllm-tuned-512", "sarathi-512", 512)
         twin_fidelity.predict_row(
             rows[draws], twin_fidelity.parse_args(argv + ["--noise-draws", str(draws)]), costs, tmp_path
         )
@@ -421,21 +419,10 @@ def test_only_the_twin_and_the_held_out_prediction_are_warmed_the_plain_simulato
     costs = twin_fidelity.Costs(twin_fidelity.DEFAULT_PROFILE, 100.0)
     rows = {}
     for warm in ("0", "200"):
-        argv = [
-            "--seeds",
-            "0",
-            "--requests",
-            "60",
-            "--rate-rps",
-            "40",
-            "--twin-step-time",
-            "measured",
-            "--warm-steps",
-            warm,
-        ]
-        rows[warm] = {"engine": "sloweave", "policy": "sloweave-multi", "budget": 2048, "load": 1.0, "seed": 0,
-                      "rate_rps": 40.0, "error": "", "real_attainment": 0.5}  # fmt: skip
-        twin_fidelity.predict_row(rows[warm], twin_fidelity.parse_args(argv), costs, tmp_path)
+        rows[warm] = served_row("sloweave", "sloweave-multi", 2048)
+        twin_fidelity.predict_row(
+            rows[warm], twin_fidelity.parse_args([*SMALL_PASS, "--warm-steps", warm]), costs, tmp_path
+        )
     cold, warm = rows["0"], rows["200"]
     assert cold["error"] == warm["error"] == ""
     assert "twin_warm_from" not in cold and warm["twin_warm_from"] == "sloweave-load1-seed0.warm200.jsonl"
@@ -450,20 +437,14 @@ def swap_pass(tmp_path: Path, argv: list[str]) -> tuple:
     write_varied_log(twin_fidelity.run_log_of(tmp_path, "vllm-tuned-512", 1.0, 0), 400, scale=10.0)
     args = twin_fidelity.parse_args(["--out", str(tmp_path), "--log-dir", str(tmp_path), *argv])
     costs = twin_fidelity.Costs(twin_fidelity.DEFAULT_PROFILE, 100.0)
-    rows = [
-        {"engine": "sloweave", "policy": "sloweave-multi", "budget": 2048, "load": 1.0, "seed": 0, "rate_rps": 40.0,
-         "error": "", "real_attainment": 1.0},
-        {"engine": "vllm-tuned-512", "policy": "sarathi-512", "budget": 512, "load": 1.0, "seed": 0, "rate_rps": 40.0,
-         "error": "", "real_attainment": 0.0},
-    ]  # fmt: skip
+    rows = [served_row("sloweave", "sloweave-multi", 2048, 1.0), served_row("vllm-tuned-512", "sarathi-512", 512, 0.0)]
     for row in rows:
         twin_fidelity.predict_row(row, args, costs, tmp_path)
         assert row["error"] == "", row["error"]
     return args, costs, rows
 
 
-SWAP_ARGV = ["--seeds", "0", "--requests", "60", "--rate-rps", "40", "--twin-step-time", "measured",
-             "--noise-pace-ms", "0", "--warm-steps", "0"]  # fmt: skip
+SWAP_ARGV = [*SMALL_PASS, "--noise-pace-ms", "0", "--warm-steps", "0"]
 
 
 def test_the_machine_swap_puts_a_gap_the_slow_machine_made_on_the_machine(tmp_path):

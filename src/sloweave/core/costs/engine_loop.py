@@ -105,4 +105,4 @@ class DrawnLoop:
 
     def after_step(self, n_decodes: int) -> float:
         residual = self._residuals[self._rng.integers(self._residuals.size)]
-        return max(0.0, self.loop.base_ms + self.loop.per_decode_ms * n_decodes + residual)
+        return max(0.0, self.loop.after_step(n_decodes) + residual)
