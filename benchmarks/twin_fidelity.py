@@ -573,20 +573,25 @@ def draws_held(runs: pd.DataFrame) -> dict:
 
 
 def capacity_from_loads(loads, attainments, target: float) -> tuple[float, str]:
-    """The highest load (a multiple of the load point) attaining ``target``, interpolated
-    linearly in attainment to the next load served: (multiple, how it was found). Below the
-    lowest load: (nan, "below ..."); every load attaining: (the highest, "at least ...")."""
+    """The highest load (a multiple of the load point) up to which every load served attains
+    ``target``, interpolated linearly in attainment to the first load that does not: (multiple,
+    how it was found). Below the lowest load: (nan, "below ..."); every load attaining: (the
+    highest, "at least ..."). A load above the first failure that attains again (the machine's
+    slow minutes fell on a lower load) does not raise the reading: ``how`` then says "not
+    monotone", and the capacity table gives no verdict on it."""
     points = sorted((float(x), float(a)) for x, a in zip(loads, attainments) if not math.isnan(a))
     if not points:
         return math.nan, "no runs"
-    passing = [i for i, (_, a) in enumerate(points) if a >= target]
-    if not passing:
-        return math.nan, f"below {points[0][0]:g}x (no load served attained {target:g})"
-    i = passing[-1]
-    if i == len(points) - 1:
-        return points[i][0], f"at least {points[i][0]:g}x (every load up to the highest attained {target:g})"
-    (x0, a0), (x1, a1) = points[i], points[i + 1]
-    return x0 + (x1 - x0) * (a0 - target) / (a0 - a1), f"interpolated between {x0:g}x and {x1:g}x"
+    failing = [i for i, (_, a) in enumerate(points) if a < target]
+    if not failing:
+        return points[-1][0], f"at least {points[-1][0]:g}x (every load up to the highest attained {target:g})"
+    i = failing[0]
+    again = [f"{x:g}x" for x, a in points[i + 1 :] if a >= target]
+    aside = f"; not monotone: {', '.join(again)} attained {target:g} again" if again else ""
+    if i == 0:
+        return math.nan, f"below {points[0][0]:g}x (the lowest load served missed {target:g}){aside}"
+    (x0, a0), (x1, a1) = points[i - 1], points[i]
+    return x0 + (x1 - x0) * (a0 - target) / (a0 - a1), f"interpolated between {x0:g}x and {x1:g}x{aside}"
 
 
 def capacity_table(fidelity: pd.DataFrame, target: float, rate_rps: float, studied: dict, tolerance: float):
@@ -599,13 +604,16 @@ def capacity_table(fidelity: pd.DataFrame, target: float, rate_rps: float, studi
         heldout, heldout_how = capacity_from_loads(group["load"], group["heldout_attainment"], target)
         study_rps = studied.get(engine, math.nan)
         ratio = study_rps / (real * rate_rps) if real > 0 else math.nan
+        monotone = "not monotone" not in real_how
+        verdict = monotone and not math.isnan(ratio)  # a real pass that fails below a load it attains: no verdict
         rows.append({"engine": engine, "real_capacity_rps": real * rate_rps, "real_how": real_how,
                      "twin_capacity_rps_at_loads": twin * rate_rps, "twin_how": twin_how,
                      "heldout_capacity_rps_at_loads": heldout * rate_rps, "heldout_how": heldout_how,
                      "heldout_vs_real": heldout / real if real > 0 else math.nan,
                      "twin_capacity_rps_study": study_rps, "study_vs_real": ratio,
-                     "within_tolerance": bool(abs(ratio - 1.0) <= tolerance) if not math.isnan(ratio) else False,
-                     "real_censored": not real_how.startswith("interpolated")})  # fmt: skip
+                     "within_tolerance": bool(abs(ratio - 1.0) <= tolerance) if verdict else False,
+                     "real_censored": not real_how.startswith("interpolated"),
+                     "real_monotone": monotone})  # fmt: skip
     return pd.DataFrame(rows)
 
 

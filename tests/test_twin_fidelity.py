@@ -101,6 +101,28 @@ def test_capacity_from_loads_interpolates_and_censors():
     assert multiple == pytest.approx(0.7 + 0.5 * 0.05 / 0.65)  # a load without runs is skipped
 
 
+def test_a_load_that_attains_above_a_failing_one_does_not_raise_the_capacity():
+    # the 230 req/s pass of 2026-12-06: the plug-in missed at 1.0x in the machine's slow minutes, attained at 1.2x
+    multiple, how = twin_fidelity.capacity_from_loads([0.7, 1.0, 1.2, 1.4], [1.0, 0.78, 0.95, 0.4], 0.9)
+    assert multiple == pytest.approx(0.7 + 0.3 * 0.1 / 0.22)
+    assert how == "interpolated between 0.7x and 1x; not monotone: 1.2x attained 0.9 again"
+    multiple, how = twin_fidelity.capacity_from_loads([0.7, 1.0], [0.5, 0.95], 0.9)
+    assert math.isnan(multiple) and how.startswith("below 0.7x") and how.endswith("not monotone: 1x attained 0.9 again")
+
+
+def test_a_real_capacity_that_is_not_monotone_gets_no_verdict():
+    runs = runs_frame()
+    lower = runs[(runs["engine"] == "sloweave") & (runs["load"] == 1.0)].assign(load=0.8, real_attainment=1.0)
+    runs = pd.concat([lower, runs], ignore_index=True)
+    plugin = runs["engine"] == "sloweave"
+    runs.loc[plugin & (runs["load"] == 1.0), "real_attainment"] = 0.5  # failed in the machine's slow minutes
+    runs.loc[plugin & (runs["load"] == 1.2), "real_attainment"] = 0.95  # attained again above it
+    table = twin_fidelity.capacity_table(twin_fidelity.fidelity_table(runs), 0.9, 100.0, {"sloweave": 85.0}, 0.15)
+    row = table.set_index("engine").loc["sloweave"]
+    assert not row["real_monotone"] and "not monotone" in row["real_how"]
+    assert abs(row["study_vs_real"] - 1.0) <= 0.15 and not row["within_tolerance"]
+
+
 def test_capacity_table_compares_the_study_with_the_real_capacity():
     runs = runs_frame()
     runs["heldout_attainment"] = np.where(runs["load"] == 1.2, 0.8, 0.95)  # crosses 0.9 a third of the way
