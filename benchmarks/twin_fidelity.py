@@ -222,10 +222,6 @@ def run_log_of(log_dir: Path, engine: str, load: float, seed: int) -> Path:
     return log_dir / f"{engine}-load{load:g}-seed{seed}.jsonl"
 
 
-def plugin_log_of(log_dir: Path, load: float, seed: int) -> Path:
-    return run_log_of(log_dir, PLUGIN_ENGINE, load, seed)
-
-
 def line_count(path: Path) -> int:
     if not path.exists():
         return 0
@@ -304,14 +300,15 @@ class Costs:
         return self._logs[key]
 
 
+def noise_owner(row: dict, args) -> str:
+    """Whose step logs an engine's twin reads: its own, or (``--static-twin-cost plugin-log`` or
+    ``profile``, a fixed budget) the plug-in's, as such an engine is served without a log of its own."""
+    return row["engine"] if args.static_twin_cost == "own-log" or row["engine"] == PLUGIN_ENGINE else PLUGIN_ENGINE
+
+
 def twin_source(row: dict, args, log_dir: Path) -> tuple[Path, Path]:
     """(the file the twin's machine is fitted to, the file its noise comes from)."""
-    own = args.static_twin_cost == "own-log" or row["engine"] == PLUGIN_ENGINE
-    log = (
-        run_log_of(log_dir, row["engine"], row["load"], row["seed"])
-        if own
-        else plugin_log_of(log_dir, row["load"], row["seed"])
-    )
+    log = run_log_of(log_dir, noise_owner(row, args), row["load"], row["seed"])
     if not log.exists():
         raise FileNotFoundError(f"no step log for load {row['load']:g}, seed {row['seed']} ({log})")
     noise = as_twin_reads(log, args.twin_step_time)
@@ -341,12 +338,13 @@ def step_log_of(log: Path):
 
 
 def heldout_noise_log(row: dict, args, log_dir: Path) -> Path:
-    """The step log of the same engine and load at the next seed of ``--seeds`` (cyclically)."""
+    """The step log the twin reads (``noise_owner``) at the same load and the next seed of ``--seeds``
+    (cyclically)."""
     seeds = args.seed_list
     if len(seeds) < 2:
         raise ValueError("a held-out prediction needs at least two --seeds (its noise comes from another run)")
     other = seeds[(seeds.index(row["seed"]) + 1) % len(seeds)]
-    log = run_log_of(log_dir, row["engine"], row["load"], other)
+    log = run_log_of(log_dir, noise_owner(row, args), row["load"], other)
     if not log.exists():
         raise FileNotFoundError(f"no step log for load {row['load']:g}, seed {other} ({log})")
     return log
@@ -632,7 +630,7 @@ def twin_capacity_study(args, served: list[Served], costs: Costs, log_dir: Path)
     (engine -> req/s, notes)."""
     found, notes = {}, {}
     for s in served:
-        owner = s.name if args.static_twin_cost == "own-log" or s.name == PLUGIN_ENGINE else PLUGIN_ENGINE
+        owner = noise_owner({"engine": s.name}, args)
         logs = [run_log_of(log_dir, owner, x, seed) for x in args.load_list for seed in args.seed_list]
         logs = [log for log in logs if log.exists()]
         if not logs:

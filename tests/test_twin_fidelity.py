@@ -83,6 +83,20 @@ def test_held_out_noise_comes_from_the_next_seed_of_the_same_engine_and_load(tmp
         twin_fidelity.heldout_noise_log({**row, "seed": 3}, twin_fidelity.parse_args(["--seeds", "3"]), tmp_path)
 
 
+def test_a_budget_twinned_on_the_plug_ins_machine_draws_its_held_out_noise_from_the_plug_ins_log(tmp_path):
+    # served without a step log of its own (--static-twin-cost plugin-log): its held-out prediction failed
+    args = twin_fidelity.parse_args(["--seeds", "0,1", "--static-twin-cost", "plugin-log"])
+    for seed in (0, 1):
+        twin_fidelity.run_log_of(tmp_path, "sloweave", 0.9, seed).write_text("{}\n")
+    row = {"engine": "vllm-tuned-1024", "load": 0.9, "seed": 0}
+    assert twin_fidelity.heldout_noise_log(row, args, tmp_path) == twin_fidelity.run_log_of(
+        tmp_path, "sloweave", 0.9, 1
+    )
+    own = twin_fidelity.parse_args(["--seeds", "0,1"])
+    with pytest.raises(FileNotFoundError, match="vllm-tuned-1024"):
+        twin_fidelity.heldout_noise_log(row, own, tmp_path)
+
+
 def test_fidelity_table_without_any_twin_says_no_hit():
     runs = runs_frame().drop(columns=["twin_attainment", "twin_goodput_rps"])
     table = twin_fidelity.fidelity_table(runs)
