@@ -62,8 +62,8 @@ under ``--out``, the step logs under ``--log-dir`` (default ``--out/step-logs``)
 from __future__ import annotations
 
 import argparse
-import json
 import functools
+import json
 import math
 import os
 import platform
@@ -300,15 +300,15 @@ class Costs:
         return self._logs[key]
 
 
-def noise_owner(row: dict, args) -> str:
+def noise_owner(engine: str, args) -> str:
     """Whose step logs an engine's twin reads: its own, or (``--static-twin-cost plugin-log`` or
     ``profile``, a fixed budget) the plug-in's, as such an engine is served without a log of its own."""
-    return row["engine"] if args.static_twin_cost == "own-log" or row["engine"] == PLUGIN_ENGINE else PLUGIN_ENGINE
+    return engine if args.static_twin_cost == "own-log" or engine == PLUGIN_ENGINE else PLUGIN_ENGINE
 
 
 def twin_source(row: dict, args, log_dir: Path) -> tuple[Path, Path]:
     """(the file the twin's machine is fitted to, the file its noise comes from)."""
-    log = run_log_of(log_dir, noise_owner(row, args), row["load"], row["seed"])
+    log = run_log_of(log_dir, noise_owner(row["engine"], args), row["load"], row["seed"])
     if not log.exists():
         raise FileNotFoundError(f"no step log for load {row['load']:g}, seed {row['seed']} ({log})")
     noise = as_twin_reads(log, args.twin_step_time)
@@ -344,7 +344,7 @@ def heldout_noise_log(row: dict, args, log_dir: Path) -> Path:
     if len(seeds) < 2:
         raise ValueError("a held-out prediction needs at least two --seeds (its noise comes from another run)")
     other = seeds[(seeds.index(row["seed"]) + 1) % len(seeds)]
-    log = run_log_of(log_dir, noise_owner(row, args), row["load"], other)
+    log = run_log_of(log_dir, noise_owner(row["engine"], args), row["load"], other)
     if not log.exists():
         raise FileNotFoundError(f"no step log for load {row['load']:g}, seed {other} ({log})")
     return log
@@ -570,6 +570,10 @@ def draws_held(runs: pd.DataFrame) -> dict:
             "twin_attaining_share": float(runs["twin_attaining_share"].median())}  # fmt: skip
 
 
+# what ``capacity_from_loads`` says of a pass that attains again above its first failure; the capacity table reads it
+NOT_MONOTONE = "not monotone"
+
+
 def capacity_from_loads(loads, attainments, target: float) -> tuple[float, str]:
     """The highest load (a multiple of the load point) up to which every load served attains
     ``target``, interpolated linearly in attainment to the first load that does not: (multiple,
@@ -585,7 +589,7 @@ def capacity_from_loads(loads, attainments, target: float) -> tuple[float, str]:
         return points[-1][0], f"at least {points[-1][0]:g}x (every load up to the highest attained {target:g})"
     i = failing[0]
     again = [f"{x:g}x" for x, a in points[i + 1 :] if a >= target]
-    aside = f"; not monotone: {', '.join(again)} attained {target:g} again" if again else ""
+    aside = f"; {NOT_MONOTONE}: {', '.join(again)} attained {target:g} again" if again else ""
     if i == 0:
         return math.nan, f"below {points[0][0]:g}x (the lowest load served missed {target:g}){aside}"
     (x0, a0), (x1, a1) = points[i - 1], points[i]
@@ -602,7 +606,7 @@ def capacity_table(fidelity: pd.DataFrame, target: float, rate_rps: float, studi
         heldout, heldout_how = capacity_from_loads(group["load"], group["heldout_attainment"], target)
         study_rps = studied.get(engine, math.nan)
         ratio = study_rps / (real * rate_rps) if real > 0 else math.nan
-        monotone = "not monotone" not in real_how
+        monotone = NOT_MONOTONE not in real_how
         verdict = monotone and not math.isnan(ratio)  # a real pass that fails below a load it attains: no verdict
         rows.append({"engine": engine, "real_capacity_rps": real * rate_rps, "real_how": real_how,
                      "twin_capacity_rps_at_loads": twin * rate_rps, "twin_how": twin_how,
@@ -630,7 +634,7 @@ def twin_capacity_study(args, served: list[Served], costs: Costs, log_dir: Path)
     (engine -> req/s, notes)."""
     found, notes = {}, {}
     for s in served:
-        owner = noise_owner({"engine": s.name}, args)
+        owner = noise_owner(s.name, args)
         logs = [run_log_of(log_dir, owner, x, seed) for x in args.load_list for seed in args.seed_list]
         logs = [log for log in logs if log.exists()]
         if not logs:
