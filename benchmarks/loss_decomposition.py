@@ -56,6 +56,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default="sloweave",
         help=f"plug-in configurations served, of {', '.join(bench.PLUGIN_VARIANTS)}",
     )
+    parser.add_argument(
+        "--plugin-budgets",
+        default=str(bench.VLLM_CPU_DEFAULT_BUDGET),
+        help="the engine's --max-num-batched-tokens under the plug-in (its largest chunk), comma-separated: "
+        "each variant is served under each; one other than vLLM's default is named variant@budget",
+    )
     bench.add_served_options(parser)
     parser.add_argument("--force", action="store_true", help="replace --out's earlier results")
     args = parser.parse_args(argv)
@@ -200,7 +206,9 @@ def serve_all(args) -> tuple[pd.DataFrame, pd.DataFrame]:
     engines = [(f"vllm-tuned-{b}", int(b), None) for b in args.budgets.split(",")]
     plugin = bench.default_plugin_config(args.tpot_ms, args.profile_file)
     for variant in args.plugin_variants.split(","):
-        engines.append((variant, bench.VLLM_CPU_DEFAULT_BUDGET, plugin | bench.PLUGIN_VARIANTS[variant]))
+        for budget in (int(b) for b in args.plugin_budgets.split(",")):
+            name = variant if budget == bench.VLLM_CPU_DEFAULT_BUDGET else f"{variant}@{budget}"
+            engines.append((name, budget, plugin | bench.PLUGIN_VARIANTS[variant]))
     rows, all_steps = [], []
     for repeat in range(args.repeats):
         for name, budget, config in engines if repeat % 2 == 0 else engines[::-1]:

@@ -5,7 +5,8 @@ for real. Steps:
 
 1. **Profile** step times through vLLM itself (``engine_driver.profile_steps``: n decodes at a
    context plus one c-token chunk, a prompt's first or, ``--profile-prefixes``, one that starts
-   that many tokens into it, vLLM's own scheduler), written in the project's profile format
+   that many tokens into it, and a first chunk spread over ``--profile-pieces`` prompts, vLLM's
+   own scheduler), written in the project's profile format
    and fitted by ``sloweave.core.costs.profile_fit`` (the cost the plug-in decides with).
 2. **Load point**, measured on the real engine: bisection on the arrival rate (8 req/s to
    ``--search-max-rps``) with vLLM's chunked prefill at ``--search-budget`` (the middle of the
@@ -142,6 +143,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "chunk attends to the tokens before it, which the fit prices only if the profile has such chunks)",
     )
     parser.add_argument(
+        "--profile-pieces",
+        type=prompt_counts,
+        default="1,4",
+        help="comma-separated prompt counts a first chunk is also spread over (1: one prompt; a chunk of several "
+        "short prompts costs less attention than one long one, so only such chunks show the fit what a chunk's "
+        "size costs apart from its attention)",
+    )
+    parser.add_argument(
         "--profile-file", type=Path, default=None, help="reuse a profile this script wrote (skips step 1)"
     )
     parser.add_argument(
@@ -180,6 +189,14 @@ def token_counts(text: str) -> tuple[int, ...]:
     return tuple(sorted(counts))
 
 
+def prompt_counts(text: str) -> tuple[int, ...]:
+    """``--profile-pieces``: comma-separated whole numbers >= 1, sorted, each once."""
+    counts = token_counts(text)
+    if min(counts) < 1:
+        raise argparse.ArgumentTypeError(f"expected comma-separated prompt counts >= 1, got {text!r}")
+    return counts
+
+
 def default_plugin_config(tpot_ms: float, profile_path: Path) -> dict:
     """The plug-in as served here: the TPOT target, the cost fitted to the profile, online correction."""
     return {"tpot_ms": tpot_ms, "cost": str(profile_path), "online_correction": True}
@@ -207,8 +224,9 @@ def profile(args, model_dir: str, vocab: int) -> Path:
 
     prefixes = args.profile_prefixes
     # the cache serves a later chunk its prefix; the served engines run without it (random prompts)
+    # room for the largest point in one step: 64 decodes and a 2,048-token chunk over up to its pieces' prompts
     engine = make_engine(
-        model_dir, 4096, max_num_seqs=64, max_model_len=8192, dtype=args.dtype, enable_prefix_caching=prefixes != (0,)
+        model_dir, 4096, max_num_seqs=128, max_model_len=8192, dtype=args.dtype, enable_prefix_caching=prefixes != (0,)
     )
     warm_up(engine, args)  # a fresh engine's first steps are slow outliers (see engine_for)
     frame = profile_steps(
@@ -219,6 +237,7 @@ def profile(args, model_dir: str, vocab: int) -> Path:
         contexts=(128, 512),
         repeats=args.profile_repeats,
         prefixes=prefixes,
+        pieces=args.profile_pieces,
     )
     shut_down(engine)
     frame["split"] = "fit"

@@ -146,7 +146,7 @@ def test_a_chunk_over_several_prompts_leaves_the_residual_of_its_pieces(tmp_path
     policy priced it: a log whose steps took exactly that has no residual to draw."""
     from sloweave.core.costs.fitted import RegressionCost
 
-    cost = RegressionCost([2.0, 0.5, 0.05, 1.0, 0.012, 0.01, 0.0, 14.0, 14.0])
+    cost = RegressionCost([2.0, 0.5, 0.05, 1.0, 0.012, 0.01, 0.0, 14.0, 14.0, 0.0])
     writer = StepLogWriter(tmp_path / "served.jsonl", {}, clock_ms=lambda: 0.0)
     for i in range(3 * MIN_STEPS_PER_BUCKET):
         n, c, offer = i % 8, 256 * (1 + i % 8), ((64 * (1 + i % 3), 512), (4096, 0))

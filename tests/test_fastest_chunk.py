@@ -210,7 +210,7 @@ def test_on_the_cpu_engines_profile_both_fitted_models_take_a_smaller_faster_chu
 def attention_cost(chunk_pairs_ms: float, prefix_pairs_ms: float, base_ms: float = 3.0) -> RegressionCost:
     """A fitted CPU cost (the coefficients of vLLM's CPU build, rounded) with its two pair terms
     set: a chunk's own token pairs c^2 / 2 and its pairs with the prefix c p, in ms per million."""
-    return RegressionCost([base_ms, 0.55, 0.033, 0.92, 0.0098, 0.0, 0.0, chunk_pairs_ms, prefix_pairs_ms])
+    return RegressionCost([base_ms, 0.55, 0.033, 0.92, 0.0098, 0.0, 0.0, chunk_pairs_ms, prefix_pairs_ms, 0.0])
 
 
 def held_rate(cost, n, c, largest):

@@ -25,30 +25,39 @@ from sloweave.core.costs.fitted import (
 )
 from sloweave.core.costs.calibrated import self_correcting
 from sloweave.core.costs.profile_fit import fit_profile
-from sloweave.core.costs.step_profiles import ProfileError, read_profile, write_profile
+from sloweave.core.costs.step_profiles import ProfileError, format_offer, read_profile, write_profile
 from sloweave.sim.metrics import evaluate
 from sloweave.core.policy import SLOWeave, make_policy
 from sloweave.sim.engine import simulate
 from sloweave.sim.workloads import WORKLOADS
 
-TRUE_COEF = np.array([1.0, 0.5, 0.05, 0.3, 0.02, 0.4, 0.8, 0.0, 0.0])
+TRUE_COEF = np.array([1.0, 0.5, 0.05, 0.3, 0.02, 0.4, 0.8, 0.0, 0.0, 0.0])
 
 
 def synthetic_profile(
-    noise: float = 0.03, seed: int = 0, repeats: int = 3, coef: np.ndarray = TRUE_COEF, prefixes=(0,)
+    noise: float = 0.03,
+    seed: int = 0,
+    repeats: int = 3,
+    coef: np.ndarray = TRUE_COEF,
+    prefixes=(0,),
+    pieces=(1,),
+    chunks=(0, 16, 64, 128, 256, 512, 1024),
 ) -> pd.DataFrame:
     """A grid profile: the regression's own form times one-sided lognormal noise (contention only
-    adds time); its chunks at each of ``prefixes`` (0: a prompt's first chunk)."""
+    adds time); its chunks at each of ``prefixes`` (0: a prompt's first chunk), and first chunks
+    also spread evenly over each count of prompts in ``pieces`` (an ``offer``)."""
     rng = np.random.default_rng(seed)
     rows = []
     for context in (64, 256, 1024):
         for n in (0, 1, 4, 8, 16, 32):
-            for c, p in itertools.product((0, 16, 64, 128, 256, 512, 1024), prefixes):
-                if (n == 0 and c == 0) or (c == 0 and p > 0):
+            for c, p, k in itertools.product(chunks, prefixes, pieces):
+                if (n == 0 and c == 0) or (c == 0 and p > 0) or (k > 1 and (p > 0 or c // k < 16)):
                     continue
+                offer = [(c // k, 0)] * k if k > 1 else None
+                pairs = None if offer is None else (k * (c // k) ** 2 / 2, 0.0)
                 for r in range(repeats):
                     d = n * (context + 1)
-                    t = float(regression_features(n, c, d, p) @ coef) * float(np.exp(abs(rng.normal(0, noise))))
+                    t = float(regression_features(n, c, d, p, pairs) @ coef) * float(np.exp(abs(rng.normal(0, noise))))
                     rows.append(
                         dict(
                             n_decodes=n,
@@ -59,6 +68,7 @@ def synthetic_profile(
                             context_tokens=context,
                             repeat=r,
                             split="fit",
+                            offer=format_offer(offer),
                         )
                     )
             for _ in range(3):  # off-grid held-out steps, some with a prefix
@@ -99,7 +109,7 @@ def test_the_regression_learns_that_a_token_costs_more_in_a_large_chunk_and_the_
     """An engine whose chunk costs grow as c^2 (vLLM's CPU build): the chunk's pairs of tokens,
     c^2 / 2, are a term of their own, fitted, held out within 5 %, and the policy deciding on the
     fit takes the chunk the true model prefills fastest."""
-    per_sequence = np.array([1.0, 0.5, 0.05, 0.3, 0.01, 0.4, 0.0, 12.0, 0.0])
+    per_sequence = np.array([1.0, 0.5, 0.05, 0.3, 0.01, 0.4, 0.0, 12.0, 0.0, 0.0])
     result = fit_profile(synthetic_profile(coef=per_sequence))
     fitted = dict(zip(REGRESSION_TERMS, result.regression.coefficients))
     assert fitted["per_1m_chunk_pairs_ms"] == pytest.approx(12.0, rel=0.1)
@@ -117,7 +127,7 @@ def test_a_profile_with_later_chunks_fits_their_attention_over_the_prefix_and_on
     after 2,048 tokens of it: attention over the prefix, about as dear per pair as the chunk's own
     pairs. A profile with later chunks fits that term; one with first chunks only has an all-zero
     column for it, and its fit is the fit without the column, coefficient for coefficient."""
-    causal = np.array([1.0, 0.5, 0.05, 0.3, 0.01, 0.0, 0.0, 14.0, 14.0])
+    causal = np.array([1.0, 0.5, 0.05, 0.3, 0.01, 0.0, 0.0, 14.0, 14.0, 0.0])
     with_prefix = fit_profile(synthetic_profile(coef=causal, prefixes=(0, 512, 1536)))
     fitted = dict(zip(REGRESSION_TERMS, with_prefix.regression.coefficients))
     assert fitted["per_1m_prefix_pairs_ms"] == pytest.approx(14.0, rel=0.1)
@@ -127,11 +137,45 @@ def test_a_profile_with_later_chunks_fits_their_attention_over_the_prefix_and_on
 
     first_only = synthetic_profile(coef=causal)
     without = fit_profile(first_only).regression.coefficients
-    assert without[-1] == 0.0
+    prefix_pairs, chunk_squared = (
+        REGRESSION_TERMS.index(t) for t in ("per_1m_prefix_pairs_ms", "per_1m_chunk_squared_ms")
+    )
+    assert without[prefix_pairs] == 0.0 and without[chunk_squared] == 0.0
     fit_rows = first_only[first_only["split"] == "fit"]
-    x = regression_features(*(fit_rows[k] for k in ("n_decodes", "chunk_tokens", "decode_kv_tokens")), 0)[:, :-1]
+    x = regression_features(*(fit_rows[k] for k in ("n_decodes", "chunk_tokens", "decode_kv_tokens")), 0)
+    kept = [j for j in range(len(REGRESSION_TERMS)) if j not in (prefix_pairs, chunk_squared)]
     w = 1.0 / fit_rows["step_ms"].to_numpy()
-    np.testing.assert_array_equal(without[:-1], nnls(x * w[:, None], fit_rows["step_ms"].to_numpy() * w))
+    np.testing.assert_array_equal(without[kept], nnls(x[:, kept] * w[:, None], fit_rows["step_ms"].to_numpy() * w))
+
+
+def test_a_profile_with_chunks_over_several_prompts_fits_the_chunks_square_and_the_policy_cuts_there():
+    """vLLM's CPU build (AVX-512): a 2,048-token chunk of eight 256-token prompts cost 5.4 us a token,
+    4.6 at 1,024 of eight 128-token ones, a rise that is the chunk's size, not attention. A profile
+    whose chunks also span several prompts fits that term apart from the pairs, and the policy,
+    offered many short prompts, takes the chunk the true model prefills fastest, well below the
+    largest safe one (a fit without the term, pricing each piece's attention only, took the largest)."""
+    truth_coef = np.array([1.0, 0.5, 0.05, 0.3, 0.004, 0.0, 0.0, 3.0, 3.0, 1.5])
+    chunks = (0, 64, 256, 512, 1024, 2048)
+    result = fit_profile(synthetic_profile(coef=truth_coef, pieces=(1, 4, 8), chunks=chunks))
+    fitted = dict(zip(REGRESSION_TERMS, result.regression.coefficients))
+    assert fitted["per_1m_chunk_squared_ms"] == pytest.approx(1.5, rel=0.15)
+    assert fitted["per_1m_chunk_pairs_ms"] == pytest.approx(3.0, rel=0.3)
+    offer = [(128, 0)] * 32
+    truth, fit = RegressionCost(truth_coef), result.regression
+    for cost in (truth, fit):
+        cost.set_context(8 * 300, 0)
+        cost.set_offer(offer)
+    policy = SLOWeave(cost=fit, max_chunk_tokens=4096, max_prefills=None)
+    chunk, largest = policy.decide(8, 4096, 60.0).chunk_tokens, policy._largest_fitting(8, 4096, 60.0).chunk_tokens
+
+    def rate(c):
+        return c / (truth(8, c) - truth(8, 0) + truth(1, 0))
+
+    best = max(range(1, largest + 1), key=rate)
+    assert chunk < 0.5 * largest and truth(8, chunk) <= 60.0
+    assert rate(chunk) >= 0.99 * rate(best)
+    no_square = fit_profile(synthetic_profile(coef=truth_coef, chunks=chunks)).regression.coefficients
+    assert no_square[REGRESSION_TERMS.index("per_1m_chunk_squared_ms")] == 0.0
 
 
 def test_a_chunk_spread_over_the_prompts_on_offer_pays_each_pieces_attention_not_the_first_prompts():
@@ -139,7 +183,7 @@ def test_a_chunk_spread_over_the_prompts_on_offer_pays_each_pieces_attention_not
     next: each piece attends within its own prompt. Priced as one piece at the first's prefix it
     would cost 2.5 times the attention; the corrected cost, the policy's, prices the offer too, and
     a profile's rows are each one piece whatever offer a step set last."""
-    cost = RegressionCost(np.array([1.6, 0.55, 0.033, 0.92, 0.0098, 0.0, 0.0, 13.0, 14.0]))
+    cost = RegressionCost(np.array([1.6, 0.55, 0.033, 0.92, 0.0098, 0.0, 0.0, 13.0, 14.0, 0.0]))
     cost.set_context(16 * 300, 1536)
     one_piece = cost(16, 1536)
     cost.set_offer([(512, 1536), (2048, 0)])
@@ -282,7 +326,7 @@ def test_table_needs_a_full_grid_but_the_regression_does_not():
 
 def test_regression_rejects_negative_coefficients():
     with pytest.raises(ProfileError):
-        RegressionCost(np.array([1, 1, 1, 1, -0.1, 1, 1, 1.0, 1.0]))
+        RegressionCost(np.array([1, 1, 1, 1, -0.1, 1, 1, 1.0, 1.0, 0.0]))
 
 
 def test_simulator_runs_on_a_profiled_cost():
@@ -348,7 +392,7 @@ def test_regression_predict_matches_its_design_matrix():
     from sloweave.core.costs.fitted import RegressionCost, regression_features
 
     rng = np.random.default_rng(5)
-    cost = RegressionCost(rng.uniform(0.0, 2.0, 9))
+    cost = RegressionCost(rng.uniform(0.0, 2.0, 10))
     for _ in range(200):
         n, c, d, p = (int(v) for v in rng.integers(0, 5000, 4))
         expected = float(regression_features(n, c, d, p) @ cost.coefficients)

@@ -191,7 +191,7 @@ def test_a_regression_that_prices_every_chunk_alike_is_refused():
         match=r"the regression fit prices chunk_tokens=4096 no higher than chunk_tokens=\d+ at n_decodes=\d+",
     ):
         fit_profile(flat, holdout_share=0.0)
-    constant = RegressionCost(np.array([0.85, 0, 0, 0, 0, 0, 0, 0, 0.0]))
+    constant = RegressionCost(np.array([0.85, 0, 0, 0, 0, 0, 0, 0, 0, 0.0]))
     rows = analytic_rows()
     with pytest.raises(ProfileError, match=r"its terms: base_ms 0.85 \(the others 0\)"):
         accept_fit("regression", constant, rows, rows.iloc[:0])

@@ -58,7 +58,7 @@ LIVE_TOLERANCE_MS = 1000.0  # the live profile's fit (test_profile_fit_schedule_
 LIVE_MAX_HOLDOUT_ERROR = 100.0  # the largest bound a user may set
 # A model of the tiny engine's steps, in RegressionCost's terms (ms; per 1k KV tokens, per query x
 # 1M KV tokens): the size of this engine's steps on a CPU, fixed.
-STEADY_COEFFICIENTS = np.array([1.0, 0.1, 0.1, 0.4, 0.005, 0.5, 10.0, 0.0, 0.0])
+STEADY_COEFFICIENTS = np.array([1.0, 0.1, 0.1, 0.4, 0.005, 0.5, 10.0, 0.0, 0.0, 0.0])
 
 
 @pytest.fixture(scope="module")

@@ -32,7 +32,7 @@ from sloweave.runtime.runner import RequestSpec, run_requests
 from sloweave.vllm_plugin.config import PluginConfig
 
 # a model of the tiny engine's steps (RegressionCost's terms), as tests/test_runtime.py's steady profile
-STEADY_COEFFICIENTS = np.array([1.0, 0.1, 0.1, 0.4, 0.005, 0.5, 10.0, 0.0, 0.0])
+STEADY_COEFFICIENTS = np.array([1.0, 0.1, 0.1, 0.4, 0.005, 0.5, 10.0, 0.0, 0.0, 0.0])
 HANDOFFS = ("plan_step", "on_scheduled", "on_step_done", "on_finished")
 
 

@@ -216,7 +216,7 @@ def test_a_fit_to_a_served_log_prices_each_prompts_piece_of_a_chunk(tmp_path):
     from sloweave.core.costs.fitted import REGRESSION_TERMS, RegressionCost
     from sloweave.core.costs.profile_fit import fit_profile_file
 
-    true = RegressionCost([2.0, 0.5, 0.05, 1.0, 0.012, 0.01, 0.0, 14.0, 14.0])
+    true = RegressionCost([2.0, 0.5, 0.05, 1.0, 0.012, 0.01, 0.0, 14.0, 14.0, 0.0])
     steps = []
     for n in (0, 4, 16):
         for c in (256, 512, 1024, 2048):

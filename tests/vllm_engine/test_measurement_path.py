@@ -156,7 +156,7 @@ def test_profile_steps_measures_the_steps_it_names_in_the_profile_format_fit_rea
     # each measured step held exactly what its row names: the n requests started before it, one
     # token each, and the whole c-token prompt added right before it
     measured = measured_steps(spy)
-    assert [(len(decoding), chunk) for decoding, chunk, _ in measured] == list(
+    assert [(len(decoding), sum(chunk.values())) for decoding, chunk, _ in measured] == list(
         zip(profile["n_decodes"], profile["chunk_tokens"])
     )
     assert all(set(decoding.values()) <= {1} and not others for decoding, _, others in measured)
@@ -176,6 +176,39 @@ def test_profile_steps_measures_the_steps_it_names_in_the_profile_format_fit_rea
     result = CliRunner().invoke(main, ["fit", str(path), "--out", str(tmp_path / "fit.json")])
     assert result.exit_code == 0, result.output
     assert (tmp_path / "fit.json").stat().st_size > 0
+
+
+def test_a_profile_point_whose_decodes_take_several_prefill_steps_times_every_decode_it_names(release):
+    """Four 300-token prompts under a 512-token budget take three steps to prefill: with a fixed
+    short output the first ones had finished before the timed step (3 decodes timed, recorded as
+    4). Each decode runs until the point is timed, and its KV read is what it had made by then."""
+    engine = cpu_engine(max_num_batched_tokens=512)
+    release(engine)
+    spy = Spy(engine)
+    profile = profile_steps(engine, VOCAB, (4,), (0, 64), (300,), repeats=1, seed=0, warmup_steps=0)
+    measured = measured_steps(spy)
+    assert [len(decoding) for decoding, _, _ in measured] == [4, 4]
+    assert all(set(decoding.values()) == {1} and not others for decoding, _, others in measured)
+    # some decodes made tokens while the later prompts prefilled: more than 4 x (300 + 2) read
+    assert (profile["decode_kv_tokens"] > 4 * 302).all()
+    assert not engine.has_unfinished_requests()  # aborted once timed
+
+
+def test_a_profile_chunk_over_several_prompts_runs_them_all_in_the_timed_step_and_names_them(release):
+    """A 64-token first chunk also timed as four 16-token prompts (``pieces``): all four computed
+    whole in the timed step, beside the decodes, and the row's ``offer`` names them, so the fit can
+    tell the chunk's size from its attention; a point the engine cannot hold in one step is refused."""
+    engine = cpu_engine(max_num_batched_tokens=512)
+    release(engine)
+    spy = Spy(engine)
+    profile = profile_steps(engine, VOCAB, (0, 2), (64,), (32,), repeats=1, seed=0, warmup_steps=0, pieces=(1, 4))
+    assert list(zip(profile["n_decodes"], profile["offer"])) == [(0, ""), (2, ""), (0, "16:0;16:0;16:0;16:0"), (2, "16:0;16:0;16:0;16:0")]  # fmt: skip
+    measured = measured_steps(spy)
+    assert [sorted(chunk.values()) for _, chunk, _ in measured] == [[64], [64], [16] * 4, [16] * 4]
+    assert [len(decoding) for decoding, _, _ in measured] == [0, 2, 0, 2]
+    assert validate_profile(profile)["offer"].tolist() == profile["offer"].tolist()
+    with pytest.raises(ValueError, match="must hold the whole point in one step"):
+        profile_steps(engine, VOCAB, (2,), (1024,), (32,), repeats=1, seed=0, warmup_steps=0)
 
 
 def test_profile_steps_measures_later_chunks_after_a_cached_prefix_and_refuses_an_engine_without_the_cache(release):
@@ -204,27 +237,25 @@ def test_profile_steps_measures_later_chunks_after_a_cached_prefix_and_refuses_a
         profile_steps(uncached, VOCAB, (0, 1), (64,), (32,), repeats=1, seed=0, warmup_steps=0, prefixes=(256,))
 
 
-def measured_steps(spy: Spy) -> list[tuple[dict, int, set]]:
-    """(background request -> tokens, chunk tokens, any other request) of each step profile_steps
-    timed, found from the order of its calls: a point adds its n background requests (max_tokens
-    3) and steps until each has its first token; then it adds the c-token prompt (max_tokens 1),
-    if any, and times the next step; then it drains the engine. The warm-up's requests (``w*``,
-    untimed, before the grid) are not the profile's."""
-    measured, background, first, chunk = [], [], set(), None
+def measured_steps(spy: Spy) -> list[tuple[dict, dict, set]]:
+    """(background request -> tokens, chunk prompt -> tokens, any other request) of each step
+    profile_steps timed, found from the order of its calls: a point adds its n background requests
+    (max_tokens > 1: they decode until aborted) and steps until each has its first token; then it
+    adds the chunk's prompt(s) (max_tokens 1), if any, and times the next step; then it aborts the
+    background and empties the engine. The warm-up's requests (``w*``, untimed, before the grid)
+    are not the profile's."""
+    measured, background, first, chunk = [], [], set(), []
     for event in spy.events:
         if event[0] == "add":
             _, request_id, _, max_tokens, _ = event
             if request_id.startswith("w"):
                 continue
-            if max_tokens == 3:
-                background.append(request_id)
-            else:
-                chunk = request_id
+            (background if max_tokens > 1 else chunk).append(request_id)
             continue
         _, ran, out, _ = event
-        if chunk is not None or (background and set(background) <= first):  # the timed step
-            others = set(ran) - set(background) - {chunk}
-            measured.append(({r: ran.get(r, 0) for r in background}, ran.get(chunk, 0), others))
-            background, chunk = [], None
+        if chunk or (background and set(background) <= first):  # the timed step
+            others = set(ran) - set(background) - set(chunk)
+            measured.append(({r: ran.get(r, 0) for r in background}, {r: ran.get(r, 0) for r in chunk}, others))
+            background, chunk = [], []
         first |= {request_id for request_id, (tokens, _) in out.items() if tokens}
     return measured

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 
+from sloweave.core.costs.step_profiles import format_offer
 from sloweave.sim.metrics import frame_from_token_times
 from sloweave.sim.workloads import Workload
 
@@ -167,13 +168,16 @@ def run_workload(
 
 class _StepTimer:
     """Times one engine step at a time, each of a chosen shape: ``n`` requests decoding at a
-    chosen context plus a fresh prompt of ``c`` tokens. Prompts are seeded random token ids."""
+    chosen context plus fresh prompts of ``c`` tokens in all. Prompts are seeded random token ids."""
 
     def __init__(self, engine, vocab_size: int, seed: int) -> None:
         self.engine = engine
         self.vocab_size = vocab_size
         self.rng = np.random.default_rng(seed)
         self._request_ids = itertools.count()
+        # a decoding request must not finish before the timed step, however many steps its batch's
+        # prompts take to prefill (it is aborted once timed)
+        self._max_model_len = int(engine.vllm_config.model_config.max_model_len)
 
     def add_prompt(self, prompt_tokens: int, max_tokens: int, tag: str, prefix: list[int] | None = None) -> str:
         """Add a prompt of ``prompt_tokens`` random tokens, after ``prefix`` when given."""
@@ -200,34 +204,59 @@ class _StepTimer:
         while self.engine.has_unfinished_requests():
             self.engine.step()
 
-    def start_decodes(self, n_decodes: int, context_tokens: int, tag: str) -> None:
-        """Add ``n_decodes`` requests and step until each has its first token: their prompts run
-        first, and max_tokens=3 leaves them decoding in the step that follows."""
-        background = {self.add_prompt(context_tokens, 3, tag) for _ in range(n_decodes)}
-        started: set[str] = set()
-        while started != background:
-            started |= {o.request_id for o in self.engine.step() if o.outputs and o.outputs[0].token_ids}
+    def start_decodes(self, n_decodes: int, context_tokens: int, tag: str) -> dict[str, int]:
+        """Add ``n_decodes`` requests and step until each has its first token; returns each one's
+        tokens so far. They decode until aborted: with max_tokens 3, those whose prompts ran in
+        the first of several prefill steps had finished before the timed step (64 requests of 512
+        tokens under a 4,096-token budget: 16 decodes timed as 64)."""
+        max_tokens = self._max_model_len - context_tokens
+        tokens = {self.add_prompt(context_tokens, max_tokens, tag): 0 for _ in range(n_decodes)}
+        while not all(tokens.values()):
+            for out in self.engine.step():
+                if out.request_id in tokens and out.outputs:
+                    tokens[out.request_id] += len(out.outputs[0].token_ids)
+        return tokens
 
     def step_ms(
-        self, n_decodes: int, chunk_tokens: int, context_tokens: int, tag: str, prefix_tokens: int = 0
-    ) -> float:
-        """The wall time of one step of that shape; the engine is drained after it."""
+        self, n_decodes: int, chunk_tokens: int, context_tokens: int, tag: str, prefix_tokens: int = 0, pieces: int = 1
+    ) -> tuple[float, int]:
+        """The wall time of one step of that shape, the chunk over ``pieces`` prompts (the first
+        takes the remainder), and the KV tokens its decodes read; the engine is emptied after it."""
         prefix = self.cached_prefix(prefix_tokens, tag) if prefix_tokens else None
-        self.start_decodes(n_decodes, context_tokens, tag)
-        chunk_id = self.add_prompt(chunk_tokens, 1, tag, prefix) if chunk_tokens else None
+        decoding = self.start_decodes(n_decodes, context_tokens, tag)
+        sizes = [chunk_tokens // pieces + chunk_tokens % pieces] + [chunk_tokens // pieces] * (pieces - 1)
+        chunk_ids = [self.add_prompt(size, 1, tag, prefix) for size in sizes] if chunk_tokens else []
         start = time.perf_counter()
         outputs = self.engine.step()
         elapsed_ms = (time.perf_counter() - start) * 1000.0
-        if prefix is not None:
-            cached = [o.num_cached_tokens for o in outputs if o.request_id == chunk_id]
-            if cached != [prefix_tokens]:
-                raise ValueError(
-                    f"profile: a {chunk_tokens}-token chunk after a {prefix_tokens}-token prefix found "
-                    f"{cached[0] if cached else 'no'} cached prefix token(s) in vLLM, not {prefix_tokens}: a later "
-                    "chunk's step needs the engine's prefix caching on and a prefix that is a multiple of its block size"
-                )
+        _check_timed_step(outputs, decoding, chunk_ids, chunk_tokens, prefix_tokens)
+        self.engine.abort_request(list(decoding))
         self.drain()  # before the next point
-        return elapsed_ms
+        # a decode reads its prompt, the tokens it made before the step and the one it makes
+        return elapsed_ms, sum(context_tokens + made + 1 for made in decoding.values())
+
+
+def _check_timed_step(outputs, decoding: dict[str, int], chunk_ids: list[str], chunk_tokens: int, prefix_tokens: int):
+    """The timed step held what its row will name: every decoding request made a token, every chunk
+    prompt was computed whole (its one token made) past its cached prefix. A profile point that is
+    not the step it names would be fitted as if it were (raised, not recorded)."""
+    made = {o.request_id: len(o.outputs[0].token_ids) if o.outputs else 0 for o in outputs}
+    decoded = sum(1 for request_id in decoding if made.get(request_id))
+    computed = [request_id for request_id in chunk_ids if made.get(request_id)]
+    if decoded != len(decoding) or len(computed) != len(chunk_ids):
+        raise ValueError(
+            f"profile: the step timed for {len(decoding)} decode(s) and a {chunk_tokens}-token chunk over "
+            f"{len(chunk_ids)} prompt(s) ran {decoded} decode(s) and finished {len(computed)} of the prompts: the "
+            "engine's max_num_batched_tokens and max_num_seqs must hold the whole point in one step"
+        )
+    if prefix_tokens:
+        cached = [o.num_cached_tokens for o in outputs if o.request_id in chunk_ids]
+        if cached != [prefix_tokens] * len(chunk_ids):
+            raise ValueError(
+                f"profile: a {chunk_tokens}-token chunk after a {prefix_tokens}-token prefix found "
+                f"{cached[0] if cached else 'no'} cached prefix token(s) in vLLM, not {prefix_tokens}: a later "
+                "chunk's step needs the engine's prefix caching on and a prefix that is a multiple of its block size"
+            )
 
 
 def profile_steps(
@@ -240,43 +269,43 @@ def profile_steps(
     seed: int = 0,
     warmup_steps: int = 2,
     prefixes=(0,),
+    pieces=(1,),
 ) -> pd.DataFrame:
     """Measure steps of ``n`` decodes at ``context`` tokens each plus one ``c``-token chunk that
-    starts ``p`` tokens into its prompt, for p in ``prefixes``.
+    starts ``p`` tokens into its prompt, for p in ``prefixes``; a first chunk (p = 0) also spread
+    over k fresh prompts, for k > 1 in ``pieces``.
 
     For each grid point: start ``n`` requests with ``context``-token prompts and let them
-    reach decode, then add one prompt of ``c`` tokens; with ``max_num_batched_tokens``
-    large enough the next step holds exactly n decodes and the c-token chunk. A prefix p > 0 is
+    reach decode, then add the chunk's prompt(s); with ``max_num_batched_tokens`` and
+    ``max_num_seqs`` large enough the next step holds exactly n decodes and the c-token chunk
+    (checked: a ValueError otherwise). A prefix p > 0 is
     run first as a prompt of its own, and the chunk's prompt is that prefix plus c new tokens:
     the engine (``make_engine(enable_prefix_caching=True)``) finds the prefix in its cache and
     the step computes the c tokens, attending to the p before them, as a long prompt's later
     chunk does. Such a point is measured only when vLLM reports the whole prefix as cached (a
-    ValueError otherwise: no caching, or a p that is not a multiple of the block size). Writes the
-    profile format of ``sloweave.core.costs.step_profiles`` (``n_decodes, chunk_tokens, decode_kv_tokens,
-    prefill_prefix_tokens, step_ms``). First, ``warmup_steps`` untimed steps of the grid's largest
-    point (requests ``w*``): an engine's first steps run slow (allocations, kernel caches), and a
-    profile that starts cold is not monotone where the fit checks it.
+    ValueError otherwise: no caching, or a p that is not a multiple of the block size). A chunk
+    over k prompts is written with its ``offer`` (k short prompts cost less attention than one
+    long one; the fit's chunk-squared term is read from them). Writes the profile format of
+    ``sloweave.core.costs.step_profiles`` (``n_decodes, chunk_tokens, decode_kv_tokens,
+    prefill_prefix_tokens, step_ms``, ``offer`` where some k > 1). First, ``warmup_steps`` untimed
+    steps of the grid's largest point (requests ``w*``): an engine's first steps run slow
+    (allocations, kernel caches), and a profile that starts cold is not monotone where the fit checks it.
     """
     timer = _StepTimer(engine, vocab_size, seed)
     for _ in range(warmup_steps):
         timer.step_ms(max(decode_counts), max(chunk_sizes), max(contexts), "w")
-    rows = [
-        {
-            "n_decodes": n,
-            "chunk_tokens": c,
-            "decode_kv_tokens": n * (context + 2),
-            "prefill_prefix_tokens": p,
-            "step_ms": timer.step_ms(n, c, context, "p", p),
-            "context_tokens": context,
-            "repeat": repeat,
-        }
-        # repeats outermost: a slow spell of a shared machine then falls on one repeat of many
-        # points, not on every repeat of one, and the fastest repeat the checks take can escape it
-        for repeat in range(repeats)
-        for context in contexts
-        for p in prefixes
-        for n in decode_counts
-        for c in chunk_sizes
-        if (n or c) and (c or not p)  # an empty step is not a step, a prefix needs a chunk
-    ]
-    return pd.DataFrame(rows)
+    rows = []
+    # repeats outermost: a slow spell of a shared machine then falls on one repeat of many
+    # points, not on every repeat of one, and the fastest repeat the checks take can escape it
+    for repeat, context, p, k, n, c in itertools.product(
+        range(repeats), contexts, prefixes, pieces, decode_counts, chunk_sizes
+    ):
+        # an empty step is not a step, a prefix needs a chunk, a chunk over k prompts is a first chunk of k >= 1 tokens each
+        if not (n or c) or (p and not c) or (k > 1 and (p or c < k)):
+            continue
+        step_ms, kv_tokens = timer.step_ms(n, c, context, "p", p, k)
+        offer = [(c // k + c % k, 0)] + [(c // k, 0)] * (k - 1) if k > 1 else None
+        rows.append({"n_decodes": n, "chunk_tokens": c, "decode_kv_tokens": kv_tokens, "prefill_prefix_tokens": p,
+                     "step_ms": step_ms, "context_tokens": context, "repeat": repeat, "offer": format_offer(offer)})  # fmt: skip
+    frame = pd.DataFrame(rows)
+    return frame if any(k > 1 for k in pieces) else frame.drop(columns="offer")

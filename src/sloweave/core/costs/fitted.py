@@ -12,7 +12,8 @@ Three things are fitted from a profile:
 (b) ``RegressionCost``: non-negative least squares on terms that each grow with c, so the
     model is monotone in c by construction. The context terms matter on engines whose
     attention reads the whole packed batch (transformers on CPU: cost ~ query x KV tokens);
-    the chunk's square on vLLM's CPU build, where a token costs more in a large chunk.
+    the chunk's square on vLLM's CPU build, where a token costs more in a large chunk (within a
+    prompt, its attention; over several, its size).
 (c) ``ResidualMargin``: delta(n, c) = r(n, c) x T(n, c), with r the P99 of out-of-fold relative
     residuals per (n, c) bucket, non-decreasing along c so T + delta stays monotone.
 
@@ -77,12 +78,12 @@ def regression_features(n, c, d, p, pairs=None) -> np.ndarray:
     """Design matrix of ``RegressionCost``; every column is non-decreasing in c.
 
     Columns: 1, 1[n>0], n, 1[c>0], c, KV read / 1e3, (query tokens x KV read) / 1e6,
-    (pairs of chunk tokens, c^2 / 2) / 1e6, (chunk tokens x prefix tokens) / 1e6. The seventh is
+    (pairs of chunk tokens, c^2 / 2) / 1e6, (chunk tokens x prefix tokens) / 1e6, c^2 / 1e6. The seventh is
     the attention over a packed batch with a dense mask: n + c query rows against every KV token
     of the step (decodes' contexts, the chunk's prefix and itself). The eighth makes a token
     dearer in a large chunk than in a small one, as on vLLM's CPU build (about 18 us a token at
     512, 25 at 2,048), so the prefill rate c / T can peak below the largest chunk; the other
-    columns are affine in c. The last is a later chunk's attention over its prompt's prefix, a
+    columns are affine in c. The ninth is a later chunk's attention over its prompt's prefix, a
     column of its own so that only a profile with such chunks sets it (``profile_steps``'
     ``prefixes``): on vLLM's CPU build with AVX-512 the two pair terms came out alike (about
     14 ms per million pairs: the causal attention c x (p + c / 2)), while a pair term read from
@@ -91,8 +92,14 @@ def regression_features(n, c, d, p, pairs=None) -> np.ndarray:
     engine attained 0.67-1.00). With no prefix in the profile the column is all zero and left out
     of the fit (``nnls``): the other coefficients are those of the fit without it.
 
-    ``pairs``: the last two before scaling, (c_i^2 / 2 summed, c_i p_i summed), for chunks spread
-    over several prompts (``chunk_pairs``); None: every chunk is one piece.
+    The tenth, the step's chunk squared (c^2 / 1e6, however many prompts it spans), is the rise
+    that is not attention: on vLLM's CPU build with AVX-512 a 2,048-token chunk of eight 256-token
+    prompts cost 5.4 us a token against 4.6 at 1,024 (eight 128-token prompts), and served steps
+    rose more. For a chunk of one piece it equals twice the eighth, so a fit tells them apart only
+    from chunks over several prompts (``spans_prompts``); without such rows it is left out.
+
+    ``pairs``: the eighth and ninth before scaling, (c_i^2 / 2 summed, c_i p_i summed), for chunks
+    spread over several prompts (``chunk_pairs``); None: every chunk is one piece.
     """
     n = np.asarray(n, dtype=float)
     c = np.asarray(c, dtype=float)
@@ -102,7 +109,7 @@ def regression_features(n, c, d, p, pairs=None) -> np.ndarray:
     columns = [np.ones_like(n), (n > 0).astype(float), n, (c > 0).astype(float), c, kv / 1e3, (n + c) * kv / 1e6]
     # c^2 / 2e6 and (c^2 / 2) / 1e6 are the same double (halving is exact): one piece prices as before
     own, with_prefix = (c * c / 2, c * p) if pairs is None else pairs
-    return np.stack([*columns, own / 1e6, with_prefix / 1e6], axis=-1)
+    return np.stack([*columns, own / 1e6, with_prefix / 1e6, c * c / 1e6], axis=-1)
 
 
 def chunk_pairs(frame: pd.DataFrame) -> tuple[np.ndarray, np.ndarray]:
@@ -127,21 +134,32 @@ REGRESSION_TERMS = (
     "per_query_x_1m_kv_ms",
     "per_1m_chunk_pairs_ms",
     "per_1m_prefix_pairs_ms",
+    "per_1m_chunk_squared_ms",
 )
+CHUNK_SQUARED = REGRESSION_TERMS.index("per_1m_chunk_squared_ms")
+
+
+def spans_prompts(rows: pd.DataFrame) -> bool:
+    """Whether a chunk in ``rows`` spans several prompts (an ``offer``): only then can a fit tell the
+    chunk's square from the attention within its pieces."""
+    own, _ = chunk_pairs(rows)
+    c = rows["chunk_tokens"].to_numpy(dtype=float)
+    return bool(np.any(own < c * c / 2))
 
 
 def regression_terms_fitted(rows: pd.DataFrame) -> int:
-    """How many of ``REGRESSION_TERMS`` a fit to ``rows`` has to set: all, or all but the prefix
-    pairs when no chunk in them starts past its prompt's first token (that column is all zero)."""
+    """How many of ``REGRESSION_TERMS`` a fit to ``rows`` has to set: all, less the prefix pairs when
+    no chunk in them starts past its prompt's first token (that column is all zero), less the chunk's
+    square when no chunk spans several prompts (``spans_prompts``)."""
     _, with_prefix = chunk_pairs(rows)
-    return len(REGRESSION_TERMS) - (0 if with_prefix.any() else 1)
+    return len(REGRESSION_TERMS) - (0 if with_prefix.any() else 1) - (0 if spans_prompts(rows) else 1)
 
 
 def nnls(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     """Exact non-negative least squares for a handful of columns, by trying every support.
 
     The optimum is the unconstrained solution on its own support, so the best feasible
-    support over all 2^k subsets is the answer (k = 9 here: 511 small solves). A column that is
+    support over all 2^k subsets is the answer (k = 10 here: 1,023 small solves). A column that is
     all zero (a term the data never exercises) gets 0 and is left out of every support.
     """
     k = a.shape[1]
@@ -184,6 +202,8 @@ class RegressionCost(ContextualCost):
             frame["prefill_prefix_tokens"],
             chunk_pairs(frame),
         )
+        if not spans_prompts(frame):  # one piece each: the square is the pairs' twice, left out
+            x[:, CHUNK_SQUARED] = 0.0
         y = frame["step_ms"].to_numpy(dtype=float)
         # Weight rows by 1/y: minimise relative error, so short decode steps count as much as
         # long prefill steps (a 2 ms error is 40 % of a decode step but noise on a prefill).
@@ -203,6 +223,7 @@ class RegressionCost(ContextualCost):
             per_query_kv,
             per_pair,
             per_prefix_pair,
+            per_chunk_squared,
         ) = self._coef
         kv = decode_kv_tokens + (prefill_prefix_tokens + chunk_tokens if chunk_tokens > 0 else 0)
         t = base + per_decode * n_decodes + per_chunk_token * chunk_tokens + per_1k_kv * kv / 1e3
@@ -220,6 +241,8 @@ class RegressionCost(ContextualCost):
             t += decode_base
         if chunk_tokens > 0:
             t += prefill_base
+        if per_chunk_squared:  # zero unless fitted from chunks over several prompts: the sum stays as it was
+            t += per_chunk_squared * chunk_tokens * chunk_tokens / 1e6
         return t
 
     def set_offer(self, offered: list[tuple[int, int]] | None) -> None:
