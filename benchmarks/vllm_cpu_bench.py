@@ -28,7 +28,10 @@ for real. Steps:
    highest rate that still attains ``--target``; medians and spread over seeds, and per seed the
    ratio against the better of the two tuned budgets. The bounds are not tried: a capacity at
    the last step below 1.6x is flagged ``at_ceiling`` (every try attained; the capacity is at
-   least that, and two engines there tie by construction).
+   least that, and two engines there tie by construction). By default each engine runs its whole
+   search, every seed, before the next starts; ``--interleave`` keeps a pass's engines alive
+   together and tries each in turn at every bisection step, so that a slow spell of the machine
+   falls on every engine's try rather than on one engine's search.
 
 Steps 1-3 can be skipped with ``--profile-file``, ``--rate-rps`` and ``--tuned-budgets`` (to
 add step 5 to an earlier run's choices).
@@ -119,6 +122,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--capacity-steps", type=int, default=4, help="bisection steps of the capacity search (step 5); 0: skip it"
+    )
+    parser.add_argument(
+        "--interleave",
+        action="store_true",
+        help="keep every engine of a pass alive and interleave their capacity searches: each bisection step tries "
+        "every engine in turn, so that the engines' tries at a step fall in the same minute of the machine "
+        "(by default an engine runs its whole search, every seed, before the next starts)",
     )
     parser.add_argument(
         "--plugin-variants",
@@ -367,17 +377,34 @@ def check_load_point(lowest_missed_rps: float, search_max_rps: float) -> None:
         )
 
 
+class RateBisection:
+    """Bisection on the log of the arrival rate between ``low`` and ``high``: ``low`` is the highest
+    rate that attained the target so far (or the floor), ``high`` the lowest that did not (or the ceiling)."""
+
+    def __init__(self, low: float, high: float) -> None:
+        self.low, self.high = low, high
+
+    def next_rate(self) -> float:
+        return (self.low * self.high) ** 0.5
+
+    def record(self, rate: float, attained: bool) -> None:
+        if attained:
+            self.low = rate
+        else:
+            self.high = rate
+
+
 def highest_attaining(engine, args, vocab: int, seed: int, low: float, high: float, steps: int, label: str):
     """Bisection on the log of the rate between ``low`` and ``high``: (the highest rate that
     attained ``--target``, or ``low`` if none did; the lowest that did not, or ``high``; every try)."""
-    tried = []
+    search, tried = RateBisection(low, high), []
     for _ in range(steps):
-        rate = (low * high) ** 0.5
+        rate = search.next_rate()
         metrics = measure(engine, workload_for(args, seed, rate), args, vocab, seed)
         tried.append({"rate_rps": rate, **metrics})
         print(f"{label}: {rate:.2f} req/s -> attainment {metrics['attainment']:.3f}", flush=True)
-        low, high = (rate, high) if metrics["attainment"] >= args.target else (low, rate)
-    return low, high, tried
+        search.record(rate, metrics["attainment"] >= args.target)
+    return search.low, search.high, tried
 
 
 def shut_down(engine) -> None:
@@ -488,27 +515,12 @@ def main() -> None:
     rows, capacities = [], []
     # Passes alternate the engines' order, so that a slow spell of this shared machine does not
     # fall on one engine only; each pass is an independent repeat.
-    for pass_, name, budget, config in [
-        (p, *engine) for p in range(args.passes) for engine in (engines if p % 2 == 0 else engines[::-1])
-    ]:
-        engine = engine_for(model_dir, budget, config, warm=args, dtype=args.dtype)
-        for seed in seeds:
-            if args.capacity_steps:
-                capacities.append(
-                    {"pass": pass_, "engine": name, "seed": seed, **capacity(engine, args, vocab, seed, rate)}
-                )
-                print(
-                    f"pass {pass_} {name} seed {seed}: capacity {capacities[-1]['capacity_rps']:.2f} req/s", flush=True
-                )
-            workload = workload_for(args, seed, rate)
-            sim = predicted(args, workload, budget, config, resolved, seed)
-            rows.append({"pass": pass_, "engine": name, "seed": seed, **measure(engine, workload, args, vocab, seed),
-                         **{f"simulated_{k}": sim[k] for k in ("attainment", "goodput_rps", "p99_ttft_ms", "p99_tpot_ms")}})  # fmt: skip
-            print(
-                f"{name} seed {seed}: attainment {rows[-1]['attainment']:.3f} (simulated {sim['attainment']:.3f})",
-                flush=True,
-            )
-        shut_down(engine)
+    for pass_ in range(args.passes):
+        in_order = engines if pass_ % 2 == 0 else engines[::-1]
+        serve_pass = serve_interleaved if args.interleave else serve_in_turn
+        for row, found in serve_pass(pass_, in_order, seeds, rate, args, model_dir, vocab, resolved):
+            rows.append(row)
+            capacities += found
     runs = pd.DataFrame(rows)
     runs.to_csv(args.out / "runs.csv", index=False)
     medians = summarize_runs(runs, None if args.no_default else f"vllm-default-{VLLM_CPU_DEFAULT_BUDGET}")
@@ -526,10 +538,69 @@ def main() -> None:
     })  # fmt: skip
 
 
+def serve_in_turn(pass_: int, engines: list, seeds: list[int], rate: float, args, model_dir: str, vocab: int, resolved):
+    """One pass, one engine at a time: its capacity search on every seed, then its run at the load
+    point; yields (the run's row, the capacity rows found before it)."""
+    for name, budget, config in engines:
+        engine = engine_for(model_dir, budget, config, warm=args, dtype=args.dtype)
+        for seed in seeds:
+            found = []
+            if args.capacity_steps:
+                found = [{"pass": pass_, "engine": name, "seed": seed, **capacity(engine, args, vocab, seed, rate)}]
+                print(f"pass {pass_} {name} seed {seed}: capacity {found[0]['capacity_rps']:.2f} req/s", flush=True)
+            yield served_row(pass_, name, budget, config, engine, seed, rate, args, vocab, resolved), found
+        shut_down(engine)
+
+
+def serve_interleaved(pass_: int, engines: list, seeds: list[int], rate: float, args, model_dir: str, vocab: int, resolved):  # fmt: skip
+    """One pass, every engine alive at once (``--interleave``): per seed, the capacity searches
+    interleaved step by step (``interleaved_capacities``), then each engine's run at the load point."""
+    alive = [(name, engine_for(model_dir, budget, config, warm=args, dtype=args.dtype)) for name, budget, config in engines]  # fmt: skip
+    for seed in seeds:
+        by_engine = interleaved_capacities(alive, args, vocab, seed, rate) if args.capacity_steps else {}
+        for (name, budget, config), (_, engine) in zip(engines, alive):
+            found = []
+            if by_engine:
+                found = [{"pass": pass_, "engine": name, "seed": seed, **by_engine[name]}]
+                print(f"pass {pass_} {name} seed {seed}: capacity {found[0]['capacity_rps']:.2f} req/s", flush=True)
+            yield served_row(pass_, name, budget, config, engine, seed, rate, args, vocab, resolved), found
+    for _, engine in alive:
+        shut_down(engine)
+
+
+def served_row(pass_: int, name: str, budget: int, config, engine, seed: int, rate: float, args, vocab: int, resolved) -> dict:  # fmt: skip
+    """The engine's run of ``seed`` at the load point, with the simulator's prediction beside it."""
+    workload = workload_for(args, seed, rate)
+    sim = predicted(args, workload, budget, config, resolved, seed)
+    row = {"pass": pass_, "engine": name, "seed": seed, **measure(engine, workload, args, vocab, seed),
+           **{f"simulated_{k}": sim[k] for k in ("attainment", "goodput_rps", "p99_ttft_ms", "p99_tpot_ms")}}  # fmt: skip
+    print(f"{name} seed {seed}: attainment {row['attainment']:.3f} (simulated {sim['attainment']:.3f})", flush=True)
+    return row
+
+
 def capacity(engine, args, vocab: int, seed: int, rate: float) -> dict:
     """Highest rate in [0.5, 1.6] x ``rate`` at which this engine attains ``--target`` on ``seed``."""
     floor, ceiling = 0.5 * rate, 1.6 * rate
     low, high, _ = highest_attaining(engine, args, vocab, seed, floor, ceiling, args.capacity_steps, f"capacity, seed {seed}")  # fmt: skip
+    return capacity_found(low, high, floor, ceiling)
+
+
+def interleaved_capacities(engines: list, args, vocab: int, seed: int, rate: float) -> dict[str, dict]:
+    """``capacity`` of every engine (name, live engine) at once: each bisection step tries every
+    engine in turn, each at its own search's next rate, so that a slow spell of this shared machine
+    falls on a try of every engine, not on one engine's whole search."""
+    floor, ceiling = 0.5 * rate, 1.6 * rate
+    searches = {name: RateBisection(floor, ceiling) for name, _ in engines}
+    for _ in range(args.capacity_steps):
+        for name, engine in engines:
+            tried = searches[name].next_rate()
+            metrics = measure(engine, workload_for(args, seed, tried), args, vocab, seed)
+            print(f"capacity, {name}, seed {seed}: {tried:.2f} req/s -> attainment {metrics['attainment']:.3f}", flush=True)  # fmt: skip
+            searches[name].record(tried, metrics["attainment"] >= args.target)
+    return {name: capacity_found(search.low, search.high, floor, ceiling) for name, search in searches.items()}
+
+
+def capacity_found(low: float, high: float, floor: float, ceiling: float) -> dict:
     # 0.5 x the load point is the floor of the search: an engine below it reports the floor, flagged.
     # The ceiling is never tried: when every try attained, the capacity is at least the last one,
     # and two engines there are a tie the search cannot break (flagged too).

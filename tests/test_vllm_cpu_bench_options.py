@@ -76,3 +76,40 @@ def test_a_load_search_that_attained_at_every_rate_it_tried_stops_the_bench(caps
     vllm_cpu_bench.check_load_point(100.0, 128.0)  # a rate missed below the top: a load point
     with pytest.raises(SystemExit, match="every rate tried up to 128 req/s attained the target"):
         vllm_cpu_bench.check_load_point(128.0, 128.0)
+
+
+def test_profile_pieces_are_prompt_counts_of_at_least_one(capsys):
+    assert vllm_cpu_bench.parse_args([]).profile_pieces == (1, 4)
+    assert vllm_cpu_bench.parse_args(["--profile-pieces", "8,1"]).profile_pieces == (1, 8)
+    for bad in ("0,4", "1,-4", "four"):
+        with pytest.raises(SystemExit):
+            vllm_cpu_bench.parse_args(["--profile-pieces", bad])
+        assert "--profile-pieces" in capsys.readouterr().err
+
+
+def test_interleaved_searches_try_every_engine_at_each_step_and_find_what_each_search_alone_finds(monkeypatch):
+    """``--interleave``: the engines' tries alternate step by step (a slow minute falls on a try of
+    each), each engine's search moving on its own results, so each finds the capacity its search
+    alone finds. The engines here are names and the runs a rule (an engine attains below its capacity):
+    what is tested is the search, not an engine."""
+    capacity_of = {"vllm-tuned-1024": 300.0, "sloweave": 250.0}
+    tried = []
+
+    def workload_for(args, seed, rate):
+        return rate  # the run's rate is all the rule reads
+
+    def measure(engine, rate, args, vocab, seed):
+        tried.append(engine)
+        return {"attainment": 1.0 if rate <= capacity_of[engine] else 0.5}
+
+    monkeypatch.setattr(vllm_cpu_bench, "measure", measure)
+    monkeypatch.setattr(vllm_cpu_bench, "workload_for", workload_for)
+    args = vllm_cpu_bench.parse_args(["--capacity-steps", "4", "--requests", "20"])
+    engines = [(name, name) for name in capacity_of]
+    found = vllm_cpu_bench.interleaved_capacities(engines, args, 1024, 0, 267.0)
+    assert tried == [name for _ in range(4) for name in capacity_of]
+    for name, engine in engines:
+        tried.clear()
+        alone = vllm_cpu_bench.capacity(engine, args, 1024, 0, 267.0)
+        assert found[name] == alone and tried == [name] * 4
+    assert found["sloweave"]["capacity_rps"] < found["vllm-tuned-1024"]["capacity_rps"] <= 300.0
