@@ -546,8 +546,7 @@ def serve_in_turn(pass_: int, engines: list, seeds: list[int], rate: float, args
         for seed in seeds:
             found = []
             if args.capacity_steps:
-                found = [{"pass": pass_, "engine": name, "seed": seed, **capacity(engine, args, vocab, seed, rate)}]
-                print(f"pass {pass_} {name} seed {seed}: capacity {found[0]['capacity_rps']:.2f} req/s", flush=True)
+                found = [capacity_cell(pass_, name, seed, capacity(engine, args, vocab, seed, rate))]
             yield served_row(pass_, name, budget, config, engine, seed, rate, args, vocab, resolved), found
         shut_down(engine)
 
@@ -559,13 +558,16 @@ def serve_interleaved(pass_: int, engines: list, seeds: list[int], rate: float, 
     for seed in seeds:
         by_engine = interleaved_capacities(alive, args, vocab, seed, rate) if args.capacity_steps else {}
         for (name, budget, config), (_, engine) in zip(engines, alive):
-            found = []
-            if by_engine:
-                found = [{"pass": pass_, "engine": name, "seed": seed, **by_engine[name]}]
-                print(f"pass {pass_} {name} seed {seed}: capacity {found[0]['capacity_rps']:.2f} req/s", flush=True)
+            found = [capacity_cell(pass_, name, seed, by_engine[name])] if by_engine else []
             yield served_row(pass_, name, budget, config, engine, seed, rate, args, vocab, resolved), found
     for _, engine in alive:
         shut_down(engine)
+
+
+def capacity_cell(pass_: int, name: str, seed: int, found: dict) -> dict:
+    """A row of ``capacity.csv``: what an engine's search found on a seed in a pass (printed too)."""
+    print(f"pass {pass_} {name} seed {seed}: capacity {found['capacity_rps']:.2f} req/s", flush=True)
+    return {"pass": pass_, "engine": name, "seed": seed, **found}
 
 
 def served_row(pass_: int, name: str, budget: int, config, engine, seed: int, rate: float, args, vocab: int, resolved) -> dict:  # fmt: skip

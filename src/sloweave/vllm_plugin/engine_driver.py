@@ -224,8 +224,7 @@ class _StepTimer:
         takes the remainder), and the KV tokens its decodes read; the engine is emptied after it."""
         prefix = self.cached_prefix(prefix_tokens, tag) if prefix_tokens else None
         decoding = self.start_decodes(n_decodes, context_tokens, tag)
-        sizes = [chunk_tokens // pieces + chunk_tokens % pieces] + [chunk_tokens // pieces] * (pieces - 1)
-        chunk_ids = [self.add_prompt(size, 1, tag, prefix) for size in sizes] if chunk_tokens else []
+        chunk_ids = [self.add_prompt(size, 1, tag, prefix) for size in piece_sizes(chunk_tokens, pieces)]
         start = time.perf_counter()
         outputs = self.engine.step()
         elapsed_ms = (time.perf_counter() - start) * 1000.0
@@ -234,6 +233,14 @@ class _StepTimer:
         self.drain()  # before the next point
         # a decode reads its prompt, the tokens it made before the step and the one it makes
         return elapsed_ms, sum(context_tokens + made + 1 for made in decoding.values())
+
+
+def piece_sizes(chunk_tokens: int, pieces: int) -> list[int]:
+    """A chunk's prompts when it is spread over ``pieces`` fresh ones: equal, the first taking the
+    remainder (none for no chunk)."""
+    if not chunk_tokens:
+        return []
+    return [chunk_tokens // pieces + chunk_tokens % pieces] + [chunk_tokens // pieces] * (pieces - 1)
 
 
 def _check_timed_step(outputs, decoding: dict[str, int], chunk_ids: list[str], chunk_tokens: int, prefix_tokens: int):
@@ -304,7 +311,7 @@ def profile_steps(
         if not (n or c) or (p and not c) or (k > 1 and (p or c < k)):
             continue
         step_ms, kv_tokens = timer.step_ms(n, c, context, "p", p, k)
-        offer = [(c // k + c % k, 0)] + [(c // k, 0)] * (k - 1) if k > 1 else None
+        offer = [(size, 0) for size in piece_sizes(c, k)] if k > 1 else None
         rows.append({"n_decodes": n, "chunk_tokens": c, "decode_kv_tokens": kv_tokens, "prefill_prefix_tokens": p,
                      "step_ms": step_ms, "context_tokens": context, "repeat": repeat, "offer": format_offer(offer)})  # fmt: skip
     frame = pd.DataFrame(rows)

@@ -139,20 +139,21 @@ REGRESSION_TERMS = (
 CHUNK_SQUARED = REGRESSION_TERMS.index("per_1m_chunk_squared_ms")
 
 
-def spans_prompts(rows: pd.DataFrame) -> bool:
-    """Whether a chunk in ``rows`` spans several prompts (an ``offer``): only then can a fit tell the
-    chunk's square from the attention within its pieces."""
-    own, _ = chunk_pairs(rows)
-    c = rows["chunk_tokens"].to_numpy(dtype=float)
-    return bool(np.any(own < c * c / 2))
+def spans_prompts(chunk_tokens, own_pairs: np.ndarray) -> bool:
+    """Whether a chunk spans several prompts (an ``offer``), given the rows' chunk tokens and their
+    pairs within pieces (``chunk_pairs``' first): only then can a fit tell the chunk's square from the
+    attention within its pieces."""
+    c = np.asarray(chunk_tokens, dtype=float)
+    return bool(np.any(own_pairs < c * c / 2))
 
 
 def regression_terms_fitted(rows: pd.DataFrame) -> int:
     """How many of ``REGRESSION_TERMS`` a fit to ``rows`` has to set: all, less the prefix pairs when
     no chunk in them starts past its prompt's first token (that column is all zero), less the chunk's
     square when no chunk spans several prompts (``spans_prompts``)."""
-    _, with_prefix = chunk_pairs(rows)
-    return len(REGRESSION_TERMS) - (0 if with_prefix.any() else 1) - (0 if spans_prompts(rows) else 1)
+    own, with_prefix = chunk_pairs(rows)
+    spans = spans_prompts(rows["chunk_tokens"], own)
+    return len(REGRESSION_TERMS) - (0 if with_prefix.any() else 1) - (0 if spans else 1)
 
 
 def nnls(a: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -195,14 +196,17 @@ class RegressionCost(ContextualCost):
 
     @classmethod
     def fit(cls, frame: pd.DataFrame) -> RegressionCost:
+        pairs = chunk_pairs(frame)
         x = regression_features(
             frame["n_decodes"],
             frame["chunk_tokens"],
             frame["decode_kv_tokens"],
             frame["prefill_prefix_tokens"],
-            chunk_pairs(frame),
+            pairs,
         )
-        if not spans_prompts(frame):  # one piece each: the square is the pairs' twice, left out
+        if not spans_prompts(
+            frame["chunk_tokens"], pairs[0]
+        ):  # one piece each: the square is the pairs' twice, left out
             x[:, CHUNK_SQUARED] = 0.0
         y = frame["step_ms"].to_numpy(dtype=float)
         # Weight rows by 1/y: minimise relative error, so short decode steps count as much as
